@@ -1,0 +1,192 @@
+/*
+ * lossscale — the native core of dynamic loss scaling.
+ *
+ * Fused "are all gradients finite?" and "multiply every gradient by
+ * inv_scale, round to its dtype, and say whether every result is finite",
+ * over contiguous float16 / bfloat16 / float32 / float64 buffers, one pass
+ * over memory, SIMD chosen at run time.  Also the loss-scale state machine
+ * (TensorFlow 2.4 rule with extensions, and the Keras 3 rule) as plain C.
+ *
+ * No Python and no TensorFlow here: the numpy bindings and the TensorFlow
+ * op both call this header.  All entry points are thread-safe.
+ */
+#ifndef LOSSSCALE_H
+#define LOSSSCALE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ types */
+
+typedef enum ls_dtype {
+    LS_FLOAT16 = 0,
+    LS_BFLOAT16 = 1,
+    LS_FLOAT32 = 2,
+    LS_FLOAT64 = 3,
+    LS_NUM_DTYPES = 4
+} ls_dtype;
+
+/* Kernel sets, ordered: a higher value is a wider ISA on its architecture. */
+typedef enum ls_simd {
+    LS_SIMD_SCALAR = 0,
+    LS_SIMD_NEON = 1,
+    LS_SIMD_AVX2 = 2,  /* AVX2 + F16C (+FMA not used: no fused rounding) */
+    LS_SIMD_AVX512 = 3 /* AVX-512 F/BW/VL, BF16 where present */
+} ls_simd;
+
+typedef enum ls_status {
+    LS_OK = 0,
+    LS_ERR_ARG = -1,   /* bad argument (NULL pointer, bad length, bad flag) */
+    LS_ERR_DTYPE = -2, /* unknown dtype */
+    LS_ERR_SIMD = -3,  /* LOSSSCALE_SIMD names a level this CPU lacks or an unknown one */
+    LS_ERR_NOMEM = -4
+} ls_status;
+
+/*
+ * One contiguous buffer of `length` elements of `dtype`.
+ * Unscale reads `src` and writes `dst`; dst == src is allowed (in place),
+ * partial overlap is not.  Check-only entry points ignore `dst`.
+ */
+typedef struct ls_buffer {
+    const void *src;
+    void *dst;
+    size_t length;
+    ls_dtype dtype;
+} ls_buffer;
+
+/* Flags for the entry points below. */
+enum {
+    /* Compute as TensorFlow's CPU kernels do: subnormal inputs and results
+     * of float32/float64/bfloat16 arithmetic are flushed to zero (FTZ+DAZ).
+     * Without it, IEEE arithmetic with subnormals kept (numpy's results). */
+    LS_FLUSH_DENORMALS = 1u << 0,
+    /* The finite flag describes the inputs rather than the results
+     * (x finite but x * inv_scale overflowing then still counts as finite).
+     * Keras 3 checks the scaled gradients, before unscaling. */
+    LS_CHECK_INPUTS = 1u << 1
+};
+
+/* -------------------------------------------------------------- dispatch */
+
+/*
+ * The kernel set in use.  Chosen at first use: the best one cpuid reports,
+ * or the one the environment variable LOSSSCALE_SIMD names
+ * ("scalar" | "neon" | "avx2" | "avx512"), which may only lower it.
+ * Returns LS_ERR_SIMD (negative) when LOSSSCALE_SIMD cannot be honoured;
+ * ls_simd_error() then says why.
+ */
+int ls_simd_level(void);
+const char *ls_simd_name(int level);
+/* Best kernel set this CPU supports, ignoring LOSSSCALE_SIMD. */
+int ls_simd_best(void);
+/* Human-readable reason of the last dispatch failure ("" when none). */
+const char *ls_simd_error(void);
+
+/* --------------------------------------------------------------- threads */
+
+/* Threads used by ls_unscale / ls_all_finite for large inputs.
+ * n <= 0 restores the default (the machine's online cores). */
+void ls_set_num_threads(int n);
+int ls_get_num_threads(void);
+
+/* ------------------------------------------------------------ rounding */
+
+/* inv_scale rounded (nearest-even) to `dtype`, returned as a double.
+ * This is what every unscale entry point multiplies by. */
+double ls_round_to_dtype(double value, ls_dtype dtype);
+
+/* -------------------------------------------------------- whole lists */
+
+/*
+ * Unscale every buffer: dst[i] = round_to_dtype(src[i] * round_to_dtype(inv_scale)).
+ * float16/bfloat16 are widened to float32, multiplied, rounded back
+ * to nearest-even.  Returns 1 when every result (or input, with
+ * LS_CHECK_INPUTS) is finite, 0 when not, a negative ls_status on error —
+ * in which case nothing was written.  Zero-length buffers and count == 0
+ * are allowed (finite).  Large lists are split over the library's threads;
+ * a call made while another call holds the threads runs on the caller's
+ * thread alone (no oversubscription).
+ */
+int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags);
+
+/* 1 when every element of every buffer is finite, 0 when not, < 0 on error. */
+int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags);
+
+/* --------------------------------------------------- ranges (for hosts
+ * with their own thread pool, e.g. TensorFlow's intra-op pool) ---------- */
+
+/* Sum of lengths (elements) of the list. */
+size_t ls_total_length(const ls_buffer *bufs, size_t count);
+
+/*
+ * The same as ls_unscale / ls_all_finite restricted to elements
+ * [begin, end) of the concatenation of the buffers, on the calling thread.
+ * Disjoint ranges may run concurrently.  Arguments are validated as in
+ * the whole-list calls; with LS_FLUSH_DENORMALS the caller's floating-point
+ * control state is set for the call and restored after.
+ */
+int ls_unscale_range(const ls_buffer *bufs, size_t count, double inv_scale,
+                     unsigned flags, size_t begin, size_t end);
+int ls_all_finite_range(const ls_buffer *bufs, size_t count, unsigned flags,
+                        size_t begin, size_t end);
+
+/* Validate a list without touching it: LS_OK or the error. */
+int ls_validate(const ls_buffer *bufs, size_t count);
+
+/* ---------------------------------------------------- loss-scale rules */
+
+typedef enum ls_rule {
+    /* TensorFlow 2.4 DynamicLossScale, bit-exact in float32:
+     *   finite:     if good_steps + 1 >= increment_period:
+     *                   new = scale * multiplier (capped at max_loss_scale);
+     *                   scale = new if finite; good_steps = 0
+     *               else good_steps += 1
+     *   non-finite: good_steps = 0; after `hysteresis` consecutive
+     *               non-finite steps: scale = max(scale / multiplier,
+     *               min_loss_scale) (or scale * backoff_factor when set). */
+    LS_RULE_TF24 = 0,
+    /* Keras 3 LossScaleOptimizer:
+     *   finite:     if counter == growth_steps - 1: scale *= 2, counter = 0
+     *               else counter += 1
+     *   non-finite: counter = 0; scale /= 2  (no floor) */
+    LS_RULE_KERAS3 = 1
+} ls_rule;
+
+typedef struct ls_scale_config {
+    int rule;                  /* ls_rule */
+    int64_t increment_period;  /* growth period, >= 1 */
+    float multiplier;          /* > 1; Keras 3 rule: 2 */
+    float backoff_factor;      /* 0: divide by multiplier (seed arithmetic);
+                                  else multiply by it, 0 < f < 1 */
+    float min_loss_scale;      /* floor after back-off; seed: 1 */
+    float max_loss_scale;      /* cap on growth; +inf: none */
+    int64_t hysteresis;        /* consecutive non-finite steps before back-off; seed: 1 */
+} ls_scale_config;
+
+typedef struct ls_scale_state {
+    float scale;
+    int64_t good_steps;          /* steps since last growth or overflow */
+    int64_t overflow_run;        /* consecutive non-finite steps not yet backed off */
+    int64_t skipped_steps;       /* total non-finite (skipped) steps */
+} ls_scale_state;
+
+/* The seed's defaults for the TF 2.4 rule (multiplier 2, period 2000, ...). */
+void ls_scale_config_default(ls_scale_config *config, int rule);
+
+/* LS_OK or LS_ERR_ARG with a short reason in *why (may be NULL). */
+int ls_scale_config_check(const ls_scale_config *config, const char **why);
+
+/* Advance the state by one step.  Returns 1 when the gradients should be
+ * applied (grads_finite), 0 when the step is skipped, < 0 on a bad config. */
+int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
+                    int grads_finite);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOSSSCALE_H */

@@ -1,0 +1,61 @@
+/*
+ * The contract between the dispatcher and the per-ISA kernel files.
+ *
+ * Each kernel set (kernels_scalar.c, kernels_avx2.c, kernels_avx512.c,
+ * kernels_neon.c) fills one ls_kernel_set.  Only the per-ISA files are
+ * compiled with ISA flags; the dispatcher touches a set only after cpuid
+ * said the CPU runs it.  The scalar set is the reference every other set
+ * is tested against, bit for bit.
+ *
+ * A kernel sees one contiguous run of one buffer.  The caller has already
+ * set the floating-point control state (FTZ/DAZ on or off, per
+ * LS_FLUSH_DENORMALS), so hardware float arithmetic already gives the
+ * required answer; a kernel only needs `flags` where an instruction ignores
+ * that state (e.g. VCVTNEPS2BF16 always flushes subnormal inputs, which is
+ * right under LS_FLUSH_DENORMALS and wrong without it).
+ */
+#ifndef LOSSSCALE_KERNELS_H
+#define LOSSSCALE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lossscale.h"
+
+/* 1 when all n elements of src are finite, else 0.  May stop early. */
+typedef int (*ls_check_fn)(const void *src, size_t n);
+
+/*
+ * dst[i] = round(src[i] * inv) for i < n; dst == src allowed.
+ * `inv` is already rounded to the buffer's dtype (exact as a double).
+ * float16/bfloat16: widen to float32, multiply in float32, round back
+ * to nearest-even (NaN stays NaN, payload free).
+ * Returns 1 when every result is finite (every input, with
+ * LS_CHECK_INPUTS in flags), else 0.  Must process all n elements.
+ */
+typedef int (*ls_unscale_fn)(const void *src, void *dst, size_t n, double inv,
+                             unsigned flags);
+
+typedef struct ls_kernel_set {
+    const char *name;
+    ls_check_fn check[LS_NUM_DTYPES];
+    ls_unscale_fn unscale[LS_NUM_DTYPES];
+} ls_kernel_set;
+
+extern const ls_kernel_set ls_kernels_scalar;
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+extern const ls_kernel_set ls_kernels_avx2;
+extern const ls_kernel_set ls_kernels_avx512;
+#endif
+#if defined(__aarch64__)
+extern const ls_kernel_set ls_kernels_neon;
+#endif
+
+/* Portable scalar conversions, shared by the scalar set and the tails of
+ * the vector sets (the bit-exact reference for every rounding). */
+float ls_f16_to_f32(uint16_t h);
+uint16_t ls_f32_to_f16(float f);
+float ls_bf16_to_f32(uint16_t h);
+uint16_t ls_f32_to_bf16(float f);
+
+#endif /* LOSSSCALE_KERNELS_H */

@@ -1,0 +1,181 @@
+/*
+ * The library's own threads, for callers without a pool (the numpy
+ * bindings).  One pool per process, started on first need.  A call that
+ * finds the pool busy — another Python thread is in the middle of a large
+ * unscale — runs on its own thread instead of queueing or adding threads,
+ * so concurrent callers never oversubscribe the cores.
+ */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* Below this many elements per thread, waking threads costs more than the
+ * memory pass it would share. */
+#define LS_MIN_PER_THREAD (1u << 16)
+/* Range boundaries fall on multiples of this many elements (cache lines
+ * of every dtype), so no two threads write into one line. */
+#define LS_GRAIN 64u
+#define LS_MAX_THREADS 256
+
+typedef struct job {
+    const ls_kernel_set *kernels;
+    const ls_buffer *bufs;
+    size_t count;
+    const double *inv;
+    unsigned flags;
+    size_t total;
+    int parts;
+} job;
+
+static struct {
+    pthread_mutex_t busy; /* held by the call that owns the pool */
+    pthread_mutex_t lock; /* guards the fields below */
+    pthread_cond_t work, done;
+    int started;          /* workers created */
+    unsigned generation;  /* bumped for every job */
+    int pending;          /* workers still on the current job */
+    int result;           /* AND of the finite flags */
+    job current;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 1, {0}};
+
+static int requested_threads; /* 0: default */
+
+static int online_cores(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > LS_MAX_THREADS ? LS_MAX_THREADS : (int)n);
+}
+
+void ls_set_num_threads(int n)
+{
+    __atomic_store_n(&requested_threads, n <= 0 ? 0 : (n > LS_MAX_THREADS ? LS_MAX_THREADS : n),
+                     __ATOMIC_RELAXED);
+}
+
+int ls_get_num_threads(void)
+{
+    int n = __atomic_load_n(&requested_threads, __ATOMIC_RELAXED);
+    return n > 0 ? n : online_cores();
+}
+
+static void part_bounds(const job *j, int part, size_t *begin, size_t *end)
+{
+    size_t grains = (j->total + LS_GRAIN - 1) / LS_GRAIN;
+    size_t b = grains * (size_t)part / (size_t)j->parts * LS_GRAIN;
+    size_t e = grains * (size_t)(part + 1) / (size_t)j->parts * LS_GRAIN;
+    *begin = b < j->total ? b : j->total;
+    *end = e < j->total ? e : j->total;
+}
+
+static int run_part(const job *j, int part)
+{
+    size_t b, e;
+    part_bounds(j, part, &b, &e);
+    return ls_run_range(j->kernels, j->bufs, j->count, j->inv, j->flags, b, e);
+}
+
+static void *worker(void *arg)
+{
+    int index = (int)(size_t)arg; /* workers take parts 1..started */
+    unsigned seen = 0;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.generation == seen)
+            pthread_cond_wait(&pool.work, &pool.lock);
+        seen = pool.generation;
+        if (index >= pool.current.parts)
+            continue;
+        job j = pool.current;
+        pthread_mutex_unlock(&pool.lock);
+        int finite = run_part(&j, index);
+        pthread_mutex_lock(&pool.lock);
+        pool.result &= finite;
+        if (--pool.pending == 0)
+            pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* Ensures at least `want` - 1 workers; returns how many parts can run. */
+static int grow_pool(int want)
+{
+    while (pool.started < want - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, worker, (void *)(size_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        pool.started++;
+    }
+    return pool.started + 1 < want ? pool.started + 1 : want;
+}
+
+/* A forked child has none of the parent's workers: start from scratch. */
+static void reset_after_fork(void)
+{
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.work, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = 0;
+    pool.pending = 0;
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
+static int run_job(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
+                   const double *inv, unsigned flags)
+{
+    size_t total = ls_total_length(bufs, count);
+    int threads = ls_get_num_threads();
+    size_t by_size = total / LS_MIN_PER_THREAD;
+    int parts = by_size < (size_t)threads ? (int)by_size : threads;
+    pthread_once(&atfork_once, register_atfork);
+    if (parts < 2 || pthread_mutex_trylock(&pool.busy) != 0)
+        return ls_run_range(k, bufs, count, inv, flags, 0, total);
+
+    pthread_mutex_lock(&pool.lock);
+    parts = grow_pool(parts);
+    pool.current = (job){k, bufs, count, inv, flags, total, parts};
+    pool.pending = parts - 1;
+    pool.result = 1;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.work);
+    pthread_mutex_unlock(&pool.lock);
+
+    int finite = parts > 1 ? run_part(&pool.current, 0)
+                           : ls_run_range(k, bufs, count, inv, flags, 0, total);
+
+    pthread_mutex_lock(&pool.lock);
+    while (pool.pending > 0)
+        pthread_cond_wait(&pool.done, &pool.lock);
+    finite &= pool.result;
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.busy);
+    return finite;
+}
+
+int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags)
+{
+    double inv[LS_NUM_DTYPES];
+    const ls_kernel_set *k;
+    int rc = ls_prepare(bufs, count, &inv_scale, flags, inv, &k);
+    if (rc != LS_OK)
+        return rc;
+    return run_job(k, bufs, count, inv, flags);
+}
+
+int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags)
+{
+    const ls_kernel_set *k;
+    int rc = ls_prepare(bufs, count, NULL, flags, NULL, &k);
+    if (rc != LS_OK)
+        return rc;
+    return run_job(k, bufs, count, NULL, flags);
+}

@@ -1,0 +1,26 @@
+"""lossscale: dynamic loss scaling for mixed-precision training, native hot path.
+
+``lossscale.core`` works on numpy arrays and needs no TensorFlow.  The
+TensorFlow / Keras API (``LossScale``, ``FixedLossScale``,
+``DynamicLossScale``, ``Policy``, ``LossScaleOptimizer``...) is imported
+on first use, so ``import lossscale`` stays cheap.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
