@@ -113,7 +113,11 @@ def extensions():
     )
     exts = cythonize([native], language_level=3,
                      compiler_directives={"boundscheck": False, "wraparound": False})
-    tf = tensorflow_flags()
+    tf_dir = os.path.join(HERE, "_core", "tf")
+    tf_sources = sorted(os.path.join("_core", "tf", s)
+                        for s in (os.listdir(tf_dir) if os.path.isdir(tf_dir) else [])
+                        if s.endswith(".cc"))
+    tf = tensorflow_flags() if tf_sources else None
     if tf is not None:
         compile_flags, link_flags, version = tf
         with open(os.path.join(HERE, "lossscale", "_build_info.py"), "w") as f:
@@ -121,9 +125,7 @@ def extensions():
             f.write(f"TF_VERSION = {version!r}\n")
         exts.append(Extension(
             "lossscale._lossscale_ops",
-            sources=sorted(os.path.join("_core", "tf", s)
-                           for s in os.listdir(os.path.join(HERE, "_core", "tf"))
-                           if s.endswith(".cc")),
+            sources=tf_sources,
             include_dirs=[INCLUDE],
             extra_compile_args=compile_flags + ["-O3", "-fPIC", "-fvisibility=hidden"],
             extra_link_args=link_flags + ["-pthread"],
