@@ -9,6 +9,9 @@ on first use, so ``import lossscale`` stays cheap.
 __version__ = "0.1.0"
 
 _LAZY = {}
+_LAZY.update(dict.fromkeys(
+    ["LossScale", "FixedLossScale", "DynamicLossScale", "get", "serialize", "deserialize"],
+    "lossscale.loss_scale"))
 
 
 def __getattr__(name):
