@@ -12,9 +12,17 @@ _LAZY = {}
 _LAZY.update(dict.fromkeys(
     ["LossScale", "FixedLossScale", "DynamicLossScale", "get", "serialize", "deserialize"],
     "lossscale.loss_scale"))
+_LAZY["LossScaleOptimizer"] = "lossscale.optimizer"
+
+# Submodules reachable as attributes without an explicit import.
+_SUBMODULES = ("experimental",)
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"lossscale.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
@@ -26,4 +34,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))
