@@ -13,9 +13,12 @@ _LAZY.update(dict.fromkeys(
     ["LossScale", "FixedLossScale", "DynamicLossScale", "get", "serialize", "deserialize"],
     "lossscale.loss_scale"))
 _LAZY["LossScaleOptimizer"] = "lossscale.optimizer"
+_LAZY["Policy"] = "lossscale.policy"
+_LAZY.update(dict.fromkeys(["patch_keras", "unpatch_keras"], "lossscale.keras_patch"))
+_LAZY["LossScaleMonitor"] = "lossscale.callbacks"
 
 # Submodules reachable as attributes without an explicit import.
-_SUBMODULES = ("experimental",)
+_SUBMODULES = ("experimental", "callbacks")
 
 
 def __getattr__(name):
