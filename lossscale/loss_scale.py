@@ -1,0 +1,643 @@
+"""The loss-scale objects of TensorFlow 2.4, with the step in native code.
+
+``LossScale``, ``FixedLossScale`` and ``DynamicLossScale`` behave as
+TensorFlow 2.4's ``tf.mixed_precision.experimental`` classes (still shipped as
+``tf.compat.v1.mixed_precision``): the same constructor arguments, variables,
+checkpoint layout, configs and loss-scale trajectory, float32 step for float32
+step.  What differs is the cost of a step: ``DynamicLossScale.update`` runs one
+native op that checks every gradient of the list and one native op that
+advances the scale, instead of two ops per gradient plus a graph of ``cond``s.
+A few keyword-only extensions (a floor and a cap on the scale, a separate
+back-off factor, hysteresis, a skipped-step counter) are off by default, so
+an object built with the seed's arguments is indistinguishable from
+TensorFlow's.  ``get``, ``serialize`` and ``deserialize`` read and write the
+``{'class_name': ..., 'config': ...}`` form that TensorFlow 2.4's Keras used.
+"""
+
+import abc
+import math
+import numbers
+
+import tensorflow as tf
+
+from lossscale import ops
+
+__all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "CrossReplicaContextError",
+           "get", "serialize", "deserialize"]
+
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class CrossReplicaContextError(RuntimeError, AttributeError):
+    """``update()`` was called in a replica context of a ``tf.distribute`` strategy.
+
+    Also an ``AttributeError``: that is what TensorFlow's own ``LossScale``
+    raises in the same place, so code written against it keeps catching it.
+    """
+
+
+def _graph_key():
+    """Key of the graph variables are created in (None when eager), as TensorFlow's."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()._graph_key  # pylint: disable=protected-access
+
+
+class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
+    """Base class for all loss scales.
+
+    This is an abstract base class, so you cannot instantiate it directly.
+    Use one of its concrete subclasses instead:
+
+    * ``lossscale.DynamicLossScale`` (recommended)
+    * ``lossscale.FixedLossScale``
+
+    Using loss scaling through a loss-scale optimizer is simpler than using
+    these objects directly.
+
+    Loss scaling multiplies the loss by a number, the loss scale, and divides
+    every gradient by the same number::
+
+        loss = ...
+        loss *= loss_scale
+        grads = gradients(loss, vars)
+        grads /= loss_scale
+
+    Mathematically this changes nothing, but with float16 tensors it keeps
+    small intermediate gradients from underflowing to zero: every
+    intermediate gradient is multiplied by the same number.
+
+    Calling an instance returns the loss scale as a scalar float32 tensor;
+    ``update()`` updates it from the values of the gradients.  Optimizers use
+    these objects to scale the loss and the gradients.
+
+    Most functions that accept a ``LossScale`` also accept an int or a float
+    (such as 8), which makes a ``FixedLossScale``, or the string
+    ``"dynamic"``, which makes a ``DynamicLossScale``.
+
+    The variables of a subclass (``_add_weight``) are tracked under their
+    names, per graph, so ``tf.train.Checkpoint`` saves and restores them.
+    """
+
+    def __init__(self):
+        self._weights = {}
+
+    @abc.abstractmethod
+    def __call__(self):
+        """Returns the current loss scale as a scalar ``float32`` tensor."""
+
+    @abc.abstractmethod
+    def update(self, grads):
+        """Updates the value of the loss scale.
+
+        The loss scale may be updated from the values of ``grads``.  The
+        tensor returned by calling this object only changes when this update
+        runs: eagerly, the scale is updated at once, so ``__call__`` then
+        returns the new value; in a graph, this returns an op that updates the
+        scale when it runs.
+
+        Also returns ``should_apply_gradients``: when False, the gradients must
+        not be applied to the variables this step, because non-finite
+        gradients were found and the loss scale was updated to make them less
+        likely next step.  Some loss scales always return True, as they cannot
+        adjust themselves to non-finite gradients.
+
+        Under a ``tf.distribute`` strategy this may only be called in a
+        cross-replica context.
+
+        Args:
+          grads: A nested structure of unscaled gradients, each the gradient
+            of the loss with respect to a weight, already divided by the loss
+            scale.  ``None`` gradients are accepted and ignored.
+
+        Returns:
+          update_op: eagerly ``None``; in a graph, an op that updates the
+            loss scale.
+          should_apply_gradients: a bool or a scalar bool tensor.  If False,
+            skip applying ``grads`` this step.
+        """
+
+    def _add_weight(self, name, initial_value, dtype=None):
+        """Creates a non-trainable variable tracked as ``name`` in the current graph.
+
+        Raises:
+          RuntimeError: a variable ``name`` was already added in this graph.
+        """
+        variable = tf.compat.v1.Variable(
+            initial_value=initial_value,
+            name=name,
+            dtype=dtype,
+            trainable=False,
+            use_resource=True,
+            synchronization=tf.VariableSynchronization.AUTO,
+            # Loss-scale variables are never aggregated: every replica
+            # computes the same update from the same combined finite flag.
+            aggregation=tf.VariableAggregation.NONE)
+        key = (name, _graph_key())
+        if self._weights.get(key) is not None:
+            raise RuntimeError(f"Duplicate variables detected. {key}")
+        self._weights[key] = variable
+        self._handle_deferred_dependencies(name=name, trackable=variable)
+        return variable
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """The weights of the current graph, by name (what checkpoints save)."""
+        graph_key = _graph_key()
+        weights = {}
+        for (name, g), v in sorted(self._weights.items(), key=lambda i: i[0][0]):
+            if g == graph_key:
+                weights[name] = v
+        weights.update(super()._trackable_children(save_type, **kwargs))
+        return weights
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        """A weight of the current graph by name (what checkpoints restore into)."""
+        unconditional = super()._lookup_dependency(name, cached_dependencies)
+        if unconditional is not None:
+            return unconditional
+        return self._weights.get((name, _graph_key()))
+
+    @abc.abstractmethod
+    def get_config(self):
+        """Returns the config of this loss scale."""
+
+    @classmethod
+    def from_config(cls, config):
+        """Creates the loss scale from its config."""
+        return cls(**config)
+
+
+def _is_real_number(value):
+    # numbers.Real: Python ints and floats (bool included, as TensorFlow
+    # accepts it) and numpy's scalars; never a tensor, a string or an array.
+    return isinstance(value, numbers.Real)
+
+
+class FixedLossScale(LossScale):
+    """Loss scale with a fixed value.
+
+    The loss scale is never updated: an instance always returns the same
+    number when called, and ``update`` always says to apply the gradients.
+    """
+
+    def __init__(self, loss_scale_value):
+        """Creates the fixed loss scale.
+
+        Args:
+          loss_scale_value: A Python (or numpy) int or float, at least 1.  Its
+            best value depends on the model: too small may cost model quality,
+            too big may produce inf or NaN.  A relatively big number is
+            harmless as long as no inf or NaN shows up during training.
+
+        Raises:
+          ValueError: ``loss_scale_value`` is not a number, is below 1, or is
+            not finite.
+        """
+        super().__init__()
+        if not _is_real_number(loss_scale_value):
+            raise ValueError("loss_scale_value must be a Python int or float.")
+        if loss_scale_value < 1:
+            raise ValueError("loss_scale_value must be at least 1.")
+        if not math.isfinite(loss_scale_value):
+            raise ValueError(f"loss_scale_value must be finite, got {loss_scale_value}.")
+        # A Python float, not a tensor: a tensor made here could live on
+        # another device or in another graph than where it is used.
+        self._loss_scale_value = float(loss_scale_value)
+
+    def __call__(self):
+        return tf.convert_to_tensor(self._loss_scale_value)
+
+    def update(self, grads):
+        del grads
+        return tf.no_op(), True
+
+    def __repr__(self):
+        return f"FixedLossScale({self._loss_scale_value})"
+
+    def get_config(self):
+        return {"loss_scale_value": self._loss_scale_value}
+
+
+def _check_float(name, value, *, minimum=None, exclusive=False, below=None, allow_inf=False):
+    """``float(value)``, or a ValueError naming the argument and the rule it breaks."""
+    if not _is_real_number(value):
+        raise ValueError(f"{name} must be a Python int or float, got {value!r}.")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value}.")
+    if minimum is not None and (value <= minimum if exclusive else value < minimum):
+        raise ValueError(f"{name} must be {'>' if exclusive else '>='} {minimum}, got {value}.")
+    if below is not None and not value < below:
+        raise ValueError(f"{name} must be < {below}, got {value}.")
+    return value
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{name} must be an integer, got {value!r}.")
+    value = int(value)
+    if not minimum <= value <= _INT64_MAX:
+        raise ValueError(f"{name} must be in [{minimum}, 2**63 - 1], got {value}.")
+    return value
+
+
+class DynamicLossScale(LossScale):
+    """Loss scale that adjusts itself as training progresses.
+
+    The goal is to keep the loss scale as high as possible without the
+    gradients overflowing; as long as they do not overflow, a higher loss
+    scale never hurts.
+
+    The scale starts at ``initial_loss_scale``.  Every ``increment_period``
+    consecutive steps with finite gradients, it is multiplied by
+    ``multiplier``.  When a NaN or an inf gradient is found, that step's
+    gradients are not applied and the scale is divided by ``multiplier``
+    (never below 1).  In float32, step by step, exactly as TensorFlow 2.4:
+
+    * finite gradients: if ``good_steps + 1 >= increment_period``, the scale
+      becomes ``scale * multiplier`` if that is finite (else it is kept) and
+      ``good_steps`` becomes 0; otherwise ``good_steps`` grows by one;
+    * non-finite gradients: ``good_steps`` becomes 0 and the scale becomes
+      ``max(scale / multiplier, 1)``.
+
+    The state lives in two non-trainable variables tracked as
+    ``current_loss_scale`` (float32) and ``good_steps`` (int64), so a
+    checkpoint written with ``tf.compat.v1.mixed_precision.DynamicLossScale``
+    restores into this class and back.
+
+    Extensions, keyword-only; each one at its default keeps the rule above
+    (and then the object has exactly TensorFlow's two variables and config):
+
+    * ``min_loss_scale`` (default 1, must be > 0): the floor a back-off
+      never goes below.
+      An initial scale below the floor is kept until the first back-off, as
+      in TensorFlow (whose floor is 1).
+    * ``max_loss_scale`` (default None: no cap; at least
+      ``initial_loss_scale`` and ``min_loss_scale``): growth stops here; a
+      growth step that would pass it sets the scale to it.
+    * ``backoff_factor`` (default None): when set, a back-off multiplies the
+      scale by this number in (0, 1) instead of dividing it by
+      ``multiplier``.
+    * ``hysteresis`` (default 1): how many *consecutive* non-finite steps
+      back the scale off once.  Every non-finite step is skipped and resets
+      ``good_steps``; the scale only backs off on the ``hysteresis``-th
+      non-finite step in a row, and a finite step resets the run.  The run
+      length is state: a variable tracked as ``overflow_run`` (int64), only
+      present when ``hysteresis > 1``.
+    * ``count_skipped_steps`` (default False): keep the total number of
+      skipped (non-finite) steps in a variable tracked as ``skipped_steps``
+      (int64), readable through the ``skipped_steps`` property.
+
+    Where this class and TensorFlow's part ways, on purpose: arguments are
+    checked when the object is made (TensorFlow takes, say, a zero
+    ``increment_period`` or a negative ``multiplier`` without a word); and a
+    back-off is the division ``scale / multiplier`` in every mode, whereas
+    TensorFlow's class, inside a ``tf.function``, has Grappler turn it into
+    ``scale * (1 / multiplier)``, one float32 ulp away when the multiplier is
+    not a power of two (eagerly, both divide).
+    """
+
+    def __init__(self,
+                 initial_loss_scale=2**15,  # Starting high is cheap: see below.
+                 increment_period=2000,
+                 multiplier=2.0,
+                 *,
+                 min_loss_scale=1.0,
+                 max_loss_scale=None,
+                 backoff_factor=None,
+                 hysteresis=1,
+                 count_skipped_steps=False):
+        """Creates the dynamic loss scale.
+
+        Args:
+          initial_loss_scale: A Python float, the loss scale to start with.
+            Better start high: a scale that is too high comes down far more
+            quickly than one that is too low goes up.  The default, 2**15, is
+            about half the largest float16 value.
+          increment_period: The scale grows every ``increment_period``
+            consecutive steps with finite gradients; a non-finite gradient
+            resets the count to zero.
+          multiplier: What the scale is multiplied by when it grows, and
+            divided by when it backs off.
+          min_loss_scale: Floor of the scale after a back-off.
+          max_loss_scale: Cap on the scale when it grows; None for none.
+          backoff_factor: None to divide the scale by ``multiplier`` on
+            back-off, or a number in (0, 1) to multiply it by instead.
+          hysteresis: Consecutive non-finite steps before the scale backs off
+            (every one of them is skipped).
+          count_skipped_steps: Keep a tracked counter of skipped steps.
+
+        Raises:
+          ValueError: an argument is not a number of the right kind or is out
+            of its range (named in the message).
+        """
+        super().__init__()
+        self._configure(initial_loss_scale, increment_period, multiplier,
+                        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                        backoff_factor=backoff_factor, hysteresis=hysteresis,
+                        count_skipped_steps=count_skipped_steps)
+        self._current_loss_scale = self._add_weight(
+            name="current_loss_scale", dtype=tf.float32, initial_value=self._initial_loss_scale)
+        # Consecutive steps with finite gradients since the last non-finite
+        # one or the last change of the scale.
+        self._num_good_steps = self._add_weight(name="good_steps", dtype=tf.int64, initial_value=0)
+        # Extension state exists only when asked for, so that an object with
+        # the seed's arguments checkpoints exactly like TensorFlow's.
+        self._overflow_run = None
+        if self._hysteresis > 1:
+            self._overflow_run = self._add_weight(name="overflow_run", dtype=tf.int64,
+                                                  initial_value=0)
+        self._skipped_steps = None
+        if self._count_skipped_steps:
+            self._skipped_steps = self._add_weight(name="skipped_steps", dtype=tf.int64,
+                                                   initial_value=0)
+
+    def _configure(self, initial_loss_scale, increment_period, multiplier, *, min_loss_scale=1.0,
+                   max_loss_scale=None, backoff_factor=None, hysteresis=1,
+                   count_skipped_steps=False):
+        """Checks the arguments and keeps them (as the Python numbers the config reports)."""
+        self._initial_loss_scale = _check_float("initial_loss_scale", initial_loss_scale,
+                                                minimum=0.0, exclusive=True)
+        if self._initial_loss_scale > _FLOAT32_MAX:
+            raise ValueError(f"initial_loss_scale must fit in float32, got "
+                             f"{self._initial_loss_scale}.")
+        self._increment_period = _check_int("increment_period", increment_period, 1)
+        self._multiplier = _check_float("multiplier", multiplier, minimum=0.0, exclusive=True)
+        # A floor of 0 would let the scale reach 0, where growth never lifts it.
+        self._min_loss_scale = _check_float("min_loss_scale", min_loss_scale,
+                                            minimum=0.0, exclusive=True)
+        if max_loss_scale is not None:
+            max_loss_scale = _check_float("max_loss_scale", max_loss_scale, allow_inf=True)
+            if math.isinf(max_loss_scale):
+                max_loss_scale = None
+            elif max_loss_scale < self._min_loss_scale:
+                raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= "
+                                 f"min_loss_scale ({self._min_loss_scale}).")
+            elif max_loss_scale < self._initial_loss_scale:
+                raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= "
+                                 f"initial_loss_scale ({self._initial_loss_scale}).")
+        self._max_loss_scale = max_loss_scale
+        if backoff_factor is not None:
+            backoff_factor = _check_float("backoff_factor", backoff_factor,
+                                          minimum=0.0, exclusive=True, below=1.0)
+        self._backoff_factor = backoff_factor
+        self._hysteresis = _check_int("hysteresis", hysteresis, 1)
+        self._count_skipped_steps = bool(count_skipped_steps)
+
+    @classmethod
+    def _wrapping(cls, reference):
+        """An instance over the variables of TensorFlow's DynamicLossScale ``reference``.
+
+        Both objects then read and update the same state (and checkpoint it
+        the same way), so passing TensorFlow's object anywhere this package
+        takes a loss scale changes nothing but the cost of a step.
+        """
+        obj = cls.__new__(cls)
+        LossScale.__init__(obj)
+        obj._configure(**reference.get_config())
+        # pylint: disable=protected-access
+        obj._weights = reference._weights
+        obj._current_loss_scale = reference._current_loss_scale
+        obj._num_good_steps = reference._num_good_steps
+        obj._overflow_run = None
+        obj._skipped_steps = None
+        return obj
+
+    @property
+    def initial_loss_scale(self):
+        return self._initial_loss_scale
+
+    @property
+    def increment_period(self):
+        return self._increment_period
+
+    @property
+    def multiplier(self):
+        return self._multiplier
+
+    @property
+    def min_loss_scale(self):
+        return self._min_loss_scale
+
+    @property
+    def max_loss_scale(self):
+        """The cap on growth, or None when there is none."""
+        return self._max_loss_scale
+
+    @property
+    def backoff_factor(self):
+        """None when a back-off divides by ``multiplier``."""
+        return self._backoff_factor
+
+    @property
+    def hysteresis(self):
+        return self._hysteresis
+
+    @property
+    def skipped_steps(self):
+        """The int64 variable counting skipped steps, or None when not counted."""
+        return self._skipped_steps
+
+    def __call__(self):
+        return tf.convert_to_tensor(self._current_loss_scale)
+
+    def _update_state(self, is_finite, scale, good_steps, overflow_run, skipped):
+        """The native step on one copy of the variables; returns should_apply."""
+        return ops.update_loss_scale(
+            is_finite, scale, good_steps,
+            overflow_run=overflow_run,
+            skipped=skipped,
+            rule="tf24",
+            increment_period=self._increment_period,
+            multiplier=self._multiplier,
+            backoff_factor=self._backoff_factor,
+            min_loss_scale=self._min_loss_scale,
+            max_loss_scale=self._max_loss_scale,
+            hysteresis=self._hysteresis)
+
+    def update(self, grads):
+        """Updates the loss scale from whether every gradient is finite.
+
+        One native op checks the whole gradient list (per replica under a
+        strategy, where the flags are then combined) and one native op
+        advances the state.  See ``LossScale.update`` for the contract.
+        """
+        grads = tf.nest.flatten(grads)
+        variables = (self._current_loss_scale, self._num_good_steps,
+                     self._overflow_run, self._skipped_steps)
+        if tf.distribute.has_strategy():
+            if not tf.distribute.in_cross_replica_context():
+                raise CrossReplicaContextError(
+                    "LossScale.update() may only be called in a cross-replica context "
+                    "of a tf.distribute strategy, not inside a replica function "
+                    "(strategy.run): call it on the per-replica gradients outside it, "
+                    "or through tf.distribute.get_replica_context().merge_call.")
+            distribution = tf.distribute.get_strategy()
+
+            def replica_is_finite(grads):
+                # A float, because strategies cannot reduce booleans.
+                return tf.cast(ops.all_finite(grads), tf.float32)
+
+            is_finite_float = distribution.extended.call_for_each_replica(
+                replica_is_finite, args=(grads,))
+            reduced = distribution.reduce(tf.distribute.ReduceOp.SUM, is_finite_float, axis=None)
+            is_finite = tf.equal(reduced, distribution.num_replicas_in_sync)
+            if isinstance(self._current_loss_scale, tf.distribute.DistributedValues):
+                # One update per copy of the variables, each on its device.
+                updates = distribution.extended.update(
+                    self._current_loss_scale,
+                    lambda scale, *rest: self._update_state(is_finite, scale, *rest),
+                    args=variables[1:], group=False)
+                update_op = tf.group(tf.nest.flatten(updates))
+            else:
+                update_op = self._update_state(is_finite, *variables)
+        else:
+            is_finite = ops.all_finite(grads)
+            update_op = self._update_state(is_finite, *variables)
+        # should_apply is the flag itself, not the update's output: as in
+        # TensorFlow, reading it in a graph does not run the update.
+        if tf.executing_eagerly():
+            return None, is_finite
+        if isinstance(update_op, tf.Tensor):
+            update_op = update_op.op
+        return update_op, is_finite
+
+    def _extension_config(self):
+        """The extensions not at their default, as config entries."""
+        config = {}
+        if self._min_loss_scale != 1.0:
+            config["min_loss_scale"] = self._min_loss_scale
+        if self._max_loss_scale is not None:
+            config["max_loss_scale"] = self._max_loss_scale
+        if self._backoff_factor is not None:
+            config["backoff_factor"] = self._backoff_factor
+        if self._hysteresis != 1:
+            config["hysteresis"] = self._hysteresis
+        if self._count_skipped_steps:
+            config["count_skipped_steps"] = True
+        return config
+
+    def __repr__(self):
+        extensions = "".join(f", {k}={v}" for k, v in self._extension_config().items())
+        if tf.executing_eagerly():
+            return (f"DynamicLossScale(current_loss_scale={self._current_loss_scale.numpy()!s}, "
+                    f"num_good_steps={self._num_good_steps.numpy()!s}, "
+                    f"initial_loss_scale={self.initial_loss_scale}, "
+                    f"increment_period={self.increment_period}, "
+                    f"multiplier={self.multiplier}{extensions})")
+        return (f"DynamicLossScale(initial_loss_scale={self.initial_loss_scale}, "
+                f"increment_period={self.increment_period}, "
+                f"multiplier={self.multiplier}{extensions})")
+
+    def get_config(self):
+        """TensorFlow's three keys, plus each extension that is not at its default."""
+        config = {
+            "initial_loss_scale": self.initial_loss_scale,
+            "increment_period": self.increment_period,
+            "multiplier": self.multiplier,
+        }
+        config.update(self._extension_config())
+        return config
+
+
+_BUILTIN_CLASSES = {
+    "FixedLossScale": FixedLossScale,
+    "DynamicLossScale": DynamicLossScale,
+}
+
+
+def _tensorflow_loss_scale_module():
+    """TensorFlow's own (deprecated) loss-scale module, or None where it is gone."""
+    try:
+        from tensorflow.python.training.experimental import loss_scale as module
+    except ImportError:  # pragma: no cover - TensorFlow without the v1 classes
+        return None
+    return module
+
+
+def _from_tensorflow(identifier):
+    """Ours for one of TensorFlow's loss-scale objects, or None if it is not one."""
+    module = _tensorflow_loss_scale_module()
+    if module is None or not isinstance(identifier, module.LossScale):
+        return None
+    if type(identifier) is module.FixedLossScale:
+        return FixedLossScale(identifier.get_config()["loss_scale_value"])
+    if type(identifier) is module.DynamicLossScale:
+        return DynamicLossScale._wrapping(identifier)  # pylint: disable=protected-access
+    return None
+
+
+def serialize(loss_scale):
+    """The ``{'class_name': ..., 'config': ...}`` form of ``loss_scale`` (None for None)."""
+    if loss_scale is None:
+        return None
+    if not hasattr(loss_scale, "get_config"):
+        raise ValueError(f"Cannot serialize {loss_scale!r}: it has no get_config().")
+    return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+
+
+def deserialize(config, custom_objects=None):
+    """A loss scale from ``serialize``'s form, or from a class name alone.
+
+    Args:
+      config: ``{'class_name': name, 'config': dict}`` (extra keys such as
+        Keras 3's ``module`` are ignored), a class name (the class is then
+        built with no arguments), or None.
+      custom_objects: ``{name: class}`` for loss-scale classes of your own;
+        they take precedence over the built-in names.
+
+    Raises:
+      ValueError: the config is not of that form, or names an unknown class.
+    """
+    if config is None:
+        return None
+    classes = dict(_BUILTIN_CLASSES)
+    classes.update(custom_objects or {})
+    if isinstance(config, str):
+        cls = classes.get(config)
+        if cls is None:
+            raise ValueError(f"Unknown loss scale: {config}. Please ensure this object is "
+                             "passed to the `custom_objects` argument.")
+        return cls()
+    if not isinstance(config, dict) or "class_name" not in config or "config" not in config:
+        raise ValueError(f"Improper config format: {config}")
+    cls = classes.get(config["class_name"])
+    if cls is None:
+        raise ValueError(f"Unknown loss scale: {config['class_name']}. Please ensure this "
+                         "object is passed to the `custom_objects` argument.")
+    return cls.from_config(dict(config["config"]))
+
+
+def get(identifier):
+    """A loss-scale object from an identifier.
+
+    * an int or a float: ``FixedLossScale(identifier)``;
+    * ``"dynamic"``: ``DynamicLossScale()``;
+    * a ``LossScale``: itself;
+    * None: None;
+    * a dict: ``deserialize(identifier)``;
+    * one of TensorFlow's own ``tf.compat.v1.mixed_precision`` loss scales:
+      the equivalent object of this package (for a ``DynamicLossScale``, one
+      that shares its variables).
+
+    Raises:
+      ValueError: anything else.
+    """
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if _is_real_number(identifier):
+        return FixedLossScale(identifier)
+    if isinstance(identifier, str) and identifier == "dynamic":
+        return DynamicLossScale()
+    if isinstance(identifier, LossScale):
+        return identifier
+    if identifier is None:
+        return None
+    converted = _from_tensorflow(identifier)
+    if converted is not None:
+        return converted
+    raise ValueError(f"Could not interpret loss scale identifier: {identifier}")
