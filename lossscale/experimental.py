@@ -76,7 +76,34 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         # get_unscaled_gradients (TensorFlow 2.4's loop): whether the next
         # apply_gradients gets scaled gradients.
         self._next_gradients_scaled = False
+        self._delegating = True
 
+    # TensorFlow 2.4 delegated the wrapped optimizer's hyperparameters:
+    # `opt.beta_1` reads and sets `opt.inner_optimizer.beta_1`; `lr` is
+    # `learning_rate`.
+
+    def __getattr__(self, name):
+        # Only reached for attributes this optimizer does not have.
+        inner = self.__dict__.get("inner_optimizer")
+        if self.__dict__.get("_delegating") and not name.startswith("_") and inner is not None:
+            if name == "lr":
+                return self.learning_rate
+            if hasattr(inner, name):
+                return getattr(inner, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_delegating") and not name.startswith("_"):
+            if name == "lr":
+                name = "learning_rate"
+            inner = self.__dict__.get("inner_optimizer")
+            own = any(name in vars(k) for k in type(self).__mro__) or name in self.__dict__
+            if not own and inner is not None and hasattr(inner, name):
+                setattr(inner, name, value)
+                return
+        super().__setattr__(name, value)
+
+    @optimizer_module._plain_python  # pylint: disable=protected-access
     def scale_loss(self, loss):
         """Keras 3's ``scale_loss``: the gradients then go to ``apply``/``apply_gradients``
         scaled, as Keras 3's train step hands them over."""

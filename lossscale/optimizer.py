@@ -35,6 +35,8 @@ as TensorFlow 2.4 did (times ``1 / scale``, dtype kept), checked after
 unscaling, and the object's rule advances the scale.
 """
 
+import numbers
+
 import keras
 import tensorflow as tf
 from keras.src.utils import tracking
@@ -152,7 +154,7 @@ def _copy_on(variable, device):
 
 
 def _growth_steps_supported(steps):
-    return (isinstance(steps, int) and not isinstance(steps, bool)
+    return (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
             and 1 <= steps <= 2**63 - 1)
 
 
@@ -320,7 +322,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
             def keras_rule(is_finite, scale, counter):
                 return native_ops.update_loss_scale(
                     is_finite, scale, counter, rule="keras3",
-                    increment_period=self.dynamic_growth_steps, multiplier=2.0)
+                    increment_period=int(self.dynamic_growth_steps), multiplier=2.0)
 
             return _update_copies(keras_rule, finite, (
                 _tf_variable(self.dynamic_scale), _tf_variable(self.step_counter)))

@@ -331,3 +331,15 @@ def test_set_policy_and_global_policy():
         keras.mixed_precision.set_global_policy(previous)
     with pytest.raises(ValueError):
         experimental.get_layer_policy("not a layer")
+
+
+def test_hyperparameters_delegated_as_tensorflow_2_4():
+    opt = experimental.LossScaleOptimizer(keras.optimizers.Adam(beta_1=0.8, epsilon=1e-5))
+    assert opt.beta_1 == 0.8
+    opt.beta_1 = 0.7
+    assert opt.inner_optimizer.beta_1 == 0.7 and opt.beta_1 == 0.7
+    opt.lr = 0.5
+    assert float(opt.inner_optimizer.learning_rate.numpy()) == 0.5
+    assert float(opt.lr.numpy()) == 0.5
+    with pytest.raises(AttributeError):
+        opt.no_such_hyperparameter
