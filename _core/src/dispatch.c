@@ -131,8 +131,6 @@ static void choose(void)
         }
     }
     chosen_set = level >= 0 ? set_for_level(level) : NULL;
-    if (chosen_set && chosen_set->unscale[0] == NULL) /* TEMP: placeholder set */
-        chosen_set = &ls_kernels_scalar;
     chosen_level = level;
 }
 

@@ -1,7 +1,383 @@
-/* Placeholder until the avx2 kernels land: the scalar set under another name. */
+/*
+ * The AVX2 + F16C kernel set: the scalar set's arithmetic on 256-bit
+ * vectors, bit for bit.  Half types are widened to float32, multiplied (a
+ * plain multiply, never fused) and rounded back to nearest-even: float16
+ * with F16C, bfloat16 on the bits since AVX2 has no bfloat16 instruction.
+ * The finite test keeps the largest magnitude seen in a register and looks
+ * at it once at the end, so the loops have no data-dependent branch.  A
+ * scalar head brings the destination to a 32-byte boundary (so vector
+ * stores never straddle cache lines) and a scalar tail finishes; both use
+ * the shared scalar conversions, so every element rounds exactly as in the
+ * scalar set.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
 #include "kernels.h"
+
+#define LS_INLINE static inline __attribute__((always_inline))
+
+enum { VECTOR_BYTES = 32 };
+
+/* Elements before p reaches a 32-byte boundary, at most n.  A pointer that
+ * is not even aligned to its element size never gets there: none. */
+static inline size_t elems_to_boundary(const void *p, size_t esize, size_t n)
+{
+    uintptr_t a = (uintptr_t)p;
+    if (a % esize)
+        return 0;
+    size_t k = ((VECTOR_BYTES - a % VECTOR_BYTES) % VECTOR_BYTES) / esize;
+    return k < n ? k : n;
+}
+
+/* The finite test: a value is non-finite iff its magnitude bits (sign
+ * cleared) reach the all-ones exponent, so the running unsigned maximum of
+ * the magnitudes answers for a whole buffer.  Magnitudes never have their
+ * top bit set, so signed compares order them correctly. */
+static inline int nonfinite1_f32(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7f800000u) == 0x7f800000u;
+}
+
+static inline int nonfinite1_f64(double v)
+{
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+static inline __m256i magnitude_f32(__m256 v)
+{
+    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+}
+
+static inline __m256i magnitude_f64(__m256d v)
+{
+    return _mm256_and_si256(_mm256_castpd_si256(v), _mm256_set1_epi64x(INT64_MAX));
+}
+
+static inline __m256i magnitude_16(__m256i v)
+{
+    return _mm256_and_si256(v, _mm256_set1_epi16(0x7fff));
+}
+
+static inline int any_above16(__m256i v, int16_t limit)
+{
+    return _mm256_movemask_epi8(_mm256_cmpgt_epi16(v, _mm256_set1_epi16(limit))) != 0;
+}
+
+static inline int any_above32(__m256i v, int32_t limit)
+{
+    return _mm256_movemask_epi8(_mm256_cmpgt_epi32(v, _mm256_set1_epi32(limit))) != 0;
+}
+
+/* No 64-bit max before AVX-512: float64 lanes keep "reached the limit"
+ * flags instead of the maximum itself. */
+static inline __m256i note_reached64(__m256i flags, __m256i magnitude, int64_t limit)
+{
+    return _mm256_or_si256(flags, _mm256_cmpgt_epi64(magnitude, _mm256_set1_epi64x(limit - 1)));
+}
+
+/* ---------------------------------------------------------------- checks */
+
+/* One loop for all four dtypes: finiteness only looks at the bits, as
+ * integers of the dtype's width.  Blocks of 2 KiB keep the early exit off
+ * the per-vector path. */
+enum { CHECK_BLOCK = 2048 };
+
+LS_INLINE uint64_t magnitude1_bits(const char *p, int bits)
+{
+    switch (bits) {
+    case 16: {
+        uint16_t u;
+        memcpy(&u, p, sizeof u);
+        return u & 0x7fffu;
+    }
+    case 32: {
+        uint32_t u;
+        memcpy(&u, p, sizeof u);
+        return u & 0x7fffffffu;
+    }
+    default: {
+        uint64_t u;
+        memcpy(&u, p, sizeof u);
+        return u & 0x7fffffffffffffffull;
+    }
+    }
+}
+
+LS_INLINE __m256i note_magnitude(__m256i acc, __m256i v, int bits, uint64_t limit)
+{
+    switch (bits) {
+    case 16:
+        return _mm256_max_epu16(acc, magnitude_16(v));
+    case 32:
+        return _mm256_max_epu32(acc, _mm256_and_si256(v, _mm256_set1_epi32(0x7fffffff)));
+    default:
+        return note_reached64(acc, _mm256_and_si256(v, _mm256_set1_epi64x(INT64_MAX)),
+                              (int64_t)limit);
+    }
+}
+
+LS_INLINE int reached(__m256i acc, int bits, uint64_t limit)
+{
+    switch (bits) {
+    case 16:
+        return any_above16(acc, (int16_t)(limit - 1));
+    case 32:
+        return any_above32(acc, (int32_t)(limit - 1));
+    default:
+        return _mm256_movemask_epi8(acc) != 0;
+    }
+}
+
+LS_INLINE int check_avx2(const void *src, size_t n, int bits, uint64_t limit)
+{
+    const char *p = (const char *)src;
+    const size_t esize = (size_t)bits / 8;
+    const size_t bytes = n * esize;
+    int bad1 = 0;
+    __m256i acc = _mm256_setzero_si256();
+    size_t i = 0;
+    for (size_t head = elems_to_boundary(p, esize, n) * esize; i < head; i += esize)
+        bad1 |= magnitude1_bits(p + i, bits) >= limit;
+    while (bytes - i >= CHECK_BLOCK) {
+        for (size_t end = i + CHECK_BLOCK; i < end; i += 4 * 32) {
+            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i)), bits, limit);
+            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 32)), bits, limit);
+            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 64)), bits, limit);
+            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 96)), bits, limit);
+        }
+        if (reached(acc, bits, limit))
+            return 0;
+    }
+    for (; bytes - i >= 32; i += 32)
+        acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i)), bits, limit);
+    for (; i < bytes; i += esize)
+        bad1 |= magnitude1_bits(p + i, bits) >= limit;
+    return !bad1 && !reached(acc, bits, limit);
+}
+
+static int check_f16_avx2(const void *src, size_t n) { return check_avx2(src, n, 16, 0x7c00u); }
+static int check_bf16_avx2(const void *src, size_t n) { return check_avx2(src, n, 16, 0x7f80u); }
+static int check_f32_avx2(const void *src, size_t n) { return check_avx2(src, n, 32, 0x7f800000u); }
+static int check_f64_avx2(const void *src, size_t n)
+{
+    return check_avx2(src, n, 64, 0x7ff0000000000000ull);
+}
+
+/* --------------------------------------------------------------- float32 */
+
+LS_INLINE int unscale1_f32(const float *x, float *y, float s, int check_inputs)
+{
+    float in = *x;
+    float out = in * s;
+    *y = out;
+    return nonfinite1_f32(check_inputs ? in : out);
+}
+
+LS_INLINE __m256i unscale8_f32(const float *x, float *y, __m256 s, int check_inputs)
+{
+    __m256 in = _mm256_loadu_ps(x);
+    __m256 out = _mm256_mul_ps(in, s);
+    _mm256_storeu_ps(y, out);
+    return magnitude_f32(check_inputs ? in : out);
+}
+
+LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int check_inputs)
+{
+    const __m256 s = _mm256_set1_ps(inv);
+    int bad1 = 0;
+    __m256i worst = _mm256_setzero_si256();
+    size_t i = 0;
+    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
+        bad1 |= unscale1_f32(x + i, y + i, inv, check_inputs);
+    for (; n - i >= 32; i += 32) {
+        worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 8, y + i + 8, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 16, y + i + 16, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 24, y + i + 24, s, check_inputs));
+    }
+    for (; n - i >= 8; i += 8)
+        worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
+    for (; i < n; i++)
+        bad1 |= unscale1_f32(x + i, y + i, inv, check_inputs);
+    return !bad1 && !any_above32(worst, 0x7f7fffff);
+}
+
+static int unscale_f32_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
+{
+    if (flags & LS_CHECK_INPUTS)
+        return unscale_f32_run((const float *)src, (float *)dst, n, (float)inv, 1);
+    return unscale_f32_run((const float *)src, (float *)dst, n, (float)inv, 0);
+}
+
+/* --------------------------------------------------------------- float64 */
+
+LS_INLINE int unscale1_f64(const double *x, double *y, double s, int check_inputs)
+{
+    double in = *x;
+    double out = in * s;
+    *y = out;
+    return nonfinite1_f64(check_inputs ? in : out);
+}
+
+LS_INLINE __m256i unscale4_f64(const double *x, double *y, __m256d s, int check_inputs)
+{
+    __m256d in = _mm256_loadu_pd(x);
+    __m256d out = _mm256_mul_pd(in, s);
+    _mm256_storeu_pd(y, out);
+    return magnitude_f64(check_inputs ? in : out);
+}
+
+LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, int check_inputs)
+{
+    const int64_t limit = 0x7ff0000000000000ll;
+    const __m256d s = _mm256_set1_pd(inv);
+    int bad1 = 0;
+    __m256i reached = _mm256_setzero_si256();
+    size_t i = 0;
+    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
+        bad1 |= unscale1_f64(x + i, y + i, inv, check_inputs);
+    for (; n - i >= 16; i += 16) {
+        reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x + i + 4, y + i + 4, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x + i + 8, y + i + 8, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x + i + 12, y + i + 12, s, check_inputs), limit);
+    }
+    for (; n - i >= 4; i += 4)
+        reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
+    for (; i < n; i++)
+        bad1 |= unscale1_f64(x + i, y + i, inv, check_inputs);
+    return !bad1 && !_mm256_movemask_epi8(reached);
+}
+
+static int unscale_f64_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
+{
+    if (flags & LS_CHECK_INPUTS)
+        return unscale_f64_run((const double *)src, (double *)dst, n, inv, 1);
+    return unscale_f64_run((const double *)src, (double *)dst, n, inv, 0);
+}
+
+/* --------------------------------------------------------------- float16 */
+
+/* F16C conversions are exact on the way in and round to nearest-even on
+ * the way out, subnormal halves included.  A product of two halves is
+ * never a float32 subnormal (the smallest is 2^-48), so DAZ/FTZ cannot
+ * change it either. */
+LS_INLINE int unscale1_f16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+{
+    uint16_t in = *x;
+    uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
+    *y = out;
+    return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
+}
+
+LS_INLINE __m128i unscale8_f16(const uint16_t *x, uint16_t *y, __m256 s, int check_inputs)
+{
+    __m128i in = _mm_loadu_si128((const __m128i *)x);
+    __m256 product = _mm256_mul_ps(_mm256_cvtph_ps(in), s);
+    __m128i out = _mm256_cvtps_ph(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)y, out);
+    return _mm_and_si128(check_inputs ? in : out, _mm_set1_epi16(0x7fff));
+}
+
+LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float inv, int check_inputs)
+{
+    const __m256 s = _mm256_set1_ps(inv);
+    int bad1 = 0;
+    __m128i worst = _mm_setzero_si128();
+    size_t i = 0;
+    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
+        bad1 |= unscale1_f16(x + i, y + i, inv, check_inputs);
+    for (; n - i >= 32; i += 32) {
+        worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 8, y + i + 8, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 16, y + i + 16, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 24, y + i + 24, s, check_inputs));
+    }
+    for (; n - i >= 8; i += 8)
+        worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
+    for (; i < n; i++)
+        bad1 |= unscale1_f16(x + i, y + i, inv, check_inputs);
+    return !bad1 && !_mm_movemask_epi8(_mm_cmpgt_epi16(worst, _mm_set1_epi16(0x7bff)));
+}
+
+static int unscale_f16_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
+{
+    if (flags & LS_CHECK_INPUTS)
+        return unscale_f16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 1);
+    return unscale_f16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 0);
+}
+
+/* -------------------------------------------------------------- bfloat16 */
+
+LS_INLINE int unscale1_bf16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+{
+    uint16_t in = *x;
+    uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
+    *y = out;
+    return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
+}
+
+/* ls_f32_to_bf16 on eight lanes, the result in the low half of each 32-bit
+ * lane.  Its NaN case is not needed: a NaN product of a bfloat16 has its
+ * low 16 bits clear (the multiply only quiets the NaN it was given, or
+ * makes the default NaN), so rounding never carries it into infinity. */
+static inline __m256i round_bf16(__m256 f)
+{
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+}
+
+/* Interleaving with zeros widens within each 128-bit lane, and packus
+ * narrows back within each lane the same way, so the element order
+ * survives without a cross-lane shuffle. */
+LS_INLINE __m256i unscale16_bf16(const uint16_t *x, uint16_t *y, __m256 s, int check_inputs)
+{
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i in = _mm256_loadu_si256((const __m256i *)x);
+    __m256 lo = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, in)), s);
+    __m256 hi = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, in)), s);
+    __m256i out = _mm256_packus_epi32(round_bf16(lo), round_bf16(hi));
+    _mm256_storeu_si256((__m256i *)y, out);
+    return magnitude_16(check_inputs ? in : out);
+}
+
+LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float inv,
+                               int check_inputs)
+{
+    const __m256 s = _mm256_set1_ps(inv);
+    int bad1 = 0;
+    __m256i worst = _mm256_setzero_si256();
+    size_t i = 0;
+    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
+        bad1 |= unscale1_bf16(x + i, y + i, inv, check_inputs);
+    for (; n - i >= 32; i += 32) {
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i + 16, y + i + 16, s, check_inputs));
+    }
+    for (; n - i >= 16; i += 16)
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
+    for (; i < n; i++)
+        bad1 |= unscale1_bf16(x + i, y + i, inv, check_inputs);
+    return !bad1 && !any_above16(worst, 0x7f7f);
+}
+
+static int unscale_bf16_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
+{
+    if (flags & LS_CHECK_INPUTS)
+        return unscale_bf16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 1);
+    return unscale_bf16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 0);
+}
+
 const ls_kernel_set ls_kernels_avx2 = {
     "avx2",
-    {NULL, NULL, NULL, NULL},
-    {NULL, NULL, NULL, NULL},
+    {check_f16_avx2, check_bf16_avx2, check_f32_avx2, check_f64_avx2},
+    {unscale_f16_avx2, unscale_bf16_avx2, unscale_f32_avx2, unscale_f64_avx2},
 };
