@@ -25,11 +25,16 @@ def __getattr__(name):
     if name in _SUBMODULES:
         import importlib
 
+        _register_keras_objects()
+
         return importlib.import_module(f"lossscale.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
     import importlib
+
+    if module != "lossscale.loss_scale":
+        _register_keras_objects()
 
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -38,3 +43,23 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))
+
+
+def _register_keras_objects():
+    """Registers the Keras-serializable classes so that ``load_model`` finds them.
+
+    Keras looks custom classes up in its registry, which a class enters only
+    when its module is imported; with lazy imports that may never happen
+    before a model is loaded.  Done at import when Keras is already loaded
+    (it is then cheap), and otherwise on first use of the Keras API."""
+    import importlib
+
+    for module in ("lossscale.optimizer", "lossscale.experimental", "lossscale.policy"):
+        importlib.import_module(module)
+
+
+import sys as _sys  # noqa: E402
+
+if "keras" in _sys.modules:
+    _register_keras_objects()
+del _sys
