@@ -99,6 +99,16 @@ class BuildWithCore(build_ext):
         return super().get_ext_filename(ext_name)
 
 
+# Every extension links the core's objects: a change to any core file must
+# relink them.
+CORE_DEPENDS = sorted(
+    os.path.join(d, f)
+    for d in (CORE, INCLUDE)
+    for f in os.listdir(os.path.join(HERE, d))
+    if f.endswith((".c", ".h"))
+)
+
+
 def extensions():
     import numpy as np
     from Cython.Build import cythonize
@@ -110,6 +120,7 @@ def extensions():
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O2"],
         extra_link_args=["-pthread"],
+        depends=CORE_DEPENDS,
     )
     exts = cythonize([native], language_level=3,
                      compiler_directives={"boundscheck": False, "wraparound": False})
@@ -127,6 +138,7 @@ def extensions():
             "lossscale._lossscale_ops",
             sources=tf_sources,
             include_dirs=[INCLUDE],
+            depends=CORE_DEPENDS,
             extra_compile_args=compile_flags + ["-O3", "-fPIC", "-fvisibility=hidden"],
             extra_link_args=link_flags + ["-pthread"],
             language="c++",

@@ -47,10 +47,11 @@ static int detect_x86(void)
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
         return LS_SIMD_SCALAR;
     const int avx2 = (b >> 5) & 1;
-    const int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    const int avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1;
+    const int avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
     if (!avx2)
         return LS_SIMD_SCALAR;
-    if (avx512f && avx512bw && avx512vl && (xcr0 & 0xe6) == 0xe6) /* opmask + ZMM state */
+    if (avx512f && avx512dq && avx512bw && avx512vl && (xcr0 & 0xe6) == 0xe6) /* opmask + ZMM state */
         return LS_SIMD_AVX512;
     return LS_SIMD_AVX2;
 }
