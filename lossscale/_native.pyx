@@ -143,7 +143,11 @@ def _check_scale(inv_scale):
     if isinstance(inv_scale, (bool, np.bool_)) or not isinstance(inv_scale, numbers.Real):
         raise TypeError(f"unscale_: inv_scale must be a real number, got "
                         f"{type(inv_scale).__name__}")
-    value = float(inv_scale)
+    try:
+        value = float(inv_scale)
+    except OverflowError:  # e.g. an int beyond the float range
+        raise ValueError(f"unscale_: inv_scale must be finite, got a value of type "
+                         f"{type(inv_scale).__name__} too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"unscale_: inv_scale must be finite, got {value}")
     if value <= 0.0:
@@ -187,6 +191,12 @@ cdef int _fill(list arrays, ls_buffer *bufs, str what, bint writable) except -1:
         if code < 0:
             raise TypeError(f"{what}: item {i} has unsupported dtype {a.dtype}; "
                             f"supported: {_SUPPORTED}")
+        if not cnp.PyArray_ISNOTSWAPPED(a):
+            # the kernels read native-endian values: a byte-swapped array would
+            # be silently misread
+            raise TypeError(f"{what}: item {i} has non-native byte order (dtype "
+                            f"'{a.dtype.str}'); convert it with "
+                            f"a.astype(a.dtype.newbyteorder('='))")
         if cnp.PyArray_SIZE(a) == 0:
             raise ValueError(f"{what}: item {i} is a zero-length array")
         if not cnp.PyArray_IS_C_CONTIGUOUS(a):

@@ -4,6 +4,7 @@
  * (ours or a host's pool): fixed costs are paid once per range, not once
  * per tensor, which is what makes thousands of tiny tensors cheap.
  */
+#include <math.h>
 #include <string.h>
 
 #include "internal.h"
@@ -139,24 +140,29 @@ double ls_round_to_dtype(double value, ls_dtype dtype)
     case LS_FLOAT32:
         r = (double)(float)value;
         break;
-    case LS_FLOAT16:
-    case LS_BFLOAT16: {
-        /* double -> half in one rounding: round to float32 with the bits
-         * below half precision folded into a sticky bit, so the second
-         * rounding cannot meet a false tie. */
+    case LS_BFLOAT16:
+        /* double -> float32 -> bfloat16, two roundings: what ml_dtypes'
+         * bfloat16(x) and TensorFlow's tf.cast(float64 -> bfloat16) give,
+         * so that both oracles of the bfloat16 results agree with us. */
+        r = (double)ls_bf16_to_f32(ls_f32_to_bf16((float)value));
+        break;
+    case LS_FLOAT16: {
+        /* double -> half in one rounding, as numpy's float16(x): round to
+         * float32 with the bits below half precision folded into a sticky
+         * bit, so the second rounding cannot meet a false tie. */
         float f = (float)value;
         if ((double)f != value && f == f) {
             uint32_t u;
             memcpy(&u, &f, sizeof u);
             /* move towards the true value's side if float rounding crossed it,
              * then set the sticky (lowest) bit */
-            if (((double)f > value) == (f > 0))
-                u -= 1; /* f rounded away from zero: step back towards it */
+            if (fabs((double)f) > fabs(value))
+                u -= 1; /* f rounded away from zero: step back towards it
+                           (never from zero itself, which would wrap to NaN) */
             u |= 1u;
             memcpy(&f, &u, sizeof f);
         }
-        r = dtype == LS_FLOAT16 ? (double)ls_f16_to_f32(ls_f32_to_f16(f))
-                                : (double)ls_bf16_to_f32(ls_f32_to_bf16(f));
+        r = (double)ls_f16_to_f32(ls_f32_to_f16(f));
         break;
     }
     default:

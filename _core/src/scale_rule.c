@@ -4,6 +4,10 @@
  * DynamicLossScale: `scale * multiplier`, `scale / multiplier`,
  * `maximum(..., 1)`, assign-if-finite; Keras 3: `* 2`, `/ 2`).
  *
+ * TensorFlow's CPU kernels run with subnormals flushed to zero (FTZ+DAZ), so
+ * the rule does too: after enough back-offs without a floor (Keras 3, or
+ * min_loss_scale = 0) the scale goes 2^-126 -> 0, not to a subnormal.
+ *
  * Hysteresis counts *consecutive* non-finite steps: any finite step resets
  * the run.  The alternative (a budget refilled only when the scale grows,
  * as in Megatron-LM) lets overflows scattered over a long growth period
@@ -13,7 +17,7 @@
 #include <math.h>
 #include <stddef.h>
 
-#include "lossscale.h"
+#include "internal.h"
 
 void ls_scale_config_default(ls_scale_config *c, int rule)
 {
@@ -112,9 +116,12 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state, int gr
 {
     if (state == NULL || ls_scale_config_check(config, NULL) != LS_OK)
         return LS_ERR_ARG;
+    ls_fpenv env;
+    ls_fpenv_enter(&env, 1);
     if (config->rule == LS_RULE_KERAS3)
         step_keras3(config, state, grads_finite != 0);
     else
         step_tf24(config, state, grads_finite != 0);
+    ls_fpenv_leave(&env);
     return grads_finite != 0;
 }
