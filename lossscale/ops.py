@@ -1,0 +1,485 @@
+"""TensorFlow ops of dynamic loss scaling: fused unscale + finite check, and the
+loss-scale update on resource variables.
+
+Each function runs one native op from the custom-op library
+(``_core/tf/*.cc``, calling the C core) for the whole gradient list, or —
+with identical results — plain TensorFlow ops when the native op cannot run
+here:
+
+* the library is missing, was built for another TensorFlow, or the
+  environment variable ``LOSSSCALE_FORCE_FALLBACK=1`` is set
+  (``native_available()`` says which, and the loader warns once);
+* a tensor or variable is not on the CPU (the kernels are CPU kernels and a
+  gradient list is never copied between devices behind the caller's back).
+  Inside a ``tf.function`` a tensor pinned to no device counts as on the CPU
+  only on a machine without accelerators; pin it with
+  ``tf.device("/CPU:0")`` otherwise;
+* the code is being compiled by XLA (``tf.function(jit_compile=True)``),
+  which has no kernel for a custom op.
+
+On the native path each unscaled gradient takes over its input's buffer
+whenever TensorFlow allows it (the input is an intermediate nobody else
+reads, e.g. a gradient made inside the same ``tf.function``), so no
+gradient-sized memory is allocated; otherwise small outputs share one
+allocation per dtype.  An eager tensor the caller still holds is never
+overwritten.
+
+"Identical" means bit for bit: unscaled values equal TensorFlow's own
+``g * tf.cast(1 / scale, g.dtype)`` (with TensorFlow's CPU flushing of
+subnormals), and the update gives the same float32 scale as the same rule
+written with TensorFlow ops.
+
+The update op keeps the loss-scale state in up to four variables: ``scale``
+(float32) and ``counter`` (int32 or int64: steps since the last growth or
+overflow) always, and two optional int64 ones, ``overflow_run``
+(consecutive non-finite steps not yet backed off; needed for
+``hysteresis > 1``) and ``skipped`` (total skipped steps).  The optional
+ones are passed to the op as lists of zero or one resource, so callers
+holding only ``(scale, counter)`` — the Keras 3 optimizer's
+``dynamic_scale``/``step_counter`` — use the same op.
+
+None of these ops has a gradient.
+"""
+
+import functools
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from lossscale import _loader
+
+__all__ = ["native_available", "unscale_and_check", "all_finite", "update_loss_scale"]
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_RULES = ("tf24", "keras3")
+_OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
+             "LossScaleDebugBufferAddress")
+
+for _name in _OP_NAMES:
+    try:
+        tf.no_gradient(_name)
+    except KeyError:  # already registered (module reloaded)
+        pass
+
+
+# ----------------------------------------------------------------- status
+
+class NativeStatus:
+    """Whether the native op library is loaded and usable, and why (not)."""
+
+    __slots__ = ("available", "reason")
+
+    def __init__(self, available, reason):
+        self.available = bool(available)
+        self.reason = str(reason)
+
+    def __bool__(self):
+        return self.available
+
+    def __repr__(self):
+        return f"NativeStatus(available={self.available}, reason={self.reason!r})"
+
+
+def native_available():
+    """``NativeStatus``: truthy when the native ops can be used in this process.
+
+    ``.reason`` is ``"loaded"``, ``"forced by LOSSSCALE_FORCE_FALLBACK"``,
+    ``"built for TensorFlow X, running Y"``, ``"library not found"``, ...
+    A true answer still leaves individual calls on the fallback when their
+    tensors are not on the CPU or XLA is compiling.
+    """
+    module, reason = _loader.load()
+    return NativeStatus(module is not None, reason)
+
+
+# ------------------------------------------------------- path selection
+
+@functools.lru_cache(maxsize=None)
+def _accelerators_present():
+    try:
+        return any(d.device_type.upper() != "CPU" for d in tf.config.list_logical_devices())
+    except Exception:
+        return True
+
+
+def _on_cpu(device):
+    if device:
+        kind = tf.DeviceSpec.from_string(device).device_type
+        if kind:
+            return kind.upper() == "CPU"
+    # Not pinned (a graph tensor): the placer decides, and only a machine
+    # without accelerators guarantees it picks the CPU.
+    return not _accelerators_present()
+
+
+def _in_xla_context():
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - private API moved
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+
+
+def _native_library(devices):
+    """The op library when the native path may run for tensors on `devices`."""
+    module, _ = _loader.load()
+    if module is None or _in_xla_context():
+        return None
+    if not all(_on_cpu(d) for d in devices):
+        return None
+    return module
+
+
+# ------------------------------------------------------------- inputs
+
+def _device_of(x):
+    if isinstance(x, tf.Variable):
+        return x.device
+    return getattr(x, "device", "") or ""
+
+
+def _gradient_list(grads, caller):
+    if grads is None or isinstance(grads, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)):
+        raise TypeError(f"{caller}: grads must be a list of tensors, IndexedSlices or None, "
+                        f"got {type(grads).__name__}")
+    try:
+        return list(grads)
+    except TypeError:
+        raise TypeError(f"{caller}: grads must be a list of tensors, IndexedSlices or None, "
+                        f"got {type(grads).__name__}") from None
+
+
+def _dense_values(grads, caller):
+    """(values, devices, slots): the float tensors to process, the devices they
+    live on, and for each gradient its index into values (None for None)."""
+    values, devices, slots = [], [], []
+    for i, g in enumerate(grads):
+        if g is None:
+            slots.append(None)
+            continue
+        source = g.values if isinstance(g, tf.IndexedSlices) else g
+        device = _device_of(source)
+        try:
+            value = tf.convert_to_tensor(source)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{caller}: grads[{i}] is not convertible to a tensor "
+                            f"({type(g).__name__}): {exc}") from None
+        if value.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{caller}: grads[{i}] has dtype {value.dtype.name}; expected "
+                            "float16, bfloat16, float32 or float64")
+        slots.append(len(values))
+        values.append(value)
+        devices.append(device or _device_of(value))
+    return values, devices, slots
+
+
+def _rebuild(grads, slots, outputs):
+    result = []
+    for g, slot in zip(grads, slots):
+        if slot is None:
+            result.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            result.append(tf.IndexedSlices(outputs[slot], g.indices, g.dense_shape))
+        else:
+            result.append(outputs[slot])
+    return result
+
+
+def _scale_tensor(scale, caller):
+    """(float32 scalar tensor, device of the scale)."""
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{caller}: scale must be a float32 scalar, got a bool")
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        with tf.device("/device:CPU:0"):
+            t = tf.constant(float(scale), tf.float32)
+        return t, t.device if tf.executing_eagerly() else "/device:CPU:0"
+    device = _device_of(_as_tf_variable(scale) if _is_variable(scale) else scale)
+    try:
+        t = tf.convert_to_tensor(scale)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{caller}: scale must be a float32 scalar tensor or variable: {exc}") \
+            from None
+    if t.dtype != tf.float32:
+        raise TypeError(f"{caller}: scale must be float32 (the loss scale, not its inverse), "
+                        f"got {t.dtype.name}")
+    if t.shape.rank is not None and t.shape.rank != 0:
+        raise ValueError(f"{caller}: scale must be a scalar, got shape {t.shape}")
+    return t, device or _device_of(t)
+
+
+def _is_variable(v):
+    return isinstance(v, tf.Variable) or isinstance(getattr(v, "_value", None), tf.Variable)
+
+
+def _as_tf_variable(v):
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "_value", None)  # keras.Variable on the TensorFlow backend
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise TypeError(f"expected a tf.Variable or keras.Variable, got {type(v).__name__}")
+
+
+# ---------------------------------------------------------- unscale/check
+
+def unscale_and_check(grads, scale, *, check_inputs=False):
+    """Unscales a gradient list and checks it for inf/NaN in one op.
+
+    Args:
+      grads: list of `tf.Tensor` (or anything convertible, e.g. a variable's
+        value), `tf.IndexedSlices` (values processed, indices and dense shape
+        kept) or None (passed through at its position).  dtypes float16,
+        bfloat16, float32, float64, mixed freely.
+      scale: the loss scale (not its inverse): float32 scalar tensor,
+        variable or Python number.
+      check_inputs: the finite flag describes the inputs (the scaled
+        gradients, as Keras 3 checks them) instead of the results.
+
+    Returns:
+      ``(unscaled, all_finite)``: the list with every gradient multiplied by
+      ``tf.cast(1 / scale, g.dtype)`` — bit-identical to TensorFlow computing
+      that expression — and a bool scalar tensor.  An empty or all-None list
+      gives ``(list, True)``.
+    """
+    grads = _gradient_list(grads, "unscale_and_check")
+    with tf.name_scope("unscale_and_check"):
+        values, devices, slots = _dense_values(grads, "unscale_and_check")
+        scale_t, scale_device = _scale_tensor(scale, "unscale_and_check")
+        if not values:
+            return [None] * len(grads), tf.constant(True)
+        module = _native_library(devices + [scale_device])
+        if module is not None:
+            outputs, finite = module.loss_scale_unscale_and_check(
+                values, scale_t, check_inputs=bool(check_inputs))
+        else:
+            outputs, finite = _unscale_and_check_tf(values, scale_t, bool(check_inputs))
+        return _rebuild(grads, slots, list(outputs)), finite
+
+
+def all_finite(grads):
+    """True (bool scalar tensor) when every element of every gradient is finite.
+
+    Same inputs as `unscale_and_check`; reads only.  Empty: True.
+    """
+    grads = _gradient_list(grads, "all_finite")
+    with tf.name_scope("all_finite"):
+        values, devices, _ = _dense_values(grads, "all_finite")
+        if not values:
+            return tf.constant(True)
+        module = _native_library(devices)
+        if module is not None:
+            return module.loss_scale_all_finite(values)
+        return _all_finite_tf(values)
+
+
+def _all_finite_tf(values):
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+
+
+def _unscale_and_check_tf(values, scale, check_inputs):
+    if scale.shape.rank is None:
+        scale = tf.ensure_shape(scale, [])
+    inv = 1.0 / scale
+    outputs = [v * tf.cast(inv, v.dtype) for v in values]
+    return outputs, _all_finite_tf(values if check_inputs else outputs)
+
+
+# ------------------------------------------------------------------ update
+
+def _float_arg(name, value, default=None):
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"update_loss_scale: {name} must be a number, got {value!r}")
+    return float(np.float32(value))
+
+
+def _int_arg(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"update_loss_scale: {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"update_loss_scale: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _scale_config(rule, increment_period, multiplier, backoff_factor, min_loss_scale,
+                  max_loss_scale, hysteresis):
+    """The rule's parameters as the core stores them (float32), checked as the
+    core checks them (ls_scale_config_check)."""
+    if rule not in _RULES:
+        raise ValueError(f"update_loss_scale: rule must be one of {_RULES}, got {rule!r}")
+    cfg = dict(
+        rule=rule,
+        increment_period=_int_arg("increment_period", increment_period, 1),
+        multiplier=_float_arg("multiplier", multiplier),
+        backoff_factor=0.0 if backoff_factor is None else _float_arg("backoff_factor",
+                                                                      backoff_factor),
+        min_loss_scale=_float_arg("min_loss_scale", min_loss_scale),
+        max_loss_scale=_float_arg("max_loss_scale", max_loss_scale, math.inf),
+        hysteresis=_int_arg("hysteresis", hysteresis, 1),
+    )
+    if not (cfg["multiplier"] > 0 and math.isfinite(cfg["multiplier"])):
+        raise ValueError(f"update_loss_scale: multiplier must be a positive finite float32, "
+                         f"got {multiplier!r}")
+    if backoff_factor is not None and not 0.0 < cfg["backoff_factor"] < 1.0:
+        raise ValueError(f"update_loss_scale: backoff_factor must be in (0, 1), "
+                         f"got {backoff_factor!r}")
+    if not (cfg["min_loss_scale"] >= 0 and math.isfinite(cfg["min_loss_scale"])):
+        raise ValueError(f"update_loss_scale: min_loss_scale must be a finite number >= 0, "
+                         f"got {min_loss_scale!r}")
+    if not cfg["max_loss_scale"] >= cfg["min_loss_scale"]:
+        raise ValueError(f"update_loss_scale: max_loss_scale ({max_loss_scale!r}) must be >= "
+                         f"min_loss_scale ({min_loss_scale!r})")
+    return cfg
+
+
+def _state_variable(name, v, dtypes):
+    if v is None:
+        return None
+    try:
+        var = _as_tf_variable(v)
+    except TypeError:
+        raise TypeError(f"update_loss_scale: {name} must be a tf.Variable or keras.Variable, "
+                        f"got {type(v).__name__}") from None
+    if var.dtype not in dtypes:
+        raise TypeError(f"update_loss_scale: {name} must be a variable of dtype "
+                        f"{' or '.join(d.name for d in dtypes)}, got {var.dtype.name}")
+    if var.shape.rank is not None and var.shape.rank != 0:
+        raise ValueError(f"update_loss_scale: {name} must be a scalar variable, "
+                         f"got shape {var.shape}")
+    return var
+
+
+def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None, rule="tf24",
+                      increment_period=2000, multiplier=2.0, backoff_factor=None,
+                      min_loss_scale=1.0, max_loss_scale=None, hysteresis=1):
+    """Advances the loss scale one step, in place, and returns ``finite``.
+
+    Variables: ``scale`` float32, ``counter`` int32/int64 (good steps),
+    optional ``overflow_run`` and ``skipped`` int64 (see the module doc).
+
+    Rules (float32 arithmetic, as TensorFlow computes them):
+
+    * ``"tf24"`` — TensorFlow 2.4 ``DynamicLossScale`` with extensions.
+      Finite: if ``counter + 1 >= increment_period``, the scale becomes
+      ``min(scale * multiplier, max_loss_scale)`` when that is finite (else it
+      stays) and the counter 0; otherwise ``counter += 1``; ``overflow_run``
+      becomes 0.  Non-finite: counter 0, ``skipped += 1``,
+      ``overflow_run += 1``; when it reaches ``hysteresis`` (consecutive
+      non-finite steps) it resets to 0 and the scale backs off to
+      ``max(scale / multiplier, min_loss_scale)`` (``scale * backoff_factor``
+      when that is given).
+    * ``"keras3"`` — Keras 3 ``LossScaleOptimizer``: finite: scale
+      ``*= multiplier`` and counter 0 when ``counter == increment_period - 1``,
+      else ``counter += 1``; non-finite: counter 0, ``scale /= multiplier``
+      (no floor), ``skipped += 1``.
+
+    Returns the bool scalar ``finite`` (should the gradients be applied),
+    ordered after the update.
+    """
+    cfg = _scale_config(rule, increment_period, multiplier, backoff_factor, min_loss_scale,
+                        max_loss_scale, hysteresis)
+    scale_var = _state_variable("scale", scale, (tf.float32,))
+    if scale_var is None:
+        raise TypeError("update_loss_scale: scale must be a tf.Variable or keras.Variable")
+    counter_var = _state_variable("counter", counter, (tf.int32, tf.int64))
+    if counter_var is None:
+        raise TypeError("update_loss_scale: counter must be a tf.Variable or keras.Variable")
+    run_var = _state_variable("overflow_run", overflow_run, (tf.int64,))
+    skipped_var = _state_variable("skipped", skipped, (tf.int64,))
+    if cfg["hysteresis"] > 1 and run_var is None:
+        raise ValueError("update_loss_scale: hysteresis > 1 needs an overflow_run variable")
+    state = [v for v in (scale_var, counter_var, run_var, skipped_var) if v is not None]
+    if len({id(v) for v in state}) != len(state):
+        raise ValueError("update_loss_scale: scale, counter, overflow_run and skipped must be "
+                         "distinct variables")
+    try:
+        finite = tf.convert_to_tensor(finite, tf.bool)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"update_loss_scale: finite must be a bool scalar: {exc}") from None
+    if finite.shape.rank is not None and finite.shape.rank != 0:
+        raise ValueError(f"update_loss_scale: finite must be a scalar, got shape {finite.shape}")
+
+    with tf.name_scope("update_loss_scale"):
+        distributed = any(isinstance(v, tf.distribute.DistributedValues) for v in state)
+        module = None if distributed else _native_library([v.device for v in state])
+        if module is not None:
+            return module.loss_scale_update(
+                finite, scale_var.handle, counter_var.handle,
+                [run_var.handle] if run_var is not None else [],
+                [skipped_var.handle] if skipped_var is not None else [],
+                Tcounter=counter_var.dtype, rule=cfg["rule"],
+                increment_period=cfg["increment_period"], multiplier=cfg["multiplier"],
+                backoff_factor=cfg["backoff_factor"], min_loss_scale=cfg["min_loss_scale"],
+                max_loss_scale=cfg["max_loss_scale"], hysteresis=cfg["hysteresis"])
+        return _update_tf(finite, scale_var, counter_var, run_var, skipped_var, cfg)
+
+
+def _divide(x, c):
+    """``x / c`` for a constant ``c``, as an IEEE division.
+
+    Grappler's constant folding and XLA's simplifier both turn a division by
+    a constant into a multiplication by its float32 reciprocal, which rounds
+    differently when ``c`` is not a power of two (``x / 3`` vs
+    ``x * (1/3)``).  A denominator that depends on ``x`` (and equals ``c``
+    whenever the quotient is not NaN anyway) keeps the division, so the
+    fallback computes what the core and eager TensorFlow compute.
+    """
+    return x / tf.where(tf.math.is_nan(x), x, c)
+
+
+def _update_tf(finite, scale, counter, overflow_run, skipped, cfg):
+    """The rules of lossscale.h written with TensorFlow ops (the fallback)."""
+    s = tf.convert_to_tensor(scale)
+    c = tf.convert_to_tensor(counter)
+    multiplier = tf.constant(cfg["multiplier"], tf.float32)
+    zero = tf.zeros([], c.dtype)
+    one = tf.ones([], c.dtype)
+    period = tf.constant(cfg["increment_period"], c.dtype)
+    k = tf.convert_to_tensor(skipped) if skipped is not None else None
+    new_run = None
+    if cfg["rule"] == "keras3":
+        grow = tf.equal(c, period - one)
+        scale_if_finite = tf.where(grow, s * multiplier, s)
+        counter_if_finite = tf.where(grow, zero, c + one)
+        new_scale = tf.where(finite, scale_if_finite, _divide(s, multiplier))
+    else:
+        grow = c + one >= period
+        grown = tf.minimum(s * multiplier, tf.constant(cfg["max_loss_scale"], tf.float32))
+        scale_if_finite = tf.where(grow & tf.math.is_finite(grown), grown, s)
+        counter_if_finite = tf.where(grow, zero, c + one)
+        if cfg["backoff_factor"]:
+            lowered = s * tf.constant(cfg["backoff_factor"], tf.float32)
+        else:
+            lowered = _divide(s, multiplier)
+        lowered = tf.maximum(lowered, tf.constant(cfg["min_loss_scale"], tf.float32))
+        if overflow_run is not None:
+            run = tf.convert_to_tensor(overflow_run) + 1
+            back_off = run >= cfg["hysteresis"]
+            scale_if_not = tf.where(back_off, lowered, s)
+            new_run = tf.where(finite, tf.zeros([], tf.int64),
+                               tf.where(back_off, tf.zeros([], tf.int64), run))
+        else:
+            scale_if_not = lowered
+        new_scale = tf.where(finite, scale_if_finite, scale_if_not)
+    new_counter = tf.where(finite, counter_if_finite, zero)
+    updates = [scale.assign(new_scale, read_value=False),
+               counter.assign(new_counter, read_value=False)]
+    if new_run is not None:
+        updates.append(overflow_run.assign(new_run, read_value=False))
+    if k is not None:
+        updates.append(skipped.assign(tf.where(finite, k, k + 1), read_value=False))
+    with tf.control_dependencies([u for u in updates if u is not None]):
+        return tf.identity(finite)
+
+
+def _debug_buffer_address(x):
+    """Testing aid: ``(x, address of x's buffer)`` through the native library."""
+    module, reason = _loader.load()
+    if module is None:
+        raise RuntimeError(f"native op library unavailable: {reason}")
+    return module.loss_scale_debug_buffer_address(x)
