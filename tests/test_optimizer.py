@@ -290,6 +290,26 @@ def test_float16_variables_promoted_as_stock():
     assert model_b.trainable_variables[0].dtype == "float16"
 
 
+def test_overwrite_with_gradient_variables_as_stock():
+    """Variables that take their gradient as value: checked, never unscaled."""
+    states = []
+    for cls in (Stock, LossScaleOptimizer):
+        w = keras.Variable(np.ones((3, 2), np.float32), name="w")
+        m = keras.Variable(np.zeros((4,), np.float32), name="m")
+        m.overwrite_with_gradient = True
+        opt = cls(keras.optimizers.SGD(0.1), initial_scale=8.0, dynamic_growth_steps=2)
+        rng = np.random.default_rng(0)
+        for i in range(8):
+            gw = rng.standard_normal((3, 2)).astype(np.float32) * 8
+            gm = rng.standard_normal(4).astype(np.float32)
+            if i == 5:
+                gm[1] = np.inf  # only the overwritten variable's gradient overflows
+            opt.apply([tf.constant(gw), tf.constant(gm)], [w, m])
+            states.append([as_bits(v) for v in [w, m] + opt.variables])
+    assert states[:8] == states[8:]
+    assert int(opt.iterations.numpy()) == 7
+
+
 def test_growth_steps_zero_falls_back_to_stock_rule():
     run_twins(cnn, lambda: keras.optimizers.SGD(0.01), 12,
               stock_kwargs=dict(initial_scale=64.0, dynamic_growth_steps=0))
@@ -608,6 +628,14 @@ def test_loss_scale_object_config_and_saving(tmp_path):
     assert type(loaded.optimizer) is LossScaleOptimizer
     assert int(loaded.optimizer.loss_scale_object._num_good_steps.numpy()) == 1
     assert_same_state(model, opt, loaded, loaded.optimizer)
+
+    # tf.train.Checkpoint: the LossScale's state travels with the optimizer.
+    path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+    fresh = LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                               loss_scale=DynamicLossScale(256.0, 5, 2.0, hysteresis=3))
+    fresh.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=fresh).restore(path).assert_existing_objects_matched()
+    assert [as_bits(v) for v in fresh.variables] == [as_bits(v) for v in opt.variables]
 
     with pytest.raises(ValueError, match="not both"):
         LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0, loss_scale="dynamic")
