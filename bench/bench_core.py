@@ -108,6 +108,12 @@ def set_threads(n):
         torch.set_num_threads(n if n > 0 else machine_threads())
 
 
+# Pause before each sample.  torch's OpenMP workers keep spinning for a
+# while after a parallel region; without a gap they steal the cores from
+# whichever method is timed next.  Every method gets the same gap.
+SETTLE_S = 0.02
+
+
 def measure(methods, reps, min_sample=2e-3):
     """Median seconds per call of each method; methods are interleaved in
     every repeat so that drift hits all of them alike."""
@@ -122,6 +128,7 @@ def measure(methods, reps, min_sample=2e-3):
     for _ in range(reps):
         for name, fn in methods.items():
             k = number[name]
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             for _ in range(k):
                 fn()
