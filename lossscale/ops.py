@@ -226,6 +226,7 @@ def _as_tf_variable(v):
 
 # ---------------------------------------------------------- unscale/check
 
+@tf.autograph.experimental.do_not_convert
 def unscale_and_check(grads, scale, *, check_inputs=False):
     """Unscales a gradient list and checks it for inf/NaN in one op.
 
@@ -260,6 +261,7 @@ def unscale_and_check(grads, scale, *, check_inputs=False):
         return _rebuild(grads, slots, list(outputs)), finite
 
 
+@tf.autograph.experimental.do_not_convert
 def all_finite(grads):
     """True (bool scalar tensor) when every element of every gradient is finite.
 
@@ -354,6 +356,7 @@ def _state_variable(name, v, dtypes):
     return var
 
 
+@tf.autograph.experimental.do_not_convert
 def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None, rule="tf24",
                       increment_period=2000, multiplier=2.0, backoff_factor=None,
                       min_loss_scale=1.0, max_loss_scale=None, hysteresis=1):
