@@ -138,14 +138,20 @@ def tf_methods(tf, arrays, in_graph=False):
         def produce(x):
             return tf.split(x, sizes)
     else:
-        # Ends in a reverse, as backprop ends in a convolution or matmul
-        # gradient: an elementwise producer would let Grappler fuse it with
-        # the composite's own multiply, which no real gradient allows.
+        # Each gradient ends in an op Grappler cannot see through (the
+        # stateful pass-through of the op library, which hands on its input
+        # buffer), as backprop ends in a convolution or matmul gradient.
+        # Without it Grappler moves the composite's multiply by a scalar
+        # through the reverse into the producer's own multiply, and the
+        # composite's unscale costs nothing — which no real gradient allows.
+        from lossscale import _loader
+
+        opaque = _loader.load()[0].loss_scale_debug_buffer_address
         seed = tf.constant(1.0)
         sources = [tf.constant(a) for a in arrays]
 
         def produce(x):
-            return [tf.reverse(t * x, [0]) for t in sources]
+            return [opaque(tf.reverse(t * x, [0]))[0] for t in sources]
 
     def consume(gs):
         # Every method ends the same way: a read of one value per tensor, so
@@ -413,13 +419,13 @@ def write_markdown(report, path):
               "after backprop; the native op writes into them (in place). The time to make "
               "them is measured alone (ending in the same one-value-per-tensor read as "
               "every method) and subtracted.",
-              "- Where the composite wins (ResNet-50 made in the graph): its per-tensor "
-              "`Mul`/`IsFinite` run as soon as each gradient exists, while that gradient "
-              "is still in cache, overlapped with making the next one; the one fused op "
-              "waits for the whole list (100 MB, over three times the L3 cache) and "
-              "streams it back from memory. Forcing the composite to wait for every "
-              "gradient as well (a control dependency on the list) makes it slower than "
-              "the native op again.",
+              "- Each ResNet-50 gradient made in the graph ends in an op Grappler cannot "
+              "see through; with a plain elementwise producer Grappler folds the "
+              "composite's multiply by a scalar into the producer and the composite's "
+              "unscale looks free. The composite's per-tensor `Mul`/`IsFinite` still run "
+              "as soon as each gradient exists, while it is in cache, overlapped with "
+              "making the next one; the one fused op waits for the whole list (100 MB, "
+              "over three times the L3 cache) and streams it back from memory.",
               "- Memory, *multiply, then check* (TensorFlow 2.4's order): TensorFlow's own "
               "`Mul` also reuses a fresh gradient buffer, so what it adds is the `is_finite` "
               "temporary (1 byte per value). *check, then divide* (Keras 3's order) keeps "
