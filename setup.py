@@ -139,7 +139,8 @@ def extensions():
             sources=tf_sources,
             include_dirs=[INCLUDE],
             depends=CORE_DEPENDS,
-            extra_compile_args=compile_flags + ["-O3", "-fPIC", "-fvisibility=hidden"],
+            extra_compile_args=compile_flags + ["-O3", "-fPIC", "-fvisibility=hidden",
+                                               "-Wno-deprecated-declarations"],
             extra_link_args=link_flags + ["-pthread"],
             language="c++",
         ))

@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "lossscale.h"
 
@@ -57,5 +58,47 @@ float ls_f16_to_f32(uint16_t h);
 uint16_t ls_f32_to_f16(float f);
 float ls_bf16_to_f32(uint16_t h);
 uint16_t ls_f32_to_bf16(float f);
+
+/* One element of each dtype, for the heads and tails of the vector sets:
+ * exactly the scalar reference's arithmetic.  Each returns 1 when the
+ * probed value (the input with check_inputs, else the result) is not
+ * finite. */
+static inline int ls_unscale1_f32(const float *x, float *y, float s, int check_inputs)
+{
+    float in = *x;
+    float out = in * s;
+    float probe = check_inputs ? in : out;
+    uint32_t u;
+    memcpy(&u, &probe, sizeof u);
+    *y = out;
+    return (u & 0x7f800000u) == 0x7f800000u;
+}
+
+static inline int ls_unscale1_f64(const double *x, double *y, double s, int check_inputs)
+{
+    double in = *x;
+    double out = in * s;
+    double probe = check_inputs ? in : out;
+    uint64_t u;
+    memcpy(&u, &probe, sizeof u);
+    *y = out;
+    return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+static inline int ls_unscale1_f16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+{
+    uint16_t in = *x;
+    uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
+    *y = out;
+    return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
+}
+
+static inline int ls_unscale1_bf16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+{
+    uint16_t in = *x;
+    uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
+    *y = out;
+    return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
+}
 
 #endif /* LOSSSCALE_KERNELS_H */

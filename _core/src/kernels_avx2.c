@@ -35,20 +35,6 @@ static inline size_t elems_to_boundary(const void *p, size_t esize, size_t n)
  * cleared) reach the all-ones exponent, so the running unsigned maximum of
  * the magnitudes answers for a whole buffer.  Magnitudes never have their
  * top bit set, so signed compares order them correctly. */
-static inline int nonfinite1_f32(float v)
-{
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & 0x7f800000u) == 0x7f800000u;
-}
-
-static inline int nonfinite1_f64(double v)
-{
-    uint64_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-}
-
 static inline __m256i magnitude_f32(__m256 v)
 {
     return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
@@ -171,14 +157,6 @@ static int check_f64_avx2(const void *src, size_t n)
 
 /* --------------------------------------------------------------- float32 */
 
-LS_INLINE int unscale1_f32(const float *x, float *y, float s, int check_inputs)
-{
-    float in = *x;
-    float out = in * s;
-    *y = out;
-    return nonfinite1_f32(check_inputs ? in : out);
-}
-
 LS_INLINE __m256i unscale8_f32(const float *x, float *y, __m256 s, int check_inputs)
 {
     __m256 in = _mm256_loadu_ps(x);
@@ -194,7 +172,7 @@ LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int
     __m256i worst = _mm256_setzero_si256();
     size_t i = 0;
     for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= unscale1_f32(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f32(x + i, y + i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
         worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
         worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 8, y + i + 8, s, check_inputs));
@@ -204,7 +182,7 @@ LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int
     for (; n - i >= 8; i += 8)
         worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= unscale1_f32(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f32(x + i, y + i, inv, check_inputs);
     return !bad1 && !any_above32(worst, 0x7f7fffff);
 }
 
@@ -216,14 +194,6 @@ static int unscale_f32_avx2(const void *src, void *dst, size_t n, double inv, un
 }
 
 /* --------------------------------------------------------------- float64 */
-
-LS_INLINE int unscale1_f64(const double *x, double *y, double s, int check_inputs)
-{
-    double in = *x;
-    double out = in * s;
-    *y = out;
-    return nonfinite1_f64(check_inputs ? in : out);
-}
 
 LS_INLINE __m256i unscale4_f64(const double *x, double *y, __m256d s, int check_inputs)
 {
@@ -241,7 +211,7 @@ LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, 
     __m256i reached = _mm256_setzero_si256();
     size_t i = 0;
     for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= unscale1_f64(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f64(x + i, y + i, inv, check_inputs);
     for (; n - i >= 16; i += 16) {
         reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
         reached = note_reached64(reached, unscale4_f64(x + i + 4, y + i + 4, s, check_inputs), limit);
@@ -251,7 +221,7 @@ LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, 
     for (; n - i >= 4; i += 4)
         reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
     for (; i < n; i++)
-        bad1 |= unscale1_f64(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f64(x + i, y + i, inv, check_inputs);
     return !bad1 && !_mm256_movemask_epi8(reached);
 }
 
@@ -268,14 +238,6 @@ static int unscale_f64_avx2(const void *src, void *dst, size_t n, double inv, un
  * the way out, subnormal halves included.  A product of two halves is
  * never a float32 subnormal (the smallest is 2^-48), so DAZ/FTZ cannot
  * change it either. */
-LS_INLINE int unscale1_f16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
-{
-    uint16_t in = *x;
-    uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
-    *y = out;
-    return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
-}
-
 LS_INLINE __m128i unscale8_f16(const uint16_t *x, uint16_t *y, __m256 s, int check_inputs)
 {
     __m128i in = _mm_loadu_si128((const __m128i *)x);
@@ -292,7 +254,7 @@ LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float in
     __m128i worst = _mm_setzero_si128();
     size_t i = 0;
     for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= unscale1_f16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f16(x + i, y + i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
         worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
         worst = _mm_max_epu16(worst, unscale8_f16(x + i + 8, y + i + 8, s, check_inputs));
@@ -302,7 +264,7 @@ LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float in
     for (; n - i >= 8; i += 8)
         worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= unscale1_f16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f16(x + i, y + i, inv, check_inputs);
     return !bad1 && !_mm_movemask_epi8(_mm_cmpgt_epi16(worst, _mm_set1_epi16(0x7bff)));
 }
 
@@ -314,14 +276,6 @@ static int unscale_f16_avx2(const void *src, void *dst, size_t n, double inv, un
 }
 
 /* -------------------------------------------------------------- bfloat16 */
-
-LS_INLINE int unscale1_bf16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
-{
-    uint16_t in = *x;
-    uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
-    *y = out;
-    return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
-}
 
 /* ls_f32_to_bf16 on eight lanes, the result in the low half of each 32-bit
  * lane.  Its NaN case is not needed: a NaN product of a bfloat16 has its
@@ -357,7 +311,7 @@ LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float i
     __m256i worst = _mm256_setzero_si256();
     size_t i = 0;
     for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= unscale1_bf16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_bf16(x + i, y + i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
         worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
         worst = _mm256_max_epu16(worst, unscale16_bf16(x + i + 16, y + i + 16, s, check_inputs));
@@ -365,7 +319,7 @@ LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float i
     for (; n - i >= 16; i += 16)
         worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= unscale1_bf16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_bf16(x + i, y + i, inv, check_inputs);
     return !bad1 && !any_above16(worst, 0x7f7f);
 }
 

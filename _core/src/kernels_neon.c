@@ -125,17 +125,6 @@ static int check_f64_neon(const void *src, size_t n)
 
 /* --------------------------------------------------------------- float32 */
 
-LS_INLINE int unscale1_f32(const float *x, float *y, float s, int check_inputs)
-{
-    float in = *x;
-    float out = in * s;
-    *y = out;
-    uint32_t u;
-    float probe = check_inputs ? in : out;
-    memcpy(&u, &probe, sizeof u);
-    return (u & 0x7f800000u) == 0x7f800000u;
-}
-
 LS_INLINE uint32x4_t unscale4_f32(const float *x, float *y, float32x4_t s, int check_inputs)
 {
     float32x4_t in = vld1q_f32(x);
@@ -159,7 +148,7 @@ LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int
         worst = vmaxq_u32(worst, unscale4_f32(x + i, y + i, s, check_inputs));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= unscale1_f32(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f32(x + i, y + i, inv, check_inputs);
     return !bad1 && vmaxvq_u32(worst) < 0x7f800000u;
 }
 
@@ -171,17 +160,6 @@ static int unscale_f32_neon(const void *src, void *dst, size_t n, double inv, un
 }
 
 /* --------------------------------------------------------------- float64 */
-
-LS_INLINE int unscale1_f64(const double *x, double *y, double s, int check_inputs)
-{
-    double in = *x;
-    double out = in * s;
-    *y = out;
-    uint64_t u;
-    double probe = check_inputs ? in : out;
-    memcpy(&u, &probe, sizeof u);
-    return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-}
 
 LS_INLINE uint64x2_t unscale2_f64(const double *x, double *y, float64x2_t s, int check_inputs)
 {
@@ -206,7 +184,7 @@ LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, 
         reached = note_reached64(reached, unscale2_f64(x + i, y + i, s, check_inputs));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= unscale1_f64(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f64(x + i, y + i, inv, check_inputs);
     return !bad1 && !any_reached64(reached);
 }
 
@@ -221,14 +199,6 @@ static int unscale_f64_neon(const void *src, void *dst, size_t n, double inv, un
 
 /* A product of two halves is never a float32 subnormal (the smallest is
  * 2^-48), so FPCR.FZ cannot change it. */
-LS_INLINE int unscale1_f16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
-{
-    uint16_t in = *x;
-    uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
-    *y = out;
-    return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
-}
-
 LS_INLINE uint16x8_t unscale8_f16(const uint16_t *x, uint16_t *y, float32x4_t s, int check_inputs)
 {
     uint16x8_t in = vld1q_u16(x);
@@ -255,7 +225,7 @@ LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float in
         worst = vmaxq_u16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= unscale1_f16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f16(x + i, y + i, inv, check_inputs);
     return !bad1 && vmaxvq_u16(worst) < 0x7c00u;
 }
 
@@ -267,14 +237,6 @@ static int unscale_f16_neon(const void *src, void *dst, size_t n, double inv, un
 }
 
 /* -------------------------------------------------------------- bfloat16 */
-
-LS_INLINE int unscale1_bf16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
-{
-    uint16_t in = *x;
-    uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
-    *y = out;
-    return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
-}
 
 /* ls_f32_to_bf16 on four lanes, before the narrowing shift.  Its NaN case
  * is not needed: a NaN product of a bfloat16 has its low 16 bits clear (the
@@ -313,7 +275,7 @@ LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float i
         worst = vmaxq_u16(worst, unscale8_bf16(x + i, y + i, s, check_inputs));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= unscale1_bf16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_bf16(x + i, y + i, inv, check_inputs);
     return !bad1 && vmaxvq_u16(worst) < 0x7f80u;
 }
 
