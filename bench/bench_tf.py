@@ -91,17 +91,11 @@ def import_torch(threads):
 
 # ------------------------------------------------------------ the methods
 
-def tf_methods(tf, arrays, in_graph=False):
-    """name -> zero-argument callable running one step with TensorFlow.
-
-    With ``in_graph`` the gradients are made inside the function from its
-    argument (tiny lists: one ``tf.split`` of a flat tensor; big ones: a
-    fresh buffer per tensor, as backprop would leave them) and
-    ``producer`` makes them without the step, to be subtracted.
-    """
+def loss_scale_steps(tf):
+    """The two ways of doing one step's loss-scale work on a gradient list,
+    each with its own state: ``(native_step, composite_step, reference)``;
+    a step maps gradients to ``(unscaled, should_apply)``."""
     import warnings
-
-    import numpy as np
 
     from lossscale import ops
 
@@ -120,6 +114,21 @@ def tf_methods(tf, arrays, in_graph=False):
         inv = 1.0 / reference()
         outs = [g * tf.cast(inv, g.dtype) for g in gs]
         return outs, reference.update(outs)[1]
+
+    return native_step, composite_step, reference
+
+
+def tf_methods(tf, arrays, in_graph=False):
+    """name -> zero-argument callable running one step with TensorFlow.
+
+    With ``in_graph`` the gradients are made inside the function from its
+    argument (tiny lists: one ``tf.split`` of a flat tensor; big ones: a
+    fresh buffer per tensor, as backprop would leave them) and
+    ``producer`` makes them without the step, to be subtracted.
+    """
+    import numpy as np
+
+    native_step, composite_step, _ = loss_scale_steps(tf)
 
     if not in_graph:
         grads = [tf.constant(a) for a in arrays]
@@ -298,26 +307,17 @@ def memory_child(method, situation, values):
 
     threads = machine_threads()
     tf = import_tf(threads)
-    from lossscale import ops
-
-    scale = tf.Variable(2.0 ** 15)
-    counter = tf.Variable(0, dtype=tf.int64)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = tf.compat.v1.mixed_precision.DynamicLossScale(
-            initial_loss_scale=2.0 ** 15, increment_period=10 ** 9)
+    native_step, composite_step, reference = loss_scale_steps(tf)
 
     def step(g):
         if method == "producer":       # the gradient alone, consumed
             return tf.reduce_sum(g[:1]), tf.constant(True)
         if method == "native":
-            (u,), finite = ops.unscale_and_check([g], scale)
-            return tf.reduce_sum(u[:1]), ops.update_loss_scale(finite, scale, counter)
+            (u,), finite = native_step([g])
+            return tf.reduce_sum(u[:1]), finite
         if method == "composite":      # TF 2.4: multiply, then the update checks
-            u = g * tf.cast(1.0 / reference(), g.dtype)
-            return tf.reduce_sum(u[:1]), reference.update([u])[1]
+            (u,), finite = composite_step([g])
+            return tf.reduce_sum(u[:1]), finite
         if method == "composite_check_first":  # Keras 3 order: check, then divide
             finite = tf.reduce_all(tf.math.is_finite(g))
             u = g / reference()
