@@ -14,8 +14,6 @@ TensorFlow's CPU kernels flush subnormals, so the float32 models below
 flush too (it only matters once a scale without a floor falls under 2^-126).
 """
 
-import math
-
 import numpy as np
 import pytest
 
@@ -23,25 +21,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from lossscale import _native  # noqa: E402
-
-F32 = np.float32
-TINY = float(np.finfo(np.float32).tiny)
-
-
-def ftz(x):
-    """float32 value with TensorFlow's flush-to-zero applied."""
-    x = F32(x)
-    return F32(math.copysign(0.0, x)) if x != 0 and abs(x) < TINY else x
-
-
-def f32_mul(a, b):
-    with np.errstate(all="ignore"):
-        return ftz(ftz(a) * ftz(b))
-
-
-def f32_div(a, b):
-    with np.errstate(all="ignore"):
-        return ftz(ftz(a) / ftz(b))
+from rule_model import F32, ftz, keras3_step, tf24_step  # noqa: E402
 
 
 def random_flags(n, p_finite, seed, bursts=False):
@@ -210,21 +190,15 @@ def keras_reference(flags, initial, growth_steps):
 
 
 def keras_model(flags, initial, growth_steps):
-    """keras.optimizers.LossScaleOptimizer's documented rule in numpy float32:
-    finite: counter == growth_steps - 1 ? (scale * 2, 0) : counter + 1;
-    non-finite: scale * 0.5, counter 0.  No floor, no cap."""
-    scale, counter = ftz(initial), 0
+    """Keras 3's rule of ``rule_model`` (grow x2 when counter == growth_steps
+    - 1, halve on overflow, no floor, no cap), step by step: scale and
+    counter after every step."""
+    state = (ftz(initial), 0, 0, 0)
     scales, counters = [], []
     for f in flags:
-        if f:
-            if counter == growth_steps - 1:
-                scale, counter = f32_mul(scale, 2.0), 0
-            else:
-                counter += 1
-        else:
-            scale, counter = f32_mul(scale, 0.5), 0
-        scales.append(scale)
-        counters.append(counter)
+        state = keras3_step(state, f, period=growth_steps)
+        scales.append(state[0])
+        counters.append(state[1])
     return np.array(scales, dtype=np.float32), np.array(counters, dtype=np.int64)
 
 
@@ -272,39 +246,15 @@ def test_keras3_rule_matches_numpy_model_long(growth):
 
 def extended_model(flags, initial, period=2000, multiplier=2.0, backoff_factor=None,
                    min_loss_scale=1.0, max_loss_scale=None, hysteresis=1):
-    """The TF 2.4 rule with the header's extensions, in float32:
-
-    finite:     overflow run := 0; if good + 1 >= period: grown = scale * multiplier,
-                capped at max_loss_scale, taken if finite, good := 0; else good += 1.
-    non-finite: good := 0, skipped += 1, run += 1; when run reaches hysteresis:
-                run := 0, scale = max(scale * backoff_factor or scale / multiplier,
-                min_loss_scale).
-    """
-    cap = np.inf if max_loss_scale is None else F32(max_loss_scale)
-    scale, good, run, skipped = ftz(initial), 0, 0, 0
+    """The extended TF 2.4 rule of ``rule_model``, step by step: arrays of
+    scale, good steps, overflow run and skipped count after every step."""
+    state = (ftz(initial), 0, 0, 0)
     rows = []
     for f in flags:
-        if f:
-            run = 0
-            if good + 1 >= period:
-                grown = f32_mul(scale, multiplier)
-                if grown > cap:
-                    grown = F32(cap)
-                if np.isfinite(grown):
-                    scale = grown
-                good = 0
-            else:
-                good += 1
-        else:
-            good = 0
-            skipped += 1
-            run += 1
-            if run >= hysteresis:
-                run = 0
-                lowered = (f32_mul(scale, backoff_factor) if backoff_factor is not None
-                           else f32_div(scale, multiplier))
-                scale = lowered if lowered >= F32(min_loss_scale) else F32(min_loss_scale)
-        rows.append((scale, good, run, skipped))
+        state = tf24_step(state, f, period=period, multiplier=multiplier,
+                          backoff_factor=backoff_factor, min_loss_scale=min_loss_scale,
+                          max_loss_scale=max_loss_scale, hysteresis=hysteresis)
+        rows.append(state)
     s, g, r, k = zip(*rows)
     return np.array(s, dtype=np.float32), np.array(g), np.array(r), np.array(k)
 

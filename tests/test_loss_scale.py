@@ -20,6 +20,7 @@ from tensorflow.python.util import deprecation
 import lossscale
 from lossscale import loss_scale as ls_module
 from lossscale import ops
+from rule_model import tf24_step
 
 INF = float("inf")
 NAN = float("nan")
@@ -567,42 +568,18 @@ EXTENSION_CASES = [
 ]
 
 
-def flush(x):
-    """TensorFlow's CPU float32 arithmetic flushes subnormal results to zero."""
-    return np.float32(0.0) if abs(x) < np.finfo(np.float32).tiny else x
-
-
 def extension_model(kwargs, flags):
-    """The documented rule, in numpy float32: (scale, good, run, skipped, apply) per step."""
-    initial = np.float32(kwargs.get("initial_loss_scale", 2.0**15))
-    period = kwargs.get("increment_period", 2000)
-    mult = np.float32(kwargs.get("multiplier", 2.0))
-    floor = np.float32(kwargs.get("min_loss_scale", 1.0))
-    cap = kwargs.get("max_loss_scale")
-    backoff = kwargs.get("backoff_factor")
-    hysteresis = kwargs.get("hysteresis", 1)
-    scale, good, run, skipped = initial, 0, 0, 0
-    with np.errstate(over="ignore"):
-        for finite in flags:
-            if finite:
-                run = 0
-                if good + 1 >= period:
-                    grown = flush(np.float32(scale * mult))
-                    if cap is not None and grown > np.float32(cap):
-                        grown = np.float32(cap)
-                    if np.isfinite(grown):
-                        scale = grown
-                    good = 0
-                else:
-                    good += 1
-            else:
-                good, skipped, run = 0, skipped + 1, run + 1
-                if run >= hysteresis:
-                    run = 0
-                    lowered = flush(np.float32(scale * np.float32(backoff)) if backoff is not None
-                                    else np.float32(scale / mult))
-                    scale = max(lowered, floor)
-            yield bits(scale), good, run, skipped, bool(finite)
+    """The documented rule (``rule_model``): (scale, good, run, skipped, apply) per step."""
+    state = (np.float32(kwargs.get("initial_loss_scale", 2.0**15)), 0, 0, 0)
+    for finite in flags:
+        state = tf24_step(state, finite, period=kwargs.get("increment_period", 2000),
+                          multiplier=kwargs.get("multiplier", 2.0),
+                          backoff_factor=kwargs.get("backoff_factor"),
+                          min_loss_scale=kwargs.get("min_loss_scale", 1.0),
+                          max_loss_scale=kwargs.get("max_loss_scale"),
+                          hysteresis=kwargs.get("hysteresis", 1))
+        scale, good, run, skipped = state
+        yield bits(scale), good, run, skipped, bool(finite)
 
 
 @pytest.mark.parametrize("extensions", EXTENSION_CASES,

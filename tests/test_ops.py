@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from lossscale import _loader, ops
+from rule_model import keras3_step, tf24_step
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -432,26 +433,13 @@ def test_keras3_rule_matches_stock_keras_optimizer(counter_dtype):
 
 
 def model_step(state, finite, *, rule="tf24", period=2000, multiplier=2.0, backoff=None,
-               min_scale=1.0, max_scale=np.inf, hysteresis=1):
-    """The documented rule in numpy float32 (IEEE; the tests keep scales normal)."""
-    scale, good, run, skipped = state
-    f32 = np.float32
+               min_scale=1.0, max_scale=None, hysteresis=1):
+    """The documented rule (``rule_model``), one step."""
     if rule == "keras3":
-        if finite:
-            if good == period - 1:
-                return f32(scale * f32(multiplier)), 0, run, skipped
-            return scale, good + 1, run, skipped
-        return f32(scale / f32(multiplier)), 0, run, skipped + 1
-    if finite:
-        if good + 1 >= period:
-            grown = min(f32(scale * f32(multiplier)), f32(max_scale))
-            return (grown if np.isfinite(grown) else scale), 0, 0, skipped
-        return scale, good + 1, 0, skipped
-    run += 1
-    if run < hysteresis:
-        return scale, 0, run, skipped + 1
-    lowered = f32(scale * f32(backoff)) if backoff else f32(scale / f32(multiplier))
-    return max(lowered, f32(min_scale)), 0, 0, skipped + 1
+        return keras3_step(state, finite, period=period, multiplier=multiplier)
+    return tf24_step(state, finite, period=period, multiplier=multiplier,
+                     backoff_factor=backoff, min_loss_scale=min_scale,
+                     max_loss_scale=max_scale, hysteresis=hysteresis)
 
 
 @pytest.mark.parametrize("config", [
