@@ -127,6 +127,9 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     @optimizer_module._plain_python  # pylint: disable=protected-access
     def get_scaled_loss(self, loss):
         """``loss`` times the loss scale, in the loss's dtype; a callable gives a callable."""
+        if not callable(loss) and not hasattr(loss, "dtype"):
+            raise TypeError(f"get_scaled_loss: loss must be a tensor or a callable returning "
+                            f"one, got {type(loss).__name__}.")
         if callable(loss):
             def scaled_loss():
                 value = loss()
@@ -137,8 +140,12 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     @optimizer_module._plain_python  # pylint: disable=protected-access
     def get_unscaled_gradients(self, grads):
         """Every gradient times ``1 / loss_scale`` (None kept), in one native op."""
-        self._next_gradients_scaled = False
+        if grads is None or isinstance(grads, (tf.Tensor, tf.IndexedSlices, str, bytes)) \
+                or not hasattr(grads, "__iter__"):
+            raise TypeError(f"get_unscaled_gradients: grads must be a list of gradients, "
+                            f"got {type(grads).__name__}.")
         unscaled, _ = native_ops.unscale_and_check(list(grads), self.loss_scale)
+        self._next_gradients_scaled = False
         return list(unscaled)
 
     @optimizer_module._plain_python  # pylint: disable=protected-access
@@ -163,8 +170,15 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self.iterations
+        for i, pair in enumerate(grads_and_vars):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"apply_gradients: item {i} is a {type(pair).__name__}, not "
+                                "a (gradient, variable) pair.")
         grads = [g for g, _ in grads_and_vars]
         trainable_variables = [v for _, v in grads_and_vars]
+        # Before the loss scale moves: a mistake leaves every state as it was.
+        optimizer_module._check_gradients(  # pylint: disable=protected-access
+            grads, trainable_variables, "apply_gradients")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -220,6 +234,10 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        if not isinstance(config, dict) or not ("optimizer" in config
+                                                or "inner_optimizer" in config):
+            raise ValueError(f"{cls.__name__}.from_config: config must be a dict with an "
+                             f"'optimizer' entry, got {config!r}.")
         config = dict(config)
         if "inner_optimizer" in config:
             # The form of TensorFlow 2.4's non-experimental optimizer.

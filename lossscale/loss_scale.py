@@ -18,6 +18,7 @@ import abc
 import math
 import numbers
 
+import numpy as np
 import tensorflow as tf
 
 from lossscale import ops
@@ -164,7 +165,15 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
 
     @classmethod
     def from_config(cls, config):
-        """Creates the loss scale from its config."""
+        """Creates the loss scale from its config.
+
+        Raises:
+          ValueError: ``config`` is not a dict with string keys.
+          TypeError: a key is not an argument of the class (named in the message).
+        """
+        if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+            raise ValueError(f"{cls.__name__}.from_config: config must be a dict of "
+                             f"arguments, got {config!r}.")
         return cls(**config)
 
 
@@ -199,8 +208,11 @@ class FixedLossScale(LossScale):
             raise ValueError("loss_scale_value must be a Python int or float.")
         if loss_scale_value < 1:
             raise ValueError("loss_scale_value must be at least 1.")
-        if not math.isfinite(loss_scale_value):
+        if loss_scale_value != loss_scale_value or loss_scale_value == math.inf:  # NaN or inf
             raise ValueError(f"loss_scale_value must be finite, got {loss_scale_value}.")
+        if loss_scale_value > _FLOAT32_MAX:
+            # The scale is a float32 tensor: this one would be inf.
+            raise ValueError(f"loss_scale_value must fit in float32, got {loss_scale_value}.")
         # A Python float, not a tensor: a tensor made here could live on
         # another device or in another graph than where it is used.
         self._loss_scale_value = float(loss_scale_value)
@@ -223,13 +235,26 @@ def _check_float(name, value, *, minimum=None, exclusive=False, below=None, allo
     """``float(value)``, or a ValueError naming the argument and the rule it breaks."""
     if not _is_real_number(value):
         raise ValueError(f"{name} must be a Python int or float, got {value!r}.")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{name} must be finite, got an int too large for a float.") from None
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
         raise ValueError(f"{name} must be finite, got {value}.")
     if minimum is not None and (value <= minimum if exclusive else value < minimum):
         raise ValueError(f"{name} must be {'>' if exclusive else '>='} {minimum}, got {value}.")
     if below is not None and not value < below:
         raise ValueError(f"{name} must be < {below}, got {value}.")
+    return value
+
+
+def _check_float32(name, value):
+    """``value`` (already checked positive) stays positive and finite in float32,
+    the dtype the native step computes in."""
+    as_float32 = float(np.float32(value))
+    if not 0.0 < as_float32 < math.inf:
+        raise ValueError(f"{name} must be a positive float32, got {value} "
+                         f"(in float32: {as_float32}).")
     return value
 
 
@@ -365,11 +390,14 @@ class DynamicLossScale(LossScale):
         if self._initial_loss_scale > _FLOAT32_MAX:
             raise ValueError(f"initial_loss_scale must fit in float32, got "
                              f"{self._initial_loss_scale}.")
+        _check_float32("initial_loss_scale", self._initial_loss_scale)
         self._increment_period = _check_int("increment_period", increment_period, 1)
-        self._multiplier = _check_float("multiplier", multiplier, minimum=0.0, exclusive=True)
+        self._multiplier = _check_float32(
+            "multiplier", _check_float("multiplier", multiplier, minimum=0.0, exclusive=True))
         # A floor of 0 would let the scale reach 0, where growth never lifts it.
-        self._min_loss_scale = _check_float("min_loss_scale", min_loss_scale,
-                                            minimum=0.0, exclusive=True)
+        self._min_loss_scale = _check_float32(
+            "min_loss_scale", _check_float("min_loss_scale", min_loss_scale,
+                                           minimum=0.0, exclusive=True))
         if max_loss_scale is not None:
             max_loss_scale = _check_float("max_loss_scale", max_loss_scale, allow_inf=True)
             if math.isinf(max_loss_scale):
@@ -380,12 +408,17 @@ class DynamicLossScale(LossScale):
             elif max_loss_scale < self._initial_loss_scale:
                 raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= "
                                  f"initial_loss_scale ({self._initial_loss_scale}).")
+            else:
+                _check_float32("max_loss_scale", max_loss_scale)
         self._max_loss_scale = max_loss_scale
         if backoff_factor is not None:
-            backoff_factor = _check_float("backoff_factor", backoff_factor,
-                                          minimum=0.0, exclusive=True, below=1.0)
+            backoff_factor = _check_float32(
+                "backoff_factor", _check_float("backoff_factor", backoff_factor,
+                                               minimum=0.0, exclusive=True, below=1.0))
         self._backoff_factor = backoff_factor
         self._hysteresis = _check_int("hysteresis", hysteresis, 1)
+        if not isinstance(count_skipped_steps, (bool, np.bool_)):
+            raise ValueError(f"count_skipped_steps must be a bool, got {count_skipped_steps!r}.")
         self._count_skipped_steps = bool(count_skipped_steps)
 
     @classmethod
@@ -595,6 +628,8 @@ def deserialize(config, custom_objects=None):
     """
     if config is None:
         return None
+    if custom_objects is not None and not isinstance(custom_objects, dict):
+        raise ValueError(f"custom_objects must be a dict {{name: class}}, got {custom_objects!r}")
     classes = dict(_BUILTIN_CLASSES)
     classes.update(custom_objects or {})
     if isinstance(config, str):
@@ -605,10 +640,16 @@ def deserialize(config, custom_objects=None):
         return cls()
     if not isinstance(config, dict) or "class_name" not in config or "config" not in config:
         raise ValueError(f"Improper config format: {config}")
+    if not isinstance(config["class_name"], str) or not isinstance(config["config"], dict):
+        raise ValueError(f"Improper config format: {config} ('class_name' must be a string "
+                         "and 'config' a dict)")
     cls = classes.get(config["class_name"])
     if cls is None:
         raise ValueError(f"Unknown loss scale: {config['class_name']}. Please ensure this "
                          "object is passed to the `custom_objects` argument.")
+    if not callable(getattr(cls, "from_config", None)):
+        raise ValueError(f"custom_objects[{config['class_name']!r}] is {cls!r}, not a loss-scale "
+                         "class with a from_config method.")
     return cls.from_config(dict(config["config"]))
 
 

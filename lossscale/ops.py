@@ -53,6 +53,7 @@ __all__ = ["native_available", "unscale_and_check", "all_finite", "update_loss_s
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _RULES = ("tf24", "keras3")
+_INT64_MAX = 2**63 - 1
 _OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
              "LossScaleDebugBufferAddress")
 
@@ -305,6 +306,8 @@ def _int_arg(name, value, minimum):
         raise TypeError(f"update_loss_scale: {name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"update_loss_scale: {name} must be >= {minimum}, got {value}")
+    if value > _INT64_MAX:
+        raise ValueError(f"update_loss_scale: {name} must be <= 2**63 - 1, got {value}")
     return int(value)
 
 

@@ -53,6 +53,7 @@ _StockLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _plain_python = tf.autograph.experimental.do_not_convert
 
 _DEFAULT_INITIAL_SCALE = 2.0**15
+_FLOAT32_MAX = 3.4028234663852886e38
 _DEFAULT_GROWTH_STEPS = 2000
 
 # float32 exponent field of a scale whose reciprocal is a normal float32.
@@ -153,6 +154,59 @@ def _copy_on(variable, device):
     raise ValueError(f"no copy of {variable.name} on {device}")
 
 
+def _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_steps):
+    """Clear errors for what the stock optimizer would only trip over later."""
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"inner_optimizer must be a keras.optimizers.Optimizer, got "
+                        f"{type(inner_optimizer).__name__}.")
+    if isinstance(initial_scale, bool) or not isinstance(initial_scale, numbers.Real):
+        raise ValueError(f"initial_scale must be a Python int or float, got {initial_scale!r}.")
+    if not 0.0 < float(initial_scale) <= _FLOAT32_MAX:
+        raise ValueError(f"initial_scale must be a positive finite float32, got "
+                         f"{initial_scale!r}.")
+    if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps,
+                                                                numbers.Real):
+        raise ValueError(f"dynamic_growth_steps must be an integer, got "
+                         f"{dynamic_growth_steps!r}.")
+
+
+def _is_gradient_like(grad):
+    return isinstance(grad, (tf.Tensor, tf.IndexedSlices, tf.Variable, keras.Variable)) or (
+        hasattr(grad, "dtype") and hasattr(grad, "shape"))
+
+
+def _check_gradients(grads, trainable_variables, caller):
+    """Every gradient fits its variable: checked before any state moves, so a
+    mistake raises with the optimizer, the scale and every variable as they were."""
+    if len(grads) != len(trainable_variables):
+        raise ValueError(f"{caller}: got {len(grads)} gradients for "
+                         f"{len(trainable_variables)} variables; they must pair up one to one.")
+    for i, (g, v) in enumerate(zip(grads, trainable_variables)):
+        if g is None:
+            continue
+        if not _is_gradient_like(g):
+            try:
+                g = tf.convert_to_tensor(g)
+            except (TypeError, ValueError):
+                raise TypeError(f"{caller}: gradient {i} is a {type(g).__name__}, not a "
+                                "tensor, IndexedSlices or None.") from None
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        dtype = tf.as_dtype(values.dtype)
+        if not (dtype.is_floating or dtype.is_integer):
+            raise TypeError(f"{caller}: gradient {i} has dtype {dtype.name}; expected a "
+                            "floating-point gradient.")
+        var_shape = tf.TensorShape(v.shape)
+        grad_shape = tf.TensorShape(values.shape)
+        if isinstance(g, tf.IndexedSlices):
+            compatible = (grad_shape.rank is None or var_shape.rank is None
+                          or grad_shape[1:].is_compatible_with(var_shape[1:]))
+        else:
+            compatible = grad_shape.is_compatible_with(var_shape)
+        if not compatible:
+            raise ValueError(f"{caller}: gradient {i} has shape {grad_shape}, its variable "
+                             f"{getattr(v, 'name', i)!r} has shape {var_shape}.")
+
+
 def _growth_steps_supported(steps):
     return (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
             and 1 <= steps <= 2**63 - 1)
@@ -196,6 +250,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def __init__(self, inner_optimizer, initial_scale=_DEFAULT_INITIAL_SCALE,
                  dynamic_growth_steps=_DEFAULT_GROWTH_STEPS, name=None, *,
                  loss_scale=None, **kwargs):
+        _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_steps)
         if loss_scale is not None:
             loss_scale = loss_scale_module.get(loss_scale)
             if not isinstance(loss_scale, loss_scale_module.LossScale):
@@ -340,6 +395,40 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def _skip_step(self):
         if self._skipped_steps_advance_iterations:
             self.inner_optimizer._iterations.assign_add(1)  # pylint: disable=protected-access
+
+    def apply(self, grads, trainable_variables=None):
+        if isinstance(grads, (tf.Tensor, tf.IndexedSlices, str, bytes)) or not hasattr(
+                grads, "__iter__"):
+            raise TypeError(f"apply: grads must be a list of gradients, got "
+                            f"{type(grads).__name__}.")
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            _check_gradients(grads, trainable_variables, "apply")
+        elif self.built and grads:
+            _check_gradients(grads, self._trainable_variables, "apply")
+        return super().apply(grads, trainable_variables)
+
+    def apply_gradients(self, grads_and_vars):
+        pairs = list(grads_and_vars)
+        if not pairs:
+            raise ValueError("apply_gradients: grads_and_vars is empty; expected "
+                             "(gradient, variable) pairs.")
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"apply_gradients: item {i} is a {type(pair).__name__}, not "
+                                "a (gradient, variable) pair.")
+        grads, trainable_variables = zip(*pairs)
+        self.apply(list(grads), list(trainable_variables))
+        # As the stock one: this optimizer's own counter, for compat with tf.keras.
+        return self._iterations
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        if not isinstance(config, dict) or "inner_optimizer" not in config:
+            raise ValueError(f"{cls.__name__}.from_config: config must be a dict with an "
+                             f"'inner_optimizer' entry, got {config!r}.")
+        return super().from_config(dict(config), custom_objects=custom_objects)
 
     @_plain_python
     def _common_apply(self, grads, trainable_variables=None):

@@ -116,6 +116,9 @@ class Policy(keras.DTypePolicy):
             serialized loss scale or any ``lossscale.loss_scale.get`` identifier).
           custom_objects: ``{name: class}`` for loss-scale classes of your own.
         """
+        if not isinstance(config, dict):
+            raise ValueError(f"Policy.from_config: config must be a dict such as "
+                             f"{{'name': 'mixed_float16'}}, got {config!r}")
         config = dict(config)
         if isinstance(config.get("loss_scale"), dict):
             config["loss_scale"] = loss_scale_module.deserialize(
