@@ -141,7 +141,7 @@ def test_sixteen_python_threads_with_the_pool_on(two_core_threads):
     assert any(r[1] and not r[2] for r in serial), "no job overflows on unscaling"
     originals = [[a.copy() for a in arrays] for arrays, _ in jobs]
 
-    def worker(t, rounds=12):
+    def worker(t, rounds=40):
         arrays, scale = jobs[t]
         for r in range(rounds):
             assert_same_result(core_call(arrays, scale), serial[t], (t, r))
@@ -166,7 +166,7 @@ def test_thread_count_changed_under_running_calls():
             i += 1
 
     def worker(t):
-        for r in range(8):
+        for r in range(16):
             assert_same_result(core_call(*jobs[t]), serial[t], (t, r))
 
     flipper = threading.Thread(target=changer)
@@ -243,7 +243,7 @@ def test_fork_while_the_pool_is_busy():
     parent's workers run (and the pool's lock is held) unscales correctly
     and does not deadlock."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "12"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "20"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "forks failed: 0" in proc.stdout
@@ -313,7 +313,7 @@ def test_tf_functions_from_many_threads_match_serial_and_tensorflow():
     finite = tf.function(lambda g: ops.all_finite(g))
 
     def worker(t):
-        for r in range(6):
+        for r in range(20):
             got = calls(t)
             results[t, r] = got
             assert got[1::2] == serial[t][1::2], (t, r)
@@ -321,7 +321,7 @@ def test_tf_functions_from_many_threads_match_serial_and_tensorflow():
                 assert all(same_bits(a, b) for a, b in zip(got[i], serial[t][i])), (t, r, i)
 
     run_threads(worker, [(t,) for t in range(len(jobs))])
-    assert len(results) == 6 * len(jobs)
+    assert len(results) == 20 * len(jobs)
 
 
 def flags_for(t, steps):
@@ -355,7 +355,7 @@ def test_update_ops_on_their_own_variables_from_many_threads():
     """Each thread steps its own loss-scale variables through its own flag
     sequence with one of several tf.functions; every trajectory equals the
     float32 model's, as it does when run alone."""
-    n_threads, steps = 8, 40
+    n_threads, steps = 8, 80
 
     def make(t):
         config = RULES[t % len(RULES)]
@@ -416,7 +416,7 @@ def test_concurrent_updates_of_shared_variables_are_atomic():
     scale = tf.Variable(8.0)
     counter = tf.Variable(0, dtype=tf.int64)
     step = tf.function(lambda f: ops.update_loss_scale(f, scale, counter, increment_period=7))
-    n_threads, per_thread = 8, 60
+    n_threads, per_thread = 8, 100
 
     def worker():
         for _ in range(per_thread):
@@ -440,7 +440,7 @@ def test_core_and_ops_at_the_same_time(two_core_threads):
     fn = tf.function(lambda g, s: ops.unscale_and_check(g, s))
 
     def worker(kind, t):
-        for r in range(6):
+        for r in range(12):
             if kind == "core":
                 assert_same_result(core_call(*core_work[t]), core_serial[t], (t, r))
             else:
