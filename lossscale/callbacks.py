@@ -8,11 +8,19 @@ scale is a run that has diverged.
 """
 
 import math
+import numbers
 import warnings
 
 import keras
 
 __all__ = ["LossScaleMonitor"]
+
+
+def _is_finite(number):
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 def _read(value):
@@ -58,10 +66,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def __init__(self, patience=None, min_scale=None, log_batches=False):
         super().__init__()
         if patience is not None and (
-                isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+                isinstance(patience, bool) or not isinstance(patience, numbers.Integral)
+                or patience < 1):
             raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}.")
         if min_scale is not None and not (
-                isinstance(min_scale, (int, float)) and math.isfinite(min_scale)):
+                isinstance(min_scale, numbers.Real) and not isinstance(min_scale, bool)
+                and _is_finite(min_scale)):
             raise ValueError(f"min_scale must be a finite number or None, got {min_scale!r}.")
         self.patience = patience
         self.min_scale = min_scale

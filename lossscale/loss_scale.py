@@ -251,7 +251,8 @@ def _check_float(name, value, *, minimum=None, exclusive=False, below=None, allo
 def _check_float32(name, value):
     """``value`` (already checked positive) stays positive and finite in float32,
     the dtype the native step computes in."""
-    as_float32 = float(np.float32(value))
+    with np.errstate(over="ignore"):
+        as_float32 = float(np.float32(value))
     if not 0.0 < as_float32 < math.inf:
         raise ValueError(f"{name} must be a positive float32, got {value} "
                          f"(in float32: {as_float32}).")

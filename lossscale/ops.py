@@ -298,7 +298,8 @@ def _float_arg(name, value, default=None):
         value = default
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"update_loss_scale: {name} must be a number, got {value!r}")
-    return float(np.float32(value))
+    with np.errstate(over="ignore"):  # a value beyond float32 is inf, refused by the caller
+        return float(np.float32(value))
 
 
 def _int_arg(name, value, minimum):

@@ -72,6 +72,8 @@ ENTRY_POINTS = (
     "experimental.LossScaleOptimizer",
     "experimental.LossScaleOptimizer.apply_gradients",
     "experimental.LossScaleOptimizer.get_unscaled_gradients",
+    "experimental.set_policy / get_layer_policy",
+    "LossScaleMonitor",
     "checkpoint restore",
 )
 
@@ -110,9 +112,15 @@ def cases(entry, klass, table, errors, match):
 
 # ------------------------------------------------------------- snapshots
 
+class GlobalPolicy:
+    """Stands for Keras's global dtype policy in a list of inputs."""
+
+
 def freeze(x, seen=None):
     """A comparable, deep, value-level picture of ``x``."""
     seen = set() if seen is None else seen
+    if x is GlobalPolicy:
+        return ("global policy", freeze(keras.mixed_precision.global_policy(), seen))
     if isinstance(x, (type(None), bool, int, str, bytes)):
         return x
     if isinstance(x, float):
@@ -129,8 +137,8 @@ def freeze(x, seen=None):
         return ("slices", freeze(x.values, seen), freeze(x.indices, seen),
                 freeze(x.dense_shape, seen))
     if isinstance(x, (tf.Variable, keras.Variable)):
-        value = keras.ops.convert_to_numpy(x) if isinstance(x, keras.Variable) else x.numpy()
-        return ("variable", getattr(x, "name", ""), str(x.dtype), np.asarray(value).tobytes())
+        value = x.value.numpy() if isinstance(x, keras.Variable) else x.numpy()
+        return ("variable", getattr(x, "name", ""), str(x.dtype), value.tobytes())
     if isinstance(x, tf.SparseTensor):
         return ("sparse", freeze(x.indices, seen), freeze(x.values, seen))
     if tf.is_tensor(x):
@@ -1051,6 +1059,44 @@ cases("experimental.LossScaleOptimizer.get_unscaled_gradients", "wrong type", {
 }, TypeError, r"get_scaled_loss: loss must be a tensor or a callable")
 
 
+cases("experimental.set_policy / get_layer_policy", "wrong type", {
+    "set_policy(3)": lambda: ((lambda: ls_experimental.set_policy(3)), [GlobalPolicy]),
+    "set_policy(None)": lambda: ((lambda: ls_experimental.set_policy(None)), [GlobalPolicy]),
+}, ValueError, r"Invalid `policy` argument")
+cases("experimental.set_policy / get_layer_policy", "wrong type", {
+    "get_layer_policy(model variable)": lambda: (lambda v: (
+        (lambda: ls_experimental.get_layer_policy(v)), [v]))(tf.Variable(1.0)),
+    "get_layer_policy(str)": lambda: ((lambda: ls_experimental.get_layer_policy("dense")), []),
+}, ValueError, r"get_policy can only be called on a layer")
+cases("experimental.set_policy / get_layer_policy", "wrong dtype", {
+    "set_policy('float17')": lambda: ((lambda: ls_experimental.set_policy("float17")),
+                                      [GlobalPolicy]),
+    "set_policy('mixed_int8')": lambda: ((lambda: ls_experimental.set_policy("mixed_int8")),
+                                         [GlobalPolicy]),
+}, ValueError, r"Cannot convert '\w+' to a mixed precision DTypePolicy")
+
+Monitor = lossscale.LossScaleMonitor
+cases("LossScaleMonitor", "wrong type", {
+    "patience=str": _construct(Monitor, patience="3"),
+    "patience=float": _construct(Monitor, patience=2.5),
+    "patience=bool": _construct(Monitor, patience=True),
+    "min_scale=str": _construct(Monitor, min_scale="1"),
+    "min_scale=bool": _construct(Monitor, min_scale=True),
+}, ValueError, r"^(patience must be an int >= 1|min_scale must be a finite number) or None")
+cases("LossScaleMonitor", "NaN scale", {
+    "min_scale=nan": _construct(Monitor, min_scale=NAN),
+    "min_scale=np.float32 nan": _construct(Monitor, min_scale=np.float32(NAN)),
+}, ValueError, r"^min_scale must be a finite number or None, got")
+cases("LossScaleMonitor", "inf scale", {
+    "min_scale=inf": _construct(Monitor, min_scale=INF),
+    "min_scale=10**400": _construct(Monitor, min_scale=10 ** 400),
+}, ValueError, r"^min_scale must be a finite number or None, got")
+cases("LossScaleMonitor", "zero scale", {"patience=0": _construct(Monitor, patience=0)},
+      ValueError, r"^patience must be an int >= 1 or None, got 0")
+cases("LossScaleMonitor", "negative scale", {"patience=-5": _construct(Monitor, patience=-5)},
+      ValueError, r"^patience must be an int >= 1 or None, got -5")
+
+
 # ============================================================ checkpoints
 
 def _corrupt(prefix, how):
@@ -1331,6 +1377,16 @@ not_applicable("experimental.LossScaleOptimizer.get_unscaled_gradients",
 not_applicable("experimental.LossScaleOptimizer.get_unscaled_gradients", _BUFFERS, _CONVERTED)
 not_applicable("experimental.LossScaleOptimizer.get_unscaled_gradients",
                ("corrupted config", "corrupted checkpoint"), "reads no config or checkpoint")
+not_applicable("experimental.set_policy / get_layer_policy",
+               _SCALES + ("empty list", "mismatched lists") + _BUFFERS,
+               "takes one policy name or layer")
+not_applicable("experimental.set_policy / get_layer_policy",
+               ("corrupted config", "corrupted checkpoint"), "reads no config or checkpoint")
+not_applicable("LossScaleMonitor", ("wrong dtype",), "takes Python numbers")
+not_applicable("LossScaleMonitor", ("empty list", "mismatched lists") + _BUFFERS,
+               "takes numbers, no list or buffer")
+not_applicable("LossScaleMonitor", ("corrupted config", "corrupted checkpoint"),
+               "a callback with no config of its own and no state to restore")
 not_applicable("checkpoint restore", [k for k in CLASSES if k != "corrupted checkpoint"],
                "reads a checkpoint; its other inputs are the live objects")
 
