@@ -1,0 +1,333 @@
+"""Kill and resume: a training process killed at a random step ends, once
+restarted from its last checkpoint, exactly where an uninterrupted run ends.
+
+The training process is this file run as a script.  It trains four copies
+of a small mixed_float16 model in lockstep, one per loss-scale path:
+
+* ``keras``: ``lossscale.LossScaleOptimizer`` (the Keras 3 rule),
+* ``stock``: ``keras.optimizers.LossScaleOptimizer``, the oracle of ``keras``,
+* ``tf24``: TensorFlow 2.4's custom loop on ``lossscale.experimental``,
+  whose skipped steps advance ``iterations``,
+* ``extensions``: ``DynamicLossScale`` with hysteresis, a floor and a
+  skipped-step counter, so that its extra state is in the checkpoints,
+
+on batches that are a function of the step number alone, with overflow
+injected at known steps (single ones and runs).  Every ``EVERY`` steps it
+saves the models, the optimizers (loss-scale state included) and the step
+number with ``tf.train.CheckpointManager``; on start it restores the latest
+checkpoint, strictly (``assert_consumed``).  It prints a digest of every
+variable after every step.
+
+The test runs it once uninterrupted, and once killed (SIGKILL) twice: at a
+random step, then right after it announces a checkpoint write, so that the
+kill lands in the write.  Both restarts must resume from a complete
+checkpoint, every step they redo must reproduce the uninterrupted run's
+digest, and the final state must be bit-identical to the uninterrupted
+run's.  The kill points come from a seeded generator and are printed.
+"""
+
+import hashlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+STEPS = 150
+EVERY = 7  # not a multiple of the growth period: counters are mid-way at saves
+SEED = 20261130
+LINE_TIMEOUT = 180.0  # seconds to wait for the next progress line (TensorFlow's import included)
+
+
+def overflow_factor(i):
+    """The loss factor of step i: runs of 12 overflows, single ones, float16 overflow."""
+    if 40 <= i % 70 < 52:
+        return (np.inf, np.nan, -np.inf)[i % 3]
+    if i % 11 == 4:
+        return np.inf
+    if i % 13 == 9:
+        return 1e30  # finite float32 loss; its gradient overflows float16
+    return 1.0
+
+
+def batch(i):
+    rng = np.random.default_rng([SEED, i])
+    x = rng.standard_normal((16, 6)).astype(np.float32)
+    return x, np.tanh(x[:, :1] - 0.5 * x[:, 1:2]).astype(np.float32)
+
+
+# ------------------------------------------------------- the training process
+
+def train(directory, out):
+    import keras
+    import tensorflow as tf
+
+    from lossscale import experimental
+    from lossscale.loss_scale import DynamicLossScale
+    from lossscale.optimizer import LossScaleOptimizer
+
+    tf.config.experimental.enable_op_determinism()
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(12, activation="tanh", dtype="mixed_float16"),
+            keras.layers.Dense(1, dtype="float32"),
+        ])
+
+    def loss_of(m, x, y, factor):
+        return tf.reduce_mean(tf.square(tf.cast(m(x, training=True), tf.float32) - y)) * factor
+
+    models = {name: model(0) for name in ("keras", "stock", "tf24", "extensions")}
+    optimizers = {
+        "keras": LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
+                                    dynamic_growth_steps=3),
+        "stock": keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                                     initial_scale=2.0**10,
+                                                     dynamic_growth_steps=3),
+        "tf24": experimental.LossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                                experimental.DynamicLossScale(2.0**10, 3)),
+        "extensions": LossScaleOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            loss_scale=DynamicLossScale(2.0**10, 3, min_loss_scale=2.0, hysteresis=2,
+                                        count_skipped_steps=True)),
+    }
+    for name, opt in optimizers.items():
+        opt.build(models[name].trainable_variables)
+
+    def keras_step(m, opt):
+        @tf.function
+        def step(x, y, factor):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss_of(m, x, y, factor))
+            opt.apply(tape.gradient(scaled, m.trainable_variables), m.trainable_variables)
+        return step
+
+    def tf24_step(m, opt):
+        @tf.function
+        def step(x, y, factor):
+            with tf.GradientTape() as tape:
+                scaled = opt.get_scaled_loss(loss_of(m, x, y, factor))
+            grads = opt.get_unscaled_gradients(tape.gradient(scaled, m.trainable_variables))
+            opt.apply_gradients(zip(grads, m.trainable_variables))
+        return step
+
+    steps = {name: (tf24_step if name == "tf24" else keras_step)(models[name], opt)
+             for name, opt in optimizers.items()}
+    state = {name: list(models[name].variables) + list(opt.variables)
+             for name, opt in optimizers.items()}
+
+    @tf.function
+    def read_all():
+        return {name: [tf.convert_to_tensor(v) for v in variables]
+                for name, variables in state.items()}
+
+    step_number = tf.Variable(0, dtype=tf.int64, trainable=False)
+    # Ballast: a write long enough for a kill to land inside it.
+    ballast = tf.Variable(tf.random.stateless_normal([1 << 22], seed=[1, 2]), trainable=False)
+    checkpoint = tf.train.Checkpoint(
+        step=step_number, ballast=ballast,
+        models=dict(models), optimizers=dict(optimizers))
+    manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_consumed()
+    start = int(step_number.numpy())
+    print(f"restored {start}", flush=True)
+
+    for i in range(start, STEPS):
+        x, y = batch(i)
+        factor = np.float32(overflow_factor(i))
+        for step in steps.values():
+            step(x, y, factor)
+        values = read_all()
+        digest = hashlib.sha1()
+        for name in sorted(values):
+            for v in values[name]:
+                digest.update(v.numpy().tobytes())
+        step_number.assign(i + 1)
+        print(f"step {i} {digest.hexdigest()}", flush=True)
+        if (i + 1) % EVERY == 0:
+            print(f"saving {i + 1}", flush=True)
+            manager.save(checkpoint_number=i + 1)
+            print(f"saved {i + 1}", flush=True)
+
+    values = read_all()
+    arrays = {f"{name}/{k:02d}": v.numpy() for name in values for k, v in enumerate(values[name])}
+    arrays["step"] = step_number.numpy()
+    arrays["scale/keras"] = optimizers["keras"].loss_scale.numpy()
+    arrays["scale/stock"] = optimizers["stock"].dynamic_scale.numpy()
+    arrays["iterations/keras"] = optimizers["keras"].iterations.numpy()
+    arrays["iterations/tf24"] = optimizers["tf24"].iterations.numpy()
+    with open(out + ".tmp", "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(out + ".tmp", out)
+    print("done", flush=True)
+
+
+# ----------------------------------------------------------- the test side
+
+class Trainer:
+    """The training process, its progress lines read on a thread."""
+
+    def __init__(self, directory, out, log):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
+            env.pop(name, None)
+        self.log = log
+        self.lines = []
+        self._queue = queue.Queue()
+        with open(log, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(directory), str(out)],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def stderr_tail(self):
+        with open(self.log, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def next_line(self, timeout=LINE_TIMEOUT):
+        try:
+            line = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no progress for {timeout} s; stderr:\n{self.stderr_tail()}")
+        if line is None:
+            self.proc.wait(timeout=60)
+            raise AssertionError(f"the trainer exited ({self.proc.returncode}) after "
+                                 f"{self.lines[-3:]}; stderr:\n{self.stderr_tail()}")
+        self.lines.append(line)
+        return line
+
+    def until(self, predicate):
+        while True:
+            line = self.next_line()
+            if predicate(line):
+                return line
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+    def finish(self):
+        self.until(lambda line: line == "done")
+        assert self.proc.wait(timeout=60) == 0, self.stderr_tail()
+
+    def digests(self):
+        return dict(line.split()[1:] for line in self.lines if line.startswith("step "))
+
+    def restored(self):
+        (first,) = [line for line in self.lines if line.startswith("restored ")]
+        return int(first.split()[1])
+
+    def saved(self):
+        return [int(line.split()[1]) for line in self.lines if line.startswith("saved ")]
+
+
+def kill_once_written(trainer, directory, prefix, timeout=60.0):
+    """SIGKILLs the trainer as soon as a file of checkpoint ``prefix`` appears
+    (the write has begun); returns the entries of that checkpoint seen then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and trainer.proc.poll() is None:
+        written = sorted(n for n in os.listdir(directory) if n.startswith(prefix))
+        if written:
+            trainer.kill()
+            return written
+        time.sleep(0.0005)
+    trainer.kill()
+    raise AssertionError(f"{prefix} was never written; stderr:\n{trainer.stderr_tail()}")
+
+
+def load(path):
+    with np.load(path) as data:
+        return {k: (data[k].dtype.str, data[k].shape, data[k].tobytes()) for k in data.files}
+
+
+def test_killed_and_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    rng = np.random.default_rng(SEED)
+    kill_step = int(rng.integers(EVERY + 1, STEPS // 2))
+    kill_save = EVERY * int(rng.integers(STEPS // 2 // EVERY + 2, STEPS // EVERY - 1))
+    print(f"seed {SEED}: kill at step {kill_step}, then during the write of checkpoint "
+          f"{kill_save}")
+    trainers = []
+    try:
+        whole = Trainer(tmp_path / "whole", tmp_path / "whole.npz", tmp_path / "whole.log")
+        trainers.append(whole)
+
+        # 1. Killed at a step.
+        first = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "first.log")
+        trainers.append(first)
+        assert first.until(lambda line: line.startswith("restored ")) == "restored 0"
+        first.until(lambda line: line.startswith(f"step {kill_step} "))
+        first.kill()
+        assert first.proc.returncode == -signal.SIGKILL
+        last_saved = max(first.saved(), default=0)
+
+        # 2. Resumed, killed as it writes a checkpoint.
+        second = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "second.log")
+        trainers.append(second)
+        second.until(lambda line: line.startswith("restored "))
+        # From the last checkpoint the first run announced, or one it was
+        # writing when killed; never from scratch, never from a torn one.
+        assert last_saved >= EVERY
+        assert second.restored() in (last_saved, last_saved + EVERY), second.lines
+        second.until(lambda line: line == f"saving {kill_save}")
+        written = kill_once_written(second, tmp_path / "run", f"ckpt-{kill_save}")
+        assert second.proc.returncode == -signal.SIGKILL
+        assert f"saved {kill_save}" not in second.lines
+        print(f"killed with {written} written; left: {sorted(os.listdir(tmp_path / 'run'))}")
+
+        # 3. Resumed to the end.
+        third = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "third.log")
+        trainers.append(third)
+        third.finish()
+        assert third.restored() in (kill_save - EVERY, kill_save), third.lines
+        whole.finish()
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+
+    assert whole.restored() == 0 and len(whole.digests()) == STEPS
+    expected = whole.digests()
+    for run in (first, second, third):
+        redone = run.digests()
+        assert redone, run.lines
+        for step, digest in redone.items():
+            assert digest == expected[step], f"step {step} differs after a restart"
+    assert not os.path.exists(tmp_path / "run.npz.tmp")
+
+    final, reference = load(tmp_path / "run.npz"), load(tmp_path / "whole.npz")
+    assert sorted(final) == sorted(reference)
+    for key in reference:
+        assert final[key] == reference[key], f"{key} differs from the uninterrupted run"
+
+    # The uninterrupted run itself: ours equals stock Keras, variable for
+    # variable, and the schedule exercised skipping.
+    ours = {k.split("/")[1]: v for k, v in reference.items() if k.startswith("keras/")}
+    stock = {k.split("/")[1]: v for k, v in reference.items() if k.startswith("stock/")}
+    assert ours == stock and reference["scale/keras"] == reference["scale/stock"]
+    skipped = sum(not np.isfinite(overflow_factor(i)) for i in range(STEPS))
+    iterations = np.frombuffer(reference["iterations/keras"][2], np.int64)[0]
+    assert iterations <= STEPS - skipped
+    assert np.frombuffer(reference["iterations/tf24"][2], np.int64)[0] == STEPS
+    assert np.frombuffer(reference["step"][2], np.int64)[0] == STEPS
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], sys.argv[2])
