@@ -408,6 +408,9 @@ def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None
         finite = tf.convert_to_tensor(finite, tf.bool)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"update_loss_scale: finite must be a bool scalar: {exc}") from None
+    if finite.dtype != tf.bool:  # a graph tensor is passed through as it is
+        raise TypeError(f"update_loss_scale: finite must be a bool scalar, got dtype "
+                        f"{finite.dtype.name}")
     if finite.shape.rank is not None and finite.shape.rank != 0:
         raise ValueError(f"update_loss_scale: finite must be a scalar, got shape {finite.shape}")
 

@@ -1431,7 +1431,9 @@ def test_every_cell_is_covered_or_explained(record_property):
                     f"input classes = {len(cells)} cells; {len(filled)} applicable, "
                     f"{len(NOT_APPLICABLE)} not applicable (each with its reason); "
                     f"{len(CASES)} cases "
-                    f"({sum(1 for c in CASES if c.xfail)} known TensorFlow limitation)")
+                    f"({sum(1 for c in CASES if c.xfail)} known TensorFlow limitation), "
+                    f"{sum(1 for c in CASES if c.entry in TRACED_ENTRIES)} of them also "
+                    f"inside tf.function")
 
 
 def test_every_class_and_entry_point_has_cases():
@@ -1477,3 +1479,26 @@ def test_valid_elsewhere():
     opt.apply_gradients([])
     assert freeze([opt, variables]) == snapshot
 
+
+
+TRACED_ENTRIES = ("ops.unscale_and_check", "ops.all_finite", "ops.update_loss_scale",
+                  "DynamicLossScale.update", "LossScaleOptimizer.apply",
+                  "experimental.LossScaleOptimizer.apply_gradients",
+                  "experimental.LossScaleOptimizer.get_unscaled_gradients")
+
+
+@pytest.mark.parametrize("bad", [pytest.param(c, id=c.id) for c in CASES
+                                 if c.entry in TRACED_ENTRIES])
+def test_bad_input_inside_tf_function(bad):
+    """The same calls traced by ``tf.function``: the same error, at trace time,
+    and nothing changed."""
+    call, inputs = bad.make()
+    before = freeze(inputs)
+    traced = tf.function(call)
+    with pytest.raises(bad.errors) as info:
+        traced()
+    import re
+    assert re.search(bad.match, str(info.value)), (
+        f"unclear message for {bad.id} in tf.function: {type(info.value).__name__}: "
+        f"{str(info.value)!r}")
+    assert freeze(inputs) == before, f"{bad.id}: a rejected call changed its inputs or state"
