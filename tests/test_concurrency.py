@@ -238,6 +238,7 @@ FORK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_fork_while_the_pool_is_busy():
     """The atfork handler gives a child a fresh pool: a child forked while the
     parent's workers run (and the pool's lock is held) unscales correctly
@@ -450,3 +451,37 @@ def test_core_and_ops_at_the_same_time(two_core_threads):
                 assert all(same_bits(o.numpy(), w) for o, w in zip(out, tf_want[t][0])), (t, r)
 
     run_threads(worker, [("core", t) for t in range(4)] + [("tf", t) for t in range(4)])
+
+
+def test_core_inside_tf_functions_on_tensorflows_threads(two_core_threads):
+    """The core called from TensorFlow's own inter-op threads: independent
+    ``tf.numpy_function`` branches of one graph, several graphs run from
+    several Python threads at once."""
+    jobs = core_jobs(seed=13, n_threads=6)
+    flat = [(a, scale) for arrays, scale in jobs for a in arrays[:2]]
+    want = [(numpy_unscale(a, s), bool(np.isfinite(numpy_unscale(a, s).astype(np.float64)).all()))
+            for a, s in flat]
+
+    def unscale_copy(x, s):
+        y = x.copy()
+        return y, np.bool_(core.unscale_(y, float(s)))
+
+    def branches(inputs):
+        results = []
+        for x, (a, s) in zip(inputs, flat):
+            out, ok = tf.numpy_function(unscale_copy, [x, tf.constant(s, tf.float64)],
+                                        [x.dtype, tf.bool], stateful=False)
+            results.append((out, ok))
+        return results
+
+    graphs = [tf.function(branches) for _ in range(3)]
+    inputs = [tf.constant(a) if a.dtype != BF16 else tf.constant(a, tf.bfloat16)
+              for a, _ in flat]
+
+    def worker(g):
+        for r in range(5):
+            for i, (out, ok) in enumerate(graphs[g](inputs)):
+                assert bool(ok) == want[i][1], (g, r, i)
+                assert same_bits(out.numpy(), want[i][0]), (g, r, i)
+
+    run_threads(worker, [(g,) for g in range(len(graphs))])
