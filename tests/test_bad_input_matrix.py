@@ -17,8 +17,8 @@ The matrix size is reported in the terminal summary of the test run.
 """
 
 import math
-import os
 import pathlib
+import re
 import struct
 
 import keras
@@ -1131,9 +1131,20 @@ FILE_DAMAGE = ("truncated data", "flipped data bytes", "truncated index",
                "flipped index bytes", "missing data file", "empty index")
 
 
+_TMP = []  # the running test's tmp_path (see the autouse fixture below)
+
+
+@pytest.fixture(autouse=True)
+def _tmp_for_checkpoints(tmp_path):
+    _TMP.append(tmp_path)
+    yield
+    _TMP.pop()
+
+
 def _checkpoint_dir():
-    import tempfile
-    return pathlib.Path(tempfile.mkdtemp(prefix="lossscale-bad-ckpt-"))
+    folder = _TMP[-1] / f"ckpt{len(list(_TMP[-1].iterdir()))}"
+    folder.mkdir()
+    return folder
 
 
 def _loss_scale_checkpoint(damage):
@@ -1411,7 +1422,6 @@ def test_bad_input_raises_clearly_and_changes_nothing(bad):
         call()
     message = str(info.value)
     assert message.strip(), f"{type(info.value).__name__} without a message"
-    import re
     assert re.search(bad.match, message), (
         f"unclear message for {bad.id}: {type(info.value).__name__}: {message!r}")
     assert freeze(inputs) == before, f"{bad.id}: a rejected call changed its inputs or state"
@@ -1497,7 +1507,6 @@ def test_bad_input_inside_tf_function(bad):
     traced = tf.function(call)
     with pytest.raises(bad.errors) as info:
         traced()
-    import re
     assert re.search(bad.match, str(info.value)), (
         f"unclear message for {bad.id} in tf.function: {type(info.value).__name__}: "
         f"{str(info.value)!r}")
