@@ -59,45 +59,90 @@ uint16_t ls_f32_to_f16(float f);
 float ls_bf16_to_f32(uint16_t h);
 uint16_t ls_f32_to_bf16(float f);
 
+/* A buffer need not be aligned to its element size (a numpy view may
+ * start at any byte), and in C a load or store through a misaligned
+ * pointer is undefined: a compiler may assume the alignment (an aligned
+ * vector move after peeling, say) and fault.  Every element access outside
+ * the vector intrinsics' explicitly unaligned loads goes through these,
+ * which compile to plain moves. */
+static inline uint16_t ls_load_u16(const void *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint32_t ls_load_u32(const void *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint64_t ls_load_u64(const void *p)
+{
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float ls_load_f32(const void *p)
+{
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline double ls_load_f64(const void *p)
+{
+    double v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void ls_store_u16(void *p, uint16_t v) { memcpy(p, &v, sizeof v); }
+static inline void ls_store_f32(void *p, float v) { memcpy(p, &v, sizeof v); }
+static inline void ls_store_f64(void *p, double v) { memcpy(p, &v, sizeof v); }
+
 /* One element of each dtype, for the heads and tails of the vector sets:
  * exactly the scalar reference's arithmetic.  Each returns 1 when the
  * probed value (the input with check_inputs, else the result) is not
  * finite. */
-static inline int ls_unscale1_f32(const float *x, float *y, float s, int check_inputs)
+static inline int ls_unscale1_f32(const void *x, void *y, float s, int check_inputs)
 {
-    float in = *x;
+    float in = ls_load_f32(x);
     float out = in * s;
     float probe = check_inputs ? in : out;
     uint32_t u;
     memcpy(&u, &probe, sizeof u);
-    *y = out;
+    ls_store_f32(y, out);
     return (u & 0x7f800000u) == 0x7f800000u;
 }
 
-static inline int ls_unscale1_f64(const double *x, double *y, double s, int check_inputs)
+static inline int ls_unscale1_f64(const void *x, void *y, double s, int check_inputs)
 {
-    double in = *x;
+    double in = ls_load_f64(x);
     double out = in * s;
     double probe = check_inputs ? in : out;
     uint64_t u;
     memcpy(&u, &probe, sizeof u);
-    *y = out;
+    ls_store_f64(y, out);
     return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
 }
 
-static inline int ls_unscale1_f16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+static inline int ls_unscale1_f16(const void *x, void *y, float s, int check_inputs)
 {
-    uint16_t in = *x;
+    uint16_t in = ls_load_u16(x);
     uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
-    *y = out;
+    ls_store_u16(y, out);
     return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
 }
 
-static inline int ls_unscale1_bf16(const uint16_t *x, uint16_t *y, float s, int check_inputs)
+static inline int ls_unscale1_bf16(const void *x, void *y, float s, int check_inputs)
 {
-    uint16_t in = *x;
+    uint16_t in = ls_load_u16(x);
     uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
-    *y = out;
+    ls_store_u16(y, out);
     return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
 }
 

@@ -67,7 +67,7 @@ static int check_16(const uint16_t *x, size_t n, uint16_t limit)
         worst = vmaxq_u16(worst, magnitude_16(vld1q_u16(x + i)));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= (x[i] & 0x7fffu) >= limit;
+        bad1 |= (ls_load_u16(x + i) & 0x7fffu) >= limit;
     return !bad1 && vmaxvq_u16(worst) < limit;
 }
 
@@ -95,7 +95,7 @@ static int check_f32_neon(const void *src, size_t n)
         worst = vmaxq_u32(worst, vandq_u32(vld1q_u32(x + i), mask));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= (x[i] & 0x7fffffffu) >= 0x7f800000u;
+        bad1 |= (ls_load_u32(x + i) & 0x7fffffffu) >= 0x7f800000u;
     return !bad1 && vmaxvq_u32(worst) < 0x7f800000u;
 }
 
@@ -119,7 +119,7 @@ static int check_f64_neon(const void *src, size_t n)
         reached = note_reached64(reached, vld1q_u64(x + i));
     int bad1 = 0;
     for (; i < n; i++)
-        bad1 |= (x[i] & 0x7fffffffffffffffull) >= 0x7ff0000000000000ull;
+        bad1 |= (ls_load_u64(x + i) & 0x7fffffffffffffffull) >= 0x7ff0000000000000ull;
     return !bad1 && !any_reached64(reached);
 }
 

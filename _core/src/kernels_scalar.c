@@ -92,39 +92,40 @@ uint16_t ls_f32_to_bf16(float f)
 
 /* ---------------------------------------------------------------- checks */
 
-/* Finite iff the exponent field is not all ones. */
+/* Finite iff the exponent field is not all ones.  Elements are read
+ * through ls_load_* (kernels.h): buffers may be misaligned. */
 static int check_f16(const void *src, size_t n)
 {
-    const uint16_t *x = (const uint16_t *)src;
+    const char *x = (const char *)src;
     for (size_t i = 0; i < n; i++)
-        if ((x[i] & 0x7c00u) == 0x7c00u)
+        if ((ls_load_u16(x + 2 * i) & 0x7c00u) == 0x7c00u)
             return 0;
     return 1;
 }
 
 static int check_bf16(const void *src, size_t n)
 {
-    const uint16_t *x = (const uint16_t *)src;
+    const char *x = (const char *)src;
     for (size_t i = 0; i < n; i++)
-        if ((x[i] & 0x7f80u) == 0x7f80u)
+        if ((ls_load_u16(x + 2 * i) & 0x7f80u) == 0x7f80u)
             return 0;
     return 1;
 }
 
 static int check_f32(const void *src, size_t n)
 {
-    const uint32_t *x = (const uint32_t *)src;
+    const char *x = (const char *)src;
     for (size_t i = 0; i < n; i++)
-        if ((x[i] & 0x7f800000u) == 0x7f800000u)
+        if ((ls_load_u32(x + 4 * i) & 0x7f800000u) == 0x7f800000u)
             return 0;
     return 1;
 }
 
 static int check_f64(const void *src, size_t n)
 {
-    const uint64_t *x = (const uint64_t *)src;
+    const char *x = (const char *)src;
     for (size_t i = 0; i < n; i++)
-        if ((x[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
+        if ((ls_load_u64(x + 8 * i) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
             return 0;
     return 1;
 }
@@ -136,69 +137,69 @@ static int check_f64(const void *src, size_t n)
 
 static int unscale_f16(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
-    const uint16_t *x = (const uint16_t *)src;
-    uint16_t *y = (uint16_t *)dst;
+    const char *x = (const char *)src;
+    char *y = (char *)dst;
     const float s = (float)inv;
     const int check_inputs = (flags & LS_CHECK_INPUTS) != 0;
     uint32_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        uint16_t in = x[i];
+        uint16_t in = ls_load_u16(x + 2 * i);
         uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
         uint16_t probe = check_inputs ? in : out;
         bad |= (probe & 0x7c00u) == 0x7c00u;
-        y[i] = out;
+        ls_store_u16(y + 2 * i, out);
     }
     return !bad;
 }
 
 static int unscale_bf16(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
-    const uint16_t *x = (const uint16_t *)src;
-    uint16_t *y = (uint16_t *)dst;
+    const char *x = (const char *)src;
+    char *y = (char *)dst;
     const float s = (float)inv;
     const int check_inputs = (flags & LS_CHECK_INPUTS) != 0;
     uint32_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        uint16_t in = x[i];
+        uint16_t in = ls_load_u16(x + 2 * i);
         uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
         uint16_t probe = check_inputs ? in : out;
         bad |= (probe & 0x7f80u) == 0x7f80u;
-        y[i] = out;
+        ls_store_u16(y + 2 * i, out);
     }
     return !bad;
 }
 
 static int unscale_f32(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
-    const float *x = (const float *)src;
-    float *y = (float *)dst;
+    const char *x = (const char *)src;
+    char *y = (char *)dst;
     const float s = (float)inv;
     const int check_inputs = (flags & LS_CHECK_INPUTS) != 0;
     uint32_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        float in = x[i];
+        float in = ls_load_f32(x + 4 * i);
         float out = in * s;
         uint32_t probe = f32_bits(check_inputs ? in : out);
         bad |= (probe & 0x7f800000u) == 0x7f800000u;
-        y[i] = out;
+        ls_store_f32(y + 4 * i, out);
     }
     return !bad;
 }
 
 static int unscale_f64(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
-    const double *x = (const double *)src;
-    double *y = (double *)dst;
+    const char *x = (const char *)src;
+    char *y = (char *)dst;
     const int check_inputs = (flags & LS_CHECK_INPUTS) != 0;
     uint64_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        double in = x[i];
+        double in = ls_load_f64(x + 8 * i);
         double out = in * inv;
         uint64_t probe;
         double p = check_inputs ? in : out;
         memcpy(&probe, &p, sizeof probe);
         bad |= (probe & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-        y[i] = out;
+        ls_store_f64(y + 8 * i, out);
     }
     return !bad;
 }

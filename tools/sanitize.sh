@@ -1,0 +1,78 @@
+#!/bin/sh
+# `make sanitize`: the C core and the numpy bindings built with
+# AddressSanitizer and UndefinedBehaviorSanitizer, then exercised.
+#
+#   1. pure C (LeakSanitizer on too): the fuzz target replaying its seed
+#      corpus and every regression input, and the thread-pool driver, under
+#      each kernel level LOSSSCALE_SIMD can name; the thread-pool driver
+#      again under ThreadSanitizer;
+#   2. Python: the extension rebuilt into build/sanitize/ (never over the
+#      in-place modules), then every test that needs only lossscale.core,
+#      with the sanitizer runtime preloaded into the interpreter.
+#
+# Any report fails the run (halt_on_error for both sanitizers).  Leak
+# checking is off for the interpreter, which keeps its own memory to exit.
+# PY and CC may be set; PY defaults to the project's virtual environment.
+set -eu
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+CC=${CC:-gcc}
+OUT=build/sanitize
+SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+case $(uname -m) in
+aarch64 | arm64) LEVELS="scalar neon" ;;
+*) LEVELS="scalar avx2 avx512" ;;
+esac
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+mkdir -p "$OUT"
+
+echo "== C: core + fuzz target replay and thread driver ($CC, ASan+UBSan+LSan)"
+tools/build_c.sh "$OUT/replay_core" "$CC" "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
+tools/build_c.sh "$OUT/test_threads" "$CC" "$SAN -O2" _core/tests/test_threads.c
+for level in $LEVELS; do
+    # a level this CPU lacks still runs: every entry point must refuse it
+    echo "-- LOSSSCALE_SIMD=$level"
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_core" fuzz/corpus fuzz/regressions
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/test_threads"
+done
+echo "-- ThreadSanitizer"
+tools/build_c.sh "$OUT/test_threads_tsan" "$CC" "-fsanitize=thread -g -O1" _core/tests/test_threads.c
+# the fork test starts threads in a child of a threaded parent, which
+# TSan only follows when told to
+TSAN_OPTIONS=halt_on_error=1:die_after_fork=0 "$OUT/test_threads_tsan"
+
+echo "== Python: lossscale.core built with ASan+UBSan into $OUT/lib"
+CFLAGS="$SAN" LDFLAGS="$SAN" LOSSSCALE_BUILD_TF_OPS=0 \
+    "$PY" setup.py --quiet build_ext --build-lib "$OUT/lib" --build-temp "$OUT/tmp"
+cp lossscale/*.py "$OUT/lib/lossscale/"
+
+# The sanitizer runtime must be loaded before the interpreter; libstdc++
+# too, or ASan cannot intercept C++ exceptions thrown by TensorFlow (which
+# the core tests use as an oracle).  PYTHONSAFEPATH keeps the source tree
+# (the working directory) off sys.path in this process and every child,
+# so the sanitized build is the one imported.
+LD_PRELOAD="$($CC -print-file-name=libasan.so) $($CC -print-file-name=libstdc++.so)"
+export LD_PRELOAD
+export ASAN_OPTIONS=detect_leaks=0
+export PYTHONMALLOC=malloc
+export PYTHONSAFEPATH=1
+export PYTHONPATH="$PWD/$OUT/lib"
+"$PY" -c "
+import lossscale, sys
+sys.exit(0 if lossscale.__file__.startswith('$PWD/$OUT/') else
+         'sanitized build not the one imported: ' + lossscale.__file__)"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_core_errors.py tests/test_core_exact.py \
+    tests/test_core_rule.py tests/test_core_simd.py tests/test_core_threads.py \
+    tests/test_fuzz_regressions.py
+# the in-process tests again at each level below the best this CPU runs
+# (test_core_simd forces each level in children already)
+LEVELS=$("$PY" -c "
+from lossscale import core
+order = ['scalar', 'neon'] if core.simd_best() == 'neon' else ['scalar', 'avx2', 'avx512']
+print(' '.join(order[:order.index(core.simd_best())]))")
+for level in $LEVELS; do
+    echo "-- LOSSSCALE_SIMD=$level"
+    LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider tests/test_core_errors.py \
+        tests/test_core_threads.py tests/test_fuzz_regressions.py
+done
+echo "sanitize: clean"
