@@ -1472,6 +1472,16 @@ def test_valid_elsewhere():
         np.testing.assert_array_equal(out.numpy(), ref.numpy())
         assert bool(finite) == bool(np.isfinite(ref.numpy()).all())
     assert core.all_finite(frozen) is True
+    for dtype in (np.float16, BF16, np.float32, np.float64):
+        # Unaligned (but contiguous) buffers are valid input to the core.
+        size = np.dtype(dtype).itemsize
+        buf = np.frombuffer(bytearray(size * 70_001 + 1), np.uint8)[1:]
+        unaligned = buf.view(dtype)
+        assert not unaligned.flags.aligned
+        unaligned[:] = (np.arange(unaligned.size) % 13 - 6).astype(dtype)
+        want = (unaligned.astype(np.float64) * 0.25).astype(dtype)
+        assert core.unscale_(unaligned, 0.25) is True
+        assert unaligned.tobytes() == want.tobytes()
     assert core.all_finite([strided.copy(), strided.copy()]) is True
     core.set_num_threads(-3)
     core.set_num_threads(0)

@@ -143,8 +143,16 @@ def test_sixteen_python_threads_with_the_pool_on(two_core_threads):
 
     def worker(t, rounds=40):
         arrays, scale = jobs[t]
+        frozen = arrays[-1].copy()
+        frozen.setflags(write=False)
         for r in range(rounds):
             assert_same_result(core_call(arrays, scale), serial[t], (t, r))
+            if r % 4 == t % 4:
+                # A rejected call among the others leaves nothing behind.
+                copies = [a.copy() for a in arrays] + [frozen]
+                with pytest.raises(ValueError, match="read-only"):
+                    core.unscale_(copies, scale)
+                assert all(same_bits(c, a) for c, a in zip(copies, arrays))
 
     run_threads(worker, [(t,) for t in range(len(jobs))])
     for (arrays, _), before in zip(jobs, originals):
