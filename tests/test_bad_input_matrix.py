@@ -999,6 +999,51 @@ cases("LossScaleOptimizer.from_config", "corrupted config", {
         "loss_scale": {"class_name": "Dynamic", "config": {}}}),
 }, ValueError, r"Unknown loss scale: Dynamic")
 
+_SAVED_MODEL = {}
+
+
+def _saved_model_files():
+    """The files of a .keras archive of a model compiled with our optimizer (made once)."""
+    if not _SAVED_MODEL:
+        import zipfile
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=LSO(keras.optimizers.SGD(0.1), initial_scale=64.0), loss="mse")
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+        path = _checkpoint_dir() / "m.keras"
+        model.save(path)
+        with zipfile.ZipFile(path) as archive:
+            _SAVED_MODEL.update({n: archive.read(n) for n in archive.namelist()})
+    return _SAVED_MODEL
+
+
+def _load_corrupted_model(mutate):
+    """keras.saving.load_model of a .keras file whose optimizer config was damaged."""
+    def make():
+        import json
+        import zipfile
+        files = _saved_model_files()
+        config = json.loads(files["config.json"])
+        mutate(config["compile_config"]["optimizer"]["config"])
+        path = _checkpoint_dir() / "damaged.keras"
+        with zipfile.ZipFile(path, "w") as archive:
+            for name, data in files.items():
+                archive.writestr(name, json.dumps(config) if name == "config.json" else data)
+        return (lambda: keras.saving.load_model(path)), [path, GlobalPolicy]
+    return make
+
+
+cases("LossScaleOptimizer.from_config", "corrupted config", {
+    "load_model: inner optimizer removed": _load_corrupted_model(
+        lambda c: c.pop("inner_optimizer")),
+    "load_model: initial_scale str": _load_corrupted_model(
+        lambda c: c.__setitem__("initial_scale", "x")),
+    "load_model: initial_scale -1": _load_corrupted_model(
+        lambda c: c.__setitem__("initial_scale", -1.0)),
+    "load_model: unknown loss scale": _load_corrupted_model(
+        lambda c: c.__setitem__("loss_scale", {"class_name": "Foo", "config": {}})),
+}, ValueError, r"'inner_optimizer' entry|initial_scale must be|Unknown loss scale: Foo")
+
+
 cases("experimental.LossScaleOptimizer", "wrong type", {
     "optimizer=None": _optimizer(XLSO, None),
     "optimizer=str": _optimizer(XLSO, "sgd"),
