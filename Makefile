@@ -1,6 +1,7 @@
 # One way to build and test: these targets are what CI runs.
 #   make test   create .venv, install, build, run the whole suite
 #   make bench  the same set-up, then the benchmarks -> bench/results/
+#               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -30,9 +31,17 @@ test: build
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+# make bench QUICK=1: a small subset (under two minutes) into bench/results/quick/.
+# BENCH_ARGS: extra pytest arguments, e.g. BENCH_ARGS='-k core --threads 1'.
+BENCH_QUICK := $(filter-out 0,$(QUICK))
+BENCH_OUT   := bench/results$(if $(BENCH_QUICK),/quick)
+
 bench: build $(BENCH_DEPS)
-	mkdir -p bench/results
-	$(PY) bench/run_all.py
+	mkdir -p $(BENCH_OUT)
+	rc=0; $(PY) -m pytest bench -q -p no:cacheprovider $(if $(BENCH_QUICK),--quick) \
+		--benchmark-disable-gc --benchmark-quiet --benchmark-json=$(BENCH_OUT)/raw.json \
+		$(BENCH_ARGS) || rc=$$?; \
+	$(PY) bench/report.py $(BENCH_OUT)/raw.json || rc=$${rc:-1}; exit $$rc
 
 wheel: build
 	$(PY) -m pip wheel --quiet --no-build-isolation --no-deps -w dist .

@@ -1,13 +1,19 @@
-"""The gradient-list shapes every benchmark measures (see workloads.json).
+"""The work every benchmark measures, named once so that every layer and
+every peer gets the same gradient lists.
 
-ResNet-50 (161 tensors, 25,557,032 values), BERT-base (199 tensors,
-109,482,240 values), 2,000 tensors of 64 values, and one 1 GiB float32
-tensor.  Values are standard normal from a fixed seed.
+A workload is a list of shapes and a dtype: the parameter shapes of
+ResNet-50 (161 tensors, 25,557,032 values) and BERT-base (199 tensors,
+109,482,240 values) from ``workloads.json``, 2,000 tensors of 64 values, one
+1 GiB float32 tensor (32 times a 32 MiB last-level cache, so every pass
+streams from memory), and single float32 tensors from 1 KiB to 1 GiB for the
+throughput sweep.  Values are standard normal from a fixed seed, so nothing
+short-circuits on a non-finite value.
 """
 
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -15,25 +21,55 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_HERE, "workloads.json")) as _f:
     SHAPES = {k: [tuple(s) for s in v] for k, v in json.load(_f).items() if k != "about"}
 
-GIB_FLOAT32 = (1 << 30) // 4
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": np.dtype(ml_dtypes.bfloat16), "float64": np.dtype(np.float64)}
+
+GIB = 1 << 30
+LISTS = ("resnet50", "bert_base", "tiny_2000x64")
+BIG = "tensor_1GiB"
+
+# One float32 tensor per size, 1 KiB to 1 GiB in steps of four.
+SWEEP_BYTES = [1 << k for k in range(10, 31, 2)]
+QUICK_SWEEP_BYTES = [1 << 12, 1 << 20, 1 << 24]
+
+
+def sweep_name(nbytes):
+    return f"sweep_{nbytes}"
+
+
+def size_label(nbytes):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} B"
 
 
 def shapes(name):
-    """Shapes of a named workload; "gib" is one 1 GiB float32 tensor."""
-    if name == "gib":
-        return [(GIB_FLOAT32,)]
+    """Shapes of a named workload (a gradient list, the big tensor or a sweep point)."""
+    if name == BIG:
+        return [(GIB // 4,)]
+    if name.startswith("sweep_"):
+        return [(int(name[len("sweep_"):]) // 4,)]
     return SHAPES[name]
 
 
-def arrays(name, dtype=np.float32, seed=0):
+def arrays(name, dtype="float32", seed=0):
     """Fresh C-contiguous numpy arrays of the workload, standard normal."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
     rng = np.random.default_rng(seed)
     out = []
     for shape in shapes(name):
         a = rng.standard_normal(shape, dtype=np.float32)
-        out.append(a if np.dtype(dtype) == np.float32 else a.astype(dtype))
+        out.append(a if dtype == np.float32 else a.astype(dtype))
     return out
 
 
 def values(name):
     return sum(int(np.prod(s)) for s in shapes(name))
+
+
+def describe(name, dtype="float32"):
+    """One line for a report: what the workload is."""
+    itemsize = DTYPES[dtype].itemsize
+    n, v = len(shapes(name)), values(name)
+    return f"{n:,} tensor{'s' if n > 1 else ''}, {v:,} values, {size_label(v * itemsize)}"

@@ -1,0 +1,315 @@
+"""What every benchmark in this suite shares: the run's settings, the machine
+facts printed and stored with the results, the optional peers, the cache of
+the workload being measured, and the one way a method is timed.
+
+The timing rules, each learnt the hard way on a shared two-core machine:
+
+* a method is warmed up (first call: page faults, thread start, tracing)
+  and then timed in samples of ``calls`` back-to-back calls, ``calls``
+  chosen once per method so that a sample lasts at least ``min_sample_s``
+  (so a 1 KiB call is not timed alone at the timer's resolution);
+* before every sample the harness sleeps ``SETTLE_S``: PyTorch's OpenMP
+  workers keep spinning for a while after a parallel region and would steal
+  the cores of whichever method is timed next.  Every method gets the gap;
+* peers are interleaved: the collection hook in ``conftest.py`` orders the
+  items workload by workload, round by round, rotating the peers within a
+  round, so a change in machine load hits every peer alike;
+* the report takes the median over every sample of every round, with the
+  minimum and maximum beside it.
+"""
+
+import gc
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+SETTLE_S = 0.02
+
+
+class Settings:
+    """The run's knobs; ``conftest.py`` fills them in before collection."""
+
+    quick = False
+    threads = 1            # TensorFlow's pools, the core and torch in every layer
+    core_threads = (1,)    # the numpy layer is also measured single-threaded
+    rounds = 5             # interleaved rounds per workload
+    samples = 3            # timed samples per method per round
+    min_sample_s = 2e-3
+
+    @classmethod
+    def configure(cls, quick, threads):
+        cls.quick = quick
+        cls.threads = threads
+        cls.core_threads = (threads,) if quick or threads == 1 else (1, threads)
+        cls.rounds = 2 if quick else 5
+        cls.samples = 2 if quick else 3
+        cls.min_sample_s = 1e-3 if quick else 2e-3
+
+
+def machine_threads():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------ optional peers
+
+_optional = {}
+
+
+def optional(name):
+    """``(module, None)`` or ``(None, why it is missing)``; tried once."""
+    if name not in _optional:
+        try:
+            _optional[name] = (__import__(name), None)
+        except Exception as e:  # an optional peer may fail in any way on import
+            _optional[name] = (None, f"{name} not importable ({type(e).__name__}: {e})")
+    return _optional[name]
+
+
+def torch_or_skip():
+    import pytest
+
+    torch, why = optional("torch")
+    if torch is None:
+        pytest.skip(f"PyTorch peer skipped: {why}; pip install -r requirements-bench.txt")
+    return torch
+
+
+_tf = None
+
+
+def tensorflow():
+    """TensorFlow with its thread pools pinned to ``Settings.threads``.
+
+    The pools can only be sized before TensorFlow runs its first op, so the
+    first call of this function must come before any TensorFlow work.
+    """
+    global _tf
+    if _tf is None:
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("ERROR")
+        tf.config.threading.set_intra_op_parallelism_threads(Settings.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(Settings.threads)
+        _tf = tf
+    return _tf
+
+
+def pin_threads(threads):
+    """Every native pool in this process to ``threads`` (TensorFlow's are fixed)."""
+    from lossscale import core
+
+    core.set_num_threads(threads)
+    torch, _ = optional("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------ machine facts
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _last_level_cache():
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        levels = sorted(os.listdir(base))
+    except OSError:
+        return None
+    best = None
+    for idx in levels:
+        try:
+            with open(os.path.join(base, idx, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(base, idx, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if best is None or level >= best[0]:
+            best = (level, size)
+    return f"L{best[0]} {best[1]}" if best else None
+
+
+def _memory_total():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / (1 << 20):.1f} GiB"
+    except OSError:
+        pass
+    return None
+
+
+def load_average():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_facts():
+    """Everything a reader needs to judge the numbers, as one flat dict."""
+    from lossscale import core
+
+    tf = tensorflow()
+    import keras
+
+    torch, torch_why = optional("torch")
+    mpl, mpl_why = optional("matplotlib")
+    from lossscale import ops
+
+    status = ops.native_available()
+    return {
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "cores_available": machine_threads(),
+        "cpu_count": os.cpu_count(),
+        "last_level_cache": _last_level_cache(),
+        "memory": _memory_total(),
+        "simd_level": core.simd_level(),
+        "simd_best": core.simd_best(),
+        "threads": Settings.threads,
+        "core_threads": list(Settings.core_threads),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "torch": torch.__version__ if torch is not None else None,
+        "torch_missing": torch_why,
+        "matplotlib": mpl.__version__ if mpl is not None else None,
+        "matplotlib_missing": mpl_why,
+        "native_op": "loaded" if status else f"unavailable ({status.reason})",
+        "quick": Settings.quick,
+        "rounds": Settings.rounds,
+        "samples_per_round": Settings.samples,
+        "settle_s": SETTLE_S,
+        "loadavg_start": load_average(),
+    }
+
+
+def facts_lines(facts):
+    return [
+        f"cpu: {facts['cpu']} ({facts['arch']}), {facts['cores_available']} cores available, "
+        f"last-level cache {facts['last_level_cache']}, memory {facts['memory']}",
+        f"lossscale kernel set: {facts['simd_level']} (best this CPU has: {facts['simd_best']}); "
+        f"TensorFlow op: {facts['native_op']}",
+        f"threads pinned: {facts['threads']} for TensorFlow's pools, lossscale.core and torch "
+        f"(numpy layer also at {', '.join(map(str, facts['core_threads']))})",
+        f"versions: python {facts['python']}, numpy {facts['numpy']}, TensorFlow "
+        f"{facts['tensorflow']}, Keras {facts['keras']}, torch {facts['torch'] or 'absent'}, "
+        f"matplotlib {facts['matplotlib'] or 'absent'}",
+        f"method: {'QUICK subset, ' if facts['quick'] else ''}{facts['rounds']} interleaved "
+        f"rounds x {facts['samples_per_round']} samples per method, warm-up first, "
+        f"{facts['settle_s'] * 1e3:g} ms settle gap before each sample; "
+        f"load average at start {facts['loadavg_start']}",
+    ]
+
+
+# ------------------------------------------------------------ shared state
+
+RECORDS = {}
+
+
+def record(name, data):
+    """Keep a result that is not a timing (memory, the training run); it is
+    stored in the raw JSON under ``lossscale.records``."""
+    RECORDS[name] = data
+
+
+class LiveCase:
+    """Holds the data of one workload at a time.
+
+    Items arrive workload by workload, so when a new key is asked for the
+    previous workload (up to gigabytes of arrays and graphs) is dropped.
+    """
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    def get(self, key, build):
+        if key != self.key:
+            self.key = self.value = None
+            gc.collect()
+            self.value = build()
+            self.key = key
+        return self.value
+
+
+_cases = {}
+
+
+def live(layer, key, build):
+    return _cases.setdefault(layer, LiveCase()).get(key, build)
+
+
+def drop_all():
+    for c in _cases.values():
+        c.key = c.value = None
+    gc.collect()
+
+
+class Flip:
+    """Alternates between two exact factors (1/2 and 2) so that repeated
+    in-place unscaling keeps the values where they started."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __call__(self):
+        self.i ^= 1
+        return self.i
+
+
+# ------------------------------------------------------------ timing
+
+_calls = {}
+
+
+def timed(benchmark, key, method, info):
+    """Time ``method`` (a zero-argument callable) for this item.
+
+    ``key`` names the method on its workload and thread count; the number
+    of calls per sample is fixed the first time a key is seen and reused in
+    every round.  Seconds per sample go to pytest-benchmark; ``info`` and
+    ``calls_per_sample`` go to its ``extra_info``.
+    """
+    warm = key in _calls
+    if not warm:
+        method()
+        t0 = time.perf_counter()
+        method()
+        once = max(time.perf_counter() - t0, 1e-9)
+        _calls[key] = max(1, min(100_000, math.ceil(Settings.min_sample_s / once)))
+    calls = _calls[key]
+
+    def sample():
+        for _ in range(calls):
+            method()
+
+    def settle():
+        time.sleep(SETTLE_S)
+
+    benchmark.extra_info.update(info)
+    benchmark.extra_info["calls_per_sample"] = calls
+    benchmark.pedantic(sample, setup=settle, rounds=Settings.samples,
+                       warmup_rounds=1 if warm else 0, iterations=1)

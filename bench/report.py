@@ -1,0 +1,648 @@
+"""Turns the raw pytest-benchmark JSON of one run of the suite into
+``REPORT.md`` and its plots, in the JSON's directory.
+
+    python bench/report.py bench/results/raw.json
+
+Per method on a workload, every timed sample of every round is divided by
+the calls (and, for ``fit``, the steps) it covered; the report gives their
+median with the minimum and maximum.  Methods that make their gradients
+inside a ``tf.function`` have the ``producer`` baseline's median taken off
+each sample.  Ratios are times, ours divided by the peer: below 1 ours is
+faster.  Plots need matplotlib; without it the report says so and is
+written without them.
+"""
+
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import workloads  # noqa: E402
+
+LAYER_TITLES = {
+    "core": "numpy layer: `lossscale.core.unscale_` (in place)",
+    "tf_op": "TensorFlow op: unscale + check + update, `tf.function`",
+    "loss_scale": "`LossScale.update` (TensorFlow 2.4 API)",
+    "optimizer": "Keras `LossScaleOptimizer.apply`, `tf.function`",
+    "fit": "a whole `fit` step",
+}
+PEER_LABELS = {
+    ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
+    ("core", "numpy"): "numpy isfinite+multiply", ("core", "roofline"): "np.multiply roofline",
+    ("tf_op", "ours"): "ours (tf.function)", ("tf_op", "composite"): "TF composite (tf.function)",
+    ("tf_op", "ours_eager"): "ours eager", ("tf_op", "composite_eager"): "TF composite eager",
+    ("tf_op", "torch"): "torch unscale+update",
+    ("loss_scale", "ours"): "ours (tf.function)", ("loss_scale", "stock"): "tf.compat.v1 (tf.function)",
+    ("loss_scale", "ours_eager"): "ours eager", ("loss_scale", "stock_eager"): "tf.compat.v1 eager",
+    ("optimizer", "ours"): "ours", ("optimizer", "stock"): "stock Keras",
+    ("optimizer", "sgd"): "inner SGD alone",
+    ("fit", "ours"): "mixed, ours", ("fit", "stock"): "mixed, stock Keras",
+    ("fit", "float32"): "float32, no loss scaling",
+}
+# Graph methods whose gradients are made in the graph: the producer comes off.
+NET = {"tf_op": ("ours", "composite"), "loss_scale": ("ours", "stock"),
+       "optimizer": ("ours", "stock", "sgd")}
+# (layer, ours, peer, label) -> the ratio columns of each layer's table.
+RATIOS = {
+    "core": [("ours", "torch", "÷ torch"), ("ours", "numpy", "÷ numpy"),
+             ("ours", "roofline", "÷ roofline")],
+    "tf_op": [("ours", "composite", "÷ composite"),
+              ("ours_eager", "composite_eager", "eager ÷ composite eager"),
+              ("ours", "torch", "÷ torch"), ("ours", "roofline", "÷ roofline")],
+    "loss_scale": [("ours", "stock", "÷ stock"), ("ours_eager", "stock_eager", "eager ÷ stock eager")],
+    "optimizer": [("ours", "stock", "÷ stock")],
+    "fit": [("ours", "stock", "÷ stock")],
+}
+
+
+# ------------------------------------------------------------ reading
+
+class Stat:
+    def __init__(self, xs):
+        xs = sorted(xs)
+        self.samples = xs
+        self.median = statistics.median(xs)
+        self.min, self.max, self.n = xs[0], xs[-1], len(xs)
+
+
+def load(path):
+    with open(path) as f:
+        raw = json.load(f)
+    samples = {}
+    info = {}
+    for b in raw["benchmarks"]:
+        e = b["extra_info"]
+        if "peer" not in e:
+            continue
+        per = e.get("calls_per_sample", 1) * e.get("steps_per_call", 1)
+        key = (e["layer"], e["case"], e["threads"], e["peer"])
+        samples.setdefault(key, []).extend(x / per for x in b["stats"]["data"])
+        info[key] = e
+    stats = {k: Stat(v) for k, v in samples.items()}
+    for (layer, case, threads, peer), st in list(stats.items()):
+        base = stats.get((layer, case, threads, "producer"))
+        if base is not None and peer in NET.get(layer, ()):
+            stats[(layer, case, threads, peer)] = Stat([x - base.median for x in st.samples])
+            stats[(layer, case, threads, peer)].gross = st
+    meta = raw.get("lossscale", {})
+    return raw, stats, info, meta.get("facts", {}), meta.get("records", {})
+
+
+# ------------------------------------------------------------ formatting
+
+def fmt_s(s):
+    if s <= 0:
+        return "≤0 (noise)"
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms" if s < 0.1 else f"{s * 1e3:.0f} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def cell(st):
+    if st is None:
+        return "—"
+    return f"{fmt_s(st.median)} <sub>{fmt_s(st.min)}–{fmt_s(st.max)}</sub>"
+
+
+def ratio(a, b):
+    if a is None or b is None or a.median <= 0 or b.median <= 0:
+        return None
+    return a.median / b.median
+
+
+def fmt_ratio(r):
+    if r is None:
+        return "—"
+    s = f"{r:.2f}" if r >= 0.1 else f"{r:.3f}"
+    return f"**{s}**" if r > 1.05 else s
+
+
+def case_label(case):
+    name, dtype = case.split("/")
+    if name.startswith("sweep_"):
+        return f"1 tensor, {workloads.size_label(int(name[6:]))}"
+    pretty = {"resnet50": "ResNet-50", "bert_base": "BERT-base", "tiny_2000x64": "2,000 × 64",
+              workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN"}.get(name, name)
+    return f"{pretty} {dtype}"
+
+
+def is_sweep(case):
+    return case.startswith("sweep_")
+
+
+# ------------------------------------------------------------ the report
+
+class Report:
+    def __init__(self, path):
+        self.path = path
+        self.out_dir = os.path.dirname(os.path.abspath(path))
+        self.raw, self.stats, self.info, self.facts, self.records = load(path)
+        self.threads = self.facts.get("threads") or max(k[2] for k in self.stats)
+        self.lines = []
+        self.losses = []
+
+    def get(self, layer, case, peer, threads=None):
+        t = self.threads if threads is None else threads
+        if peer == "roofline" and layer != "core":
+            layer = "core"
+        return self.stats.get((layer, case, t, peer))
+
+    def cases(self, layer, threads=None, sweep=False):
+        t = self.threads if threads is None else threads
+        seen = []
+        for (la, case, th, _), _st in self.stats.items():
+            if la == layer and th == t and is_sweep(case) == sweep and case not in seen:
+                seen.append(case)
+        order = {n: i for i, n in enumerate(list(workloads.LISTS) + [workloads.BIG])}
+        return sorted(seen, key=lambda c: (order.get(c.split("/")[0], 99),
+                                           c.split("/")[1] != "float32", c))
+
+    def peers(self, layer):
+        found = []
+        for (la, _c, _t, p) in self.stats:
+            if la == layer and p != "producer" and p not in found:
+                found.append(p)
+        order = [p for (la, p) in PEER_LABELS if la == layer]
+        return sorted(found, key=lambda p: order.index(p) if p in order else 99)
+
+    def w(self, *lines):
+        self.lines.extend(lines)
+
+    # -------------------------------------------------------- sections
+
+    def header(self):
+        f = self.facts
+        quick = " (QUICK subset)" if f.get("quick") else ""
+        self.w(f"# lossscale benchmark report{quick}", "",
+               "Every implementation below ran in one `make bench` run, side by side on the "
+               "same data at the same thread count, interleaved round by round.  Times are "
+               "medians with <sub>min–max</sub> over every sample; ratios are **ours ÷ peer** "
+               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower).", "")
+        if f:
+            self.w("## Machine and method", "",
+                   f"- CPU: {f.get('cpu')} ({f.get('arch')}), {f.get('cores_available')} cores "
+                   f"available, last-level cache {f.get('last_level_cache')}, memory "
+                   f"{f.get('memory')}",
+                   f"- lossscale kernel set chosen: `{f.get('simd_level')}` (best on this CPU: "
+                   f"`{f.get('simd_best')}`); TensorFlow op library: {f.get('native_op')}",
+                   f"- threads pinned: **{f.get('threads')}** for TensorFlow's intra- and "
+                   f"inter-op pools, `lossscale.core` and torch; the numpy layer is also run at "
+                   f"{', '.join(map(str, f.get('core_threads', [])))} "
+                   "(numpy itself is single-threaded whatever the setting)",
+                   f"- versions: Python {f.get('python')}, numpy {f.get('numpy')}, TensorFlow "
+                   f"{f.get('tensorflow')}, Keras {f.get('keras')}, torch "
+                   f"{f.get('torch') or 'absent'}, matplotlib {f.get('matplotlib') or 'absent'}; "
+                   f"pytest-benchmark {self.raw.get('version')}",
+                   f"- method: per workload, {f.get('rounds')} rounds; in each round every "
+                   f"method (order rotated) is warmed up, then timed "
+                   f"{f.get('samples_per_round')} times, each sample at least 2 ms of "
+                   f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
+                   "OpenMP workers spin after a parallel region and would otherwise steal the "
+                   "next method's cores)",
+                   f"- load average {f.get('loadavg_start')} at the start, "
+                   f"{f.get('loadavg_end')} at the end; the run took "
+                   f"{f.get('wall_s', 0) / 60:.1f} min",
+                   f"- raw results: `{os.path.basename(self.path)}` (pytest-benchmark JSON, every "
+                   "sample kept; `extra_info` says what each one is)", "")
+        skipped = self.records.get("skipped", [])
+        if skipped:
+            self.w("Skipped in this run:", "", *[f"- {s}" for s in skipped], "")
+
+    def headline(self):
+        t = self.threads
+        rows = []
+
+        def add(what, layer, case, ours, peer, threads=None):
+            r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
+            if r is not None:
+                rows.append((what, r))
+
+        add("numpy layer, ResNet-50 float32, 1 thread: ours ÷ roofline", "core",
+            "resnet50/float32", "ours", "roofline", 1)
+        add(f"numpy layer, ResNet-50 float32, {t} threads: ours ÷ torch", "core",
+            "resnet50/float32", "ours", "torch")
+        add(f"numpy layer, ResNet-50 float16, {t} threads: ours ÷ torch", "core",
+            "resnet50/float16", "ours", "torch")
+        add(f"numpy layer, ResNet-50 bfloat16, {t} threads: ours ÷ torch", "core",
+            "resnet50/bfloat16", "ours", "torch")
+        add(f"numpy layer, 1 GiB float32, {t} threads: ours ÷ roofline", "core",
+            f"{workloads.BIG}/float32", "ours", "roofline")
+        add(f"numpy layer, 2,000 tiny float32, {t} threads: ours ÷ numpy loop", "core",
+            "tiny_2000x64/float32", "ours", "numpy")
+        for case, label in (("resnet50/float32", "ResNet-50 float32"),
+                            ("bert_base/float32", "BERT-base float32"),
+                            ("tiny_2000x64/float32", "2,000 tiny float32")):
+            add(f"TF op in tf.function, {label}: ours ÷ TF composite", "tf_op", case, "ours",
+                "composite")
+        add("TF op eager, ResNet-50 float32: ours ÷ TF composite", "tf_op", "resnet50/float32",
+            "ours_eager", "composite_eager")
+        add("TF op in tf.function, ResNet-50 float32: ours ÷ torch", "tf_op",
+            "resnet50/float32", "ours", "torch")
+        add("LossScale.update, ResNet-50 float32: ours ÷ tf.compat.v1", "loss_scale",
+            "resnet50/float32", "ours", "stock")
+        add("LossScale.update, 2,000 tiny float32: ours ÷ tf.compat.v1", "loss_scale",
+            "tiny_2000x64/float32", "ours", "stock")
+        add("LossScaleOptimizer.apply, ResNet-50 float32: ours ÷ stock Keras", "optimizer",
+            "resnet50/float32", "ours", "stock")
+        add("LossScaleOptimizer.apply, BERT-base float32: ours ÷ stock Keras", "optimizer",
+            "bert_base/float32", "ours", "stock")
+        add("fit step, digits CNN mixed_float16: ours ÷ stock Keras", "fit",
+            "digits_cnn/mixed_float16", "ours", "stock")
+        self.headline_rows = rows
+        self.w("## Headline", "", "| | ours ÷ peer (time) | |", "|---|---:|---|")
+        for what, r in rows:
+            verdict = (f"{1 / r:.1f}× faster" if r < 0.95 else
+                       "tie (within 5%)" if r <= 1.05 else f"{r:.2f}× slower")
+            self.w(f"| {what} | {fmt_ratio(r)} | {verdict} |")
+        mem = self.records.get("memory")
+        if mem:
+            inside = mem["situations"]["inside"]
+            self.w(f"| peak memory added, {workloads.size_label(mem['gradient_bytes'])} gradient "
+                   f"made in the step: ours / TF composite | "
+                   f"{inside['native']['fraction_of_gradient'] * 100:.0f}% / "
+                   f"{inside['composite']['fraction_of_gradient'] * 100:.0f}% | of the gradient |")
+        tr = self.records.get("training")
+        if tr:
+            runs = tr["runs"]
+            self.w(f"| digits training: test accuracy stock / ours | "
+                   f"{runs['mixed_stock']['test_accuracy']:.4f} / "
+                   f"{runs['mixed_lossscale']['test_accuracy']:.4f} | "
+                   f"{'equal' if tr['accuracy_equal'] else 'DIFFERENT'}"
+                   f"{', weights bit-identical' if tr['weights_identical'] else ''} |")
+        self.w("")
+
+    def layer_table(self, layer, threads=None, title=None, note=None):
+        cases = self.cases(layer, threads)
+        if not cases:
+            return
+        peers = self.peers(layer)
+        cols = [PEER_LABELS.get((layer, p), p) for p in peers]
+        rcols = [c for c in RATIOS[layer] if c[1] in peers or c[1] == "roofline"]
+        self.w(f"### {title or LAYER_TITLES[layer]}", "")
+        if note:
+            self.w(note, "")
+        self.w("| workload | " + " | ".join(cols) + " | "
+               + " | ".join(f"ours {c[2]}" if not c[0].endswith("eager") else c[2]
+                            for c in rcols) + " |",
+               "|---|" + "---:|" * (len(cols) + len(rcols)))
+        for case in cases:
+            row = [cell(self.get(layer, case, p, threads)) for p in peers]
+            rs = []
+            for ours, peer, label in rcols:
+                r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
+                rs.append(fmt_ratio(r))
+                if r is not None and r > 1.05 and peer != "roofline":
+                    self.losses.append((layer, case, threads or self.threads, ours, peer, r))
+            self.w(f"| {case_label(case)} | " + " | ".join(row) + " | " + " | ".join(rs) + " |")
+        self.w("")
+
+    def sweep_table(self):
+        rows = []
+        for layer in ("core", "tf_op"):
+            for case in self.cases(layer, sweep=True):
+                rows.append((layer, case))
+        if not rows:
+            return
+        self.w("### Throughput against tensor size (one float32 tensor)", "",
+               "GB/s counts the bytes read plus written, 2 × the tensor's size, whatever an "
+               "implementation does on the way (the TF composite also writes a boolean "
+               "temporary).  TensorFlow methods here take a ready-made tensor the caller "
+               "keeps, so both write a fresh output.", "")
+        core_peers = self.peers("core")
+        tf_peers = [p for p in self.peers("tf_op")]
+        cols = ([("core", p) for p in core_peers] + [("tf_op", p) for p in tf_peers])
+        self.w("| size | " + " | ".join(PEER_LABELS.get(c, c[1]) for c in cols) + " |",
+               "|---|" + "---:|" * len(cols))
+        sizes = sorted({int(c.split("/")[0][6:]) for _, c in rows}
+                       | ({workloads.GIB} if self.get("core", f"{workloads.BIG}/float32", "ours")
+                          else set()))
+        for size in sizes:
+            case = (f"{workloads.sweep_name(size)}/float32" if size < workloads.GIB
+                    else f"{workloads.BIG}/float32")
+            cells = []
+            for layer, peer in cols:
+                st = self.get(layer, case, peer) if (layer == "core" or size < workloads.GIB) \
+                    else None
+                cells.append(f"{2 * size / st.median / 1e9:.2f}" if st and st.median > 0 else "—")
+            self.w(f"| {workloads.size_label(size)} | " + " | ".join(cells) + " |")
+        self.w("")
+
+    def memory(self):
+        mem = self.records.get("memory")
+        if not mem:
+            return
+        self.w(f"### Peak memory one step adds, one {workloads.size_label(mem['gradient_bytes'])} "
+               "float32 gradient", "",
+               "Each method in its own process; the peak resident memory during the step "
+               "minus the memory before it (and, for a gradient made in the step, minus what "
+               "making it costs alone), as a fraction of the gradient's size.", "")
+        methods = [m for m in ("native", "composite", "composite_check_first")
+                   if m in next(iter(mem["situations"].values()))]
+        label = {"native": "ours", "composite": "TF composite (multiply, then check: TF 2.4)",
+                 "composite_check_first": "TF composite (check, then divide: Keras 3)"}
+        self.w("| gradient | " + " | ".join(label[m] for m in methods) + " |",
+               "|---|" + "---:|" * len(methods))
+        for situation, rows in mem["situations"].items():
+            name = {"inside": "made inside the step", "argument": "passed in, kept alive"}[situation]
+            self.w(f"| {name} | " + " | ".join(
+                f"{rows[m]['fraction_of_gradient'] * 100:.1f}%" for m in methods) + " |")
+        self.w("", "A gradient made in the step (as backprop makes it) is a buffer nobody else "
+               "reads: the fused op writes the unscaled values over it and adds nothing. "
+               "TensorFlow's own `Mul` also reuses such a buffer, so TF 2.4's order adds its "
+               "`is_finite` temporary (1 byte per value); Keras 3's order divides while the "
+               "input is still needed by the check's consumers and adds a whole copy.  A "
+               "gradient the caller keeps cannot be overwritten by anyone.", "")
+
+    def training(self):
+        tr = self.records.get("training")
+        if not tr:
+            return
+        runs = tr["runs"]
+        self.w("## A real training run: digits CNN", "",
+               f"{tr['dataset']}, batch {tr['batch']}, SGD (0.05, momentum 0.9), "
+               f"{runs['float32']['epochs']} epochs, same seed and initial weights for all "
+               f"three; loss scale from 2^15, growth every {tr['growth_steps']} steps "
+               "(`bench/train_digits.py`).", "",
+               "| run | test accuracy | test loss | skipped steps | final loss scale | "
+               "step time, median <sub>min–max</sub> |", "|---|---:|---:|---:|---:|---:|")
+        names = {"float32": "float32", "mixed_stock": "mixed_float16, stock Keras optimizer",
+                 "mixed_lossscale": "mixed_float16, lossscale optimizer"}
+        for kind, r in runs.items():
+            final = f"{r['loss_scale'][-1]:g}" if r["loss_scale"] else "—"
+            self.w(f"| {names[kind]} | {r['test_accuracy']:.4f} | {r['test_loss']:.4f} | "
+                   f"{r['skipped_steps'] if r['loss_scale'] else '—'} | {final} | "
+                   f"{r['step_ms_median']:.2f} ms <sub>{r['step_ms_min']:.2f}–"
+                   f"{r['step_ms_max']:.2f}</sub> |")
+        self.w("", f"- accuracy, stock vs ours: **{'equal' if tr['accuracy_equal'] else 'DIFFERENT'}**"
+               f"; final weights bit-identical: **{tr['weights_identical']}**; loss-scale "
+               f"trajectories identical: **{tr['scales_identical']}**.",
+               "- Step times here include Keras' per-step callback overhead; on a CPU, "
+               "float16 layers are slower than float32 ones (there is no float16 arithmetic "
+               "to gain from, only casts), so this run is about correctness and the "
+               "loss-scale trajectory, not speed.", "")
+        if self.plots.get("training"):
+            self.w(f"![loss scale and training loss]({self.plots['training']})", "")
+
+    def where_we_lose(self):
+        self.w("## Where we lose or tie", "")
+        if not self.losses:
+            self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
+        else:
+            self.w("Every cell above where ours is more than 5% slower than a peer:", "")
+            for layer, case, threads, ours, peer, r in self.losses:
+                self.w(f"- {LAYER_TITLES[layer].split(':')[0]}, {case_label(case)}, "
+                       f"{threads} thread{'s' if threads > 1 else ''}: "
+                       f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
+                       f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
+            self.w("")
+        self.w(
+            "Why, where it is understood:", "",
+            "- **Memory-bound lists at the roofline.** A float32 list larger than the cache "
+            "is one read and one write of every byte whatever does it: ours, torch and the "
+            "in-place multiply all sit at the machine's bandwidth, and the ratios there are "
+            "ties within noise.  The numpy roofline is single-threaded, so at more threads "
+            "ours can beat it.",
+            "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, a "
+            "`tf.function` call or an eager op costs tens of microseconds whatever the "
+            "kernel does; both TensorFlow methods are call overhead there, and torch's "
+            "direct C++ call wins by an order of magnitude.",
+            "- **Keras `apply`.** Both optimizers hand the unscaled gradients to the same "
+            "inner SGD, whose update is the larger part of `apply` (see the *inner SGD "
+            "alone* column): the most any loss scaling can save is the difference between "
+            "stock and SGD alone.",
+            "- **A whole `fit` step of a small model.** The optimizer's share of the step is "
+            "small; the two agree within the step time's scatter.",
+            "- **The TF composite in a graph overlaps with the producer.** Its per-tensor "
+            "ops run as soon as each gradient exists, while it is in cache; the one fused op "
+            "waits for the whole list and streams it back from memory.", "")
+
+    def reading(self):
+        self.w("## How to read the TensorFlow numbers", "",
+               "- In `tf.function` the gradients are made inside the graph, as a backward pass "
+               "leaves them: fresh buffers, each ending in an op Grappler cannot see through "
+               "(otherwise Grappler folds the composite's multiply by a scalar into the "
+               "producer and the stock unscale looks free).  Making them is timed on its own "
+               "(the `producer` baseline, ending in the same one-value-per-tensor read as every "
+               "method) and its median is taken off every sample: the tables show the "
+               "loss-scale work alone.",
+               "- Eager methods take ready-made tensors the caller keeps; nobody may write "
+               "over them, so they write fresh outputs.",
+               "- torch works in place on its own copy of the same values, and its column "
+               "includes `_amp_update_scale_`.",
+               "- `ours ÷ roofline` compares with the numpy layer's in-place multiply over the "
+               "same bytes at the same thread count (for 16-bit lists, float32 buffers of the "
+               "same byte sizes: numpy's float16 multiply is not vectorized).", "")
+
+    def reproduce(self):
+        self.w("## Reproduce", "", "```sh",
+               "make bench            # this report: bench/results/REPORT.md, raw.json, *.png",
+               "make bench QUICK=1    # a small subset in under two minutes: "
+               "bench/results/quick/",
+               "```", "",
+               "`make bench` creates `.venv`, installs the requirements (and the optional "
+               "peers in `requirements-bench.txt`: torch CPU, matplotlib), builds in place, "
+               "runs `pytest bench` with pytest-benchmark, then `python bench/report.py`.  "
+               "Extra pytest arguments go in `BENCH_ARGS`, e.g. "
+               "`make bench BENCH_ARGS='-k core --threads 1'`.", "")
+
+    # -------------------------------------------------------- assembly
+
+    def write(self):
+        self.plots = make_plots(self)
+        self.header()
+        self.headline()
+        if self.plots.get("throughput"):
+            self.w(f"![throughput against tensor size]({self.plots['throughput']})", "")
+        if self.plots.get("step_time"):
+            self.w(f"![time per step, per workload]({self.plots['step_time']})", "")
+        self.w("## Results by layer", "")
+        core_threads = self.facts.get("core_threads") or [self.threads]
+        for t in core_threads:
+            self.layer_table("core", t, title=f"{LAYER_TITLES['core']}, {t} thread"
+                             f"{'s' if t > 1 else ''}")
+        self.sweep_table()
+        self.layer_table("tf_op", note="Gradients made in the graph for the tf.function "
+                         "columns (the producer's time taken off), ready-made tensors for "
+                         "the eager ones.")
+        self.layer_table("loss_scale")
+        self.layer_table("optimizer", note="Ratios above 1 here would mean ours is slower; "
+                         "*inner SGD alone* is the part both optimizers share.")
+        self.layer_table("fit", note="Time per training step (one sample is an epoch of `fit`, "
+                         "divided by its steps).")
+        self.memory()
+        self.training()
+        self.where_we_lose()
+        self.reading()
+        self.reproduce()
+        path = os.path.join(self.out_dir, "REPORT.md")
+        with open(path, "w") as f:
+            f.write("\n".join(self.lines))
+        return path
+
+
+# ------------------------------------------------------------ plots
+
+def make_plots(rep):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"report: plots skipped, matplotlib not importable ({e}); "
+              "pip install -r requirements-bench.txt")
+        return {}
+    out = {}
+    if plot_throughput(rep, plt, os.path.join(rep.out_dir, "throughput.png")):
+        out["throughput"] = "throughput.png"
+    if plot_steps(rep, plt, os.path.join(rep.out_dir, "step_time.png")):
+        out["step_time"] = "step_time.png"
+    if plot_training(rep, plt, os.path.join(rep.out_dir, "training.png")):
+        out["training"] = "training.png"
+    return out
+
+
+def _series(rep, layer, peer):
+    pts = []
+    for case in rep.cases(layer, sweep=True):
+        st = rep.get(layer, case, peer)
+        if st and st.median > 0:
+            size = int(case.split("/")[0][6:])
+            pts.append((size, 2 * size / st.median / 1e9))
+    if layer == "core":
+        st = rep.get(layer, f"{workloads.BIG}/float32", peer)
+        if st and st.median > 0:
+            pts.append((workloads.GIB, 2 * workloads.GIB / st.median / 1e9))
+    return sorted(pts)
+
+
+def plot_throughput(rep, plt, path):
+    styles = {("core", "ours"): ("C0", "-", "o"), ("core", "torch"): ("C1", "-", "s"),
+              ("core", "numpy"): ("C2", "-", "^"), ("core", "roofline"): ("k", ":", "."),
+              ("tf_op", "ours"): ("C0", "--", "o"), ("tf_op", "composite"): ("C3", "--", "v"),
+              ("tf_op", "ours_eager"): ("C4", "--", "D"),
+              ("tf_op", "composite_eager"): ("C5", "--", "x"),
+              ("tf_op", "torch"): ("C1", "--", "s")}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    drew = False
+    for ax, layer, title in ((axes[0], "core", "numpy layer (in place)"),
+                             (axes[1], "tf_op", "TensorFlow layer (unscale + check + update)")):
+        for peer in rep.peers(layer):
+            pts = _series(rep, layer, peer)
+            if not pts:
+                continue
+            color, ls, marker = styles.get((layer, peer), (None, "-", "o"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, linestyle=ls,
+                    marker=marker, markersize=4, label=PEER_LABELS.get((layer, peer), peer))
+            drew = True
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size (bytes, one float32 tensor)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        ticks = [1 << k for k in range(10, 31, 4)]
+        ax.set_xticks(ticks, [workloads.size_label(t).replace(" ", "") for t in ticks])
+    axes[0].set_ylabel("GB/s (2 × tensor bytes / time)")
+    fig.suptitle(f"{rep.facts.get('cpu', '')}, {rep.threads} threads, kernel set "
+                 f"{rep.facts.get('simd_level', '')}", fontsize=10)
+    fig.tight_layout()
+    if drew:
+        fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return drew
+
+
+def plot_steps(rep, plt, path):
+    layers = [la for la in ("core", "tf_op", "loss_scale", "optimizer", "fit")
+              if rep.cases(la)]
+    if not layers:
+        return False
+    heights = [max(1.6, 0.5 + 0.32 * len(rep.cases(la)) * 1.2) for la in layers]
+    fig, axes = plt.subplots(len(layers), 1, figsize=(10, sum(heights) + 0.6),
+                             gridspec_kw={"height_ratios": heights})
+    if len(layers) == 1:
+        axes = [axes]
+    for ax, layer in zip(axes, layers):
+        cases = rep.cases(layer)
+        peers = rep.peers(layer)
+        width = 0.8 / max(1, len(peers))
+        for j, peer in enumerate(peers):
+            ys, xs = [], []
+            for i, case in enumerate(cases):
+                st = rep.get(layer, case, peer)
+                if st and st.median > 0:
+                    ys.append(i + (j - (len(peers) - 1) / 2) * width)
+                    xs.append(st.median * 1e3)
+            ax.barh(ys, xs, height=width, label=PEER_LABELS.get((layer, peer), peer),
+                    color=f"C{j}" if peer != "ours" else "C0",
+                    alpha=1.0 if peer == "ours" else 0.75)
+        ax.set_yticks(range(len(cases)), [case_label(c) for c in cases], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per step (median; lower is better)", fontsize=8)
+        ax.set_title(LAYER_TITLES[layer].replace("`", ""), fontsize=9)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def plot_training(rep, plt, path):
+    tr = rep.records.get("training")
+    if not tr:
+        return False
+    runs = tr["runs"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for kind, style in (("mixed_stock", dict(color="C1", lw=3, alpha=0.5, label="stock Keras")),
+                        ("mixed_lossscale", dict(color="C0", lw=1.2, ls="--",
+                                                 label="lossscale"))):
+        s = runs[kind]["loss_scale"]
+        a.step(range(1, len(s) + 1), s, where="post", **style)
+    a.set_yscale("log", base=2)
+    a.set_xlabel("training step")
+    a.set_ylabel("loss scale after the step")
+    a.set_title("loss-scale trajectory (mixed_float16)", fontsize=10)
+    a.grid(True, alpha=0.3)
+    a.legend(fontsize=8)
+    names = {"float32": "float32", "mixed_stock": "mixed, stock Keras",
+             "mixed_lossscale": "mixed, lossscale"}
+    for kind, r in runs.items():
+        b.plot(range(1, len(r["train_loss"]) + 1), r["train_loss"],
+               lw=3 if kind == "mixed_stock" else 1.2, alpha=0.5 if kind == "mixed_stock" else 1,
+               ls="--" if kind == "mixed_lossscale" else "-",
+               label=f"{names[kind]} (test acc. {r['test_accuracy']:.4f})")
+    b.set_yscale("log")
+    b.set_xlabel("epoch")
+    b.set_ylabel("training loss")
+    b.set_title("digits CNN", fontsize=10)
+    b.grid(True, alpha=0.3)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+        return 2
+    rep = Report(argv[0])
+    path = rep.write()
+    print(f"report: {path}")
+    for what, r in getattr(rep, "headline_rows", []):
+        print(f"  {what}: {r:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The Keras layer: ``optimizer.apply(grads, variables)`` in ``tf.function``,
+``lossscale.LossScaleOptimizer`` against the stock
+``keras.optimizers.LossScaleOptimizer`` it replaces.
+
+Both wrap the same inner optimizer (SGD) over float32 variables of the
+workload's shapes, with the scale fixed (growth period 10**9) so that every
+call does the same work; the gradients are made inside the step
+(``tfgraph.py``), as a backward pass hands them over.  Also timed: the inner
+SGD alone (``sgd``), the part both share -- what even a loss-scaling step
+that cost nothing would take -- and the ``producer`` baseline, which the
+report subtracts from all three.  Mixed-precision Keras keeps float32
+variables and so float32 gradients: the 16-bit gradient lists of the other
+layers do not arise here.
+"""
+
+import numpy as np
+
+import harness
+import workloads
+
+LAYER = "optimizer"
+PEERS = ["ours", "stock", "sgd", "producer"]
+
+
+def cases(settings):
+    if settings.quick:
+        return ["resnet50/float32"]
+    return [f"{w}/float32" for w in workloads.LISTS]
+
+
+def items(settings):
+    return [(c, p) for c in cases(settings) for p in PEERS]
+
+
+class Data:
+    def __init__(self, case):
+        from tfgraph import GraphGradients
+
+        name, dtype = case.split("/")
+        self.name, self.dtype = name, dtype
+        self.arrays = workloads.arrays(name, dtype)
+        self.graph = GraphGradients(self.arrays)
+        self.methods = {}
+
+    def method(self, peer):
+        if peer not in self.methods:
+            self.methods[peer] = self._make(peer)
+        return self.methods[peer]
+
+    def _make(self, peer):
+        import keras
+
+        if peer == "producer":
+            return self.graph.producer
+        variables = [keras.Variable(np.zeros_like(a), name=f"w{i}")
+                     for i, a in enumerate(self.arrays)]
+        inner = keras.optimizers.SGD(1e-3)
+        if peer == "sgd":
+            opt = inner
+        else:
+            if peer == "stock":
+                cls = keras.optimizers.LossScaleOptimizer
+            else:
+                from lossscale import LossScaleOptimizer as cls
+            opt = cls(inner, initial_scale=2.0 ** 8, dynamic_growth_steps=10 ** 9)
+        opt.build(variables)
+
+        def step(gs):
+            opt.apply(gs, variables)
+            # Read the variables, not the gradients: a later reader of the
+            # gradients would stop the native op from writing over them.
+            return [v.value for v in variables], None
+
+        return self.graph.wrap(step)
+
+    def info(self, peer, rnd, case):
+        return dict(layer=LAYER, case=case, workload=self.name, dtype=self.dtype, peer=peer,
+                    threads=harness.Settings.threads, rnd=rnd, tensors=len(self.arrays),
+                    values=int(sum(a.size for a in self.arrays)),
+                    bytes=int(sum(a.nbytes for a in self.arrays)))
+
+
+def test_optimizer_apply(benchmark, case, peer, rnd):
+    data = harness.live(LAYER, case, lambda: Data(case))
+    fn = data.method(peer)
+    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd, case))

@@ -1,0 +1,82 @@
+"""Gradients made inside a ``tf.function``, as a backward pass leaves them,
+for the TensorFlow, LossScale and optimizer benchmarks.
+
+Passing a gradient list as a function's arguments measures something else:
+the caller still holds the tensors, so no op may write over them, and with
+2,000 arguments the cost of calling the function dominates every method.
+Inside the graph each gradient is a fresh buffer nobody else reads.
+
+Two traps, both fixed here:
+
+* a plain elementwise producer lets Grappler fold the stock composite's
+  multiply by a scalar into the producer, so the composite's unscale costs
+  nothing, which no real gradient (the output of a convolution or matmul
+  gradient) allows.  Each big gradient therefore ends in an op Grappler
+  cannot see through: the stateful pass-through op of the lossscale op
+  library, which hands on its input buffer untouched;
+* every method must end in the same consumer (a read of one value per
+  tensor) so that nothing is pruned and the producer alone, timed on its
+  own as the ``producer`` baseline, costs what it costs inside every method.
+  The report subtracts it.
+"""
+
+import numpy as np
+
+import harness
+
+
+class GraphGradients:
+    """``produce(seed)`` makes the workload's gradients in the graph;
+    ``consume(grads)`` is the common ending; ``producer`` the baseline."""
+
+    def __init__(self, arrays):
+        tf = harness.tensorflow()
+        self.dtype = tf.as_dtype(arrays[0].dtype)
+        if len(arrays) > 500:
+            # Thousands of small tensors: one split of a flat tensor, so
+            # making them is cheap next to what is measured.
+            assert all(a.ndim == 1 for a in arrays)
+            sizes = [a.size for a in arrays]
+            self.seed = tf.constant(np.concatenate(arrays))
+
+            def produce(x):
+                return tf.split(x, sizes)
+        else:
+            from lossscale import _loader
+
+            opaque = _loader.load()[0].loss_scale_debug_buffer_address
+            self.seed = tf.constant(1.0, dtype=self.dtype)
+            sources = [tf.constant(a) for a in arrays]
+
+            def produce(x):
+                return [opaque(tf.reverse(t * x, [0]))[0] for t in sources]
+
+        self.produce = produce
+
+        if len(arrays) > 500:
+            # One op rather than thousands: tracing stays short, and the
+            # copy of a few hundred KiB is part of the subtracted baseline.
+            def consume(gs):
+                return tf.reduce_sum(tf.cast(tf.concat(gs, 0)[::64], tf.float32))
+        else:
+            def consume(gs):
+                return tf.add_n([tf.cast(tf.reshape(g, [-1])[0], tf.float32) for g in gs])
+
+        self.consume = consume
+        producer = tf.function(lambda x: consume(produce(x)))
+        self.producer = lambda: producer(self.seed)
+
+    def wrap(self, step):
+        """A ``tf.function`` of no arguments: make the gradients, run
+        ``step(grads) -> (outputs or None, flag or None)``, consume."""
+        tf = harness.tensorflow()
+        produce, consume = self.produce, self.consume
+
+        def run(x):
+            gs = produce(x)
+            outs, flag = step(gs)
+            return consume(gs if outs is None else outs), flag
+
+        fn = tf.function(run)
+        seed = self.seed
+        return lambda: fn(seed)
