@@ -161,7 +161,7 @@ def _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_
                         f"{type(inner_optimizer).__name__}.")
     if isinstance(initial_scale, bool) or not isinstance(initial_scale, numbers.Real):
         raise ValueError(f"initial_scale must be a Python int or float, got {initial_scale!r}.")
-    if not 0.0 < float(initial_scale) <= _FLOAT32_MAX:
+    if not 0.0 < initial_scale <= _FLOAT32_MAX:  # False for NaN
         raise ValueError(f"initial_scale must be a positive finite float32, got "
                          f"{initial_scale!r}.")
     if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps,
@@ -194,7 +194,7 @@ def _check_gradients(grads, trainable_variables, caller):
         dtype = tf.as_dtype(values.dtype)
         if not (dtype.is_floating or dtype.is_integer):
             raise TypeError(f"{caller}: gradient {i} has dtype {dtype.name}; expected a "
-                            "floating-point gradient.")
+                            "floating-point (or integer) gradient.")
         var_shape = tf.TensorShape(v.shape)
         grad_shape = tf.TensorShape(values.shape)
         if isinstance(g, tf.IndexedSlices):

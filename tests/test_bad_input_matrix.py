@@ -874,6 +874,7 @@ cases("LossScaleOptimizer", "NaN scale", {
 cases("LossScaleOptimizer", "inf scale", {
     "initial_scale=inf": _optimizer(LSO, sgd, initial_scale=INF),
     "initial_scale=1e39": _optimizer(LSO, sgd, initial_scale=1e39),
+    "initial_scale=10**400": _optimizer(LSO, sgd, initial_scale=10 ** 400),
     "loss_scale=inf": _optimizer(LSO, sgd, loss_scale=INF),
 }, ValueError, r"initial_scale must be a positive finite float32|loss_scale_value must be finite")
 cases("LossScaleOptimizer", "zero scale", {
@@ -931,7 +932,8 @@ cases("LossScaleOptimizer.apply", "wrong dtype", {
     "bool grad": _apply(lambda vs: [tf.ones([2, 2], tf.bool), tf.ones([2])]),
     "string grad, loss_scale=": _apply(lambda vs: [tf.fill([2, 2], "x"), tf.ones([2])],
                                        loss_scale=lossscale.DynamicLossScale(64.0, 2)),
-}, TypeError, r"apply: gradient 0 has dtype \w+; expected a floating-point gradient")
+}, TypeError, r"apply: gradient 0 has dtype \w+; expected a floating-point \(or integer\) "
+              r"gradient")
 cases("LossScaleOptimizer.apply", "empty list", {
     "apply_gradients([])": _apply(lambda vs: [], how="apply_gradients"),
 }, ValueError, r"apply_gradients: grads_and_vars is empty")
