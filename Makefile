@@ -1,6 +1,9 @@
 # One way to build and test: these targets are what CI runs.
 #   make test   create .venv, install, build, run the whole suite
 #   make bench  the same set-up, then the benchmarks -> bench/results/
+#   make sanitize  the core and lossscale.core under ASan+UBSan (+LSan, TSan
+#                  in C), built apart in build/sanitize/, core tests run there
+#   make fuzz   the libFuzzer target for FUZZ_SECONDS (default 60)
 #               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 PYTHON ?= python3
 VENV   := .venv
@@ -10,7 +13,7 @@ BENCH_DEPS := $(VENV)/.bench-deps-installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export CUDA_VISIBLE_DEVICES ?=
 
-.PHONY: all build test bench wheel clean
+.PHONY: all build test bench wheel clean sanitize fuzz
 
 all: build
 
@@ -42,6 +45,14 @@ bench: build $(BENCH_DEPS)
 		--benchmark-disable-gc --benchmark-quiet --benchmark-json=$(BENCH_OUT)/raw.json \
 		$(BENCH_ARGS) || rc=$$?; \
 	$(PY) bench/report.py $(BENCH_OUT)/raw.json || rc=$${rc:-1}; exit $$rc
+
+# Never touches the in-place modules: everything lands in build/sanitize/.
+sanitize: $(DEPS)
+	PY=$(PY) sh tools/sanitize.sh
+
+FUZZ_SECONDS ?= 60
+fuzz:
+	FUZZ_SECONDS=$(FUZZ_SECONDS) sh tools/fuzz.sh
 
 wheel: build
 	$(PY) -m pip wheel --quiet --no-build-isolation --no-deps -w dist .

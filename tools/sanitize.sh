@@ -57,11 +57,13 @@ export ASAN_OPTIONS=detect_leaks=0
 export PYTHONMALLOC=malloc
 export PYTHONSAFEPATH=1
 export PYTHONPATH="$PWD/$OUT/lib"
+# --capture=sys: a sanitizer report is written to file descriptor 2 just
+# before the process dies; pytest's descriptor capture would lose it.
 "$PY" -c "
 import lossscale, sys
 sys.exit(0 if lossscale.__file__.startswith('$PWD/$OUT/') else
          'sanitized build not the one imported: ' + lossscale.__file__)"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_core_errors.py tests/test_core_exact.py \
+"$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/test_core_errors.py tests/test_core_exact.py \
     tests/test_core_rule.py tests/test_core_simd.py tests/test_core_threads.py \
     tests/test_fuzz_regressions.py
 # the in-process tests again at each level below the best this CPU runs
@@ -72,7 +74,7 @@ order = ['scalar', 'neon'] if core.simd_best() == 'neon' else ['scalar', 'avx2',
 print(' '.join(order[:order.index(core.simd_best())]))")
 for level in $LEVELS; do
     echo "-- LOSSSCALE_SIMD=$level"
-    LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider tests/test_core_errors.py \
+    LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/test_core_errors.py \
         tests/test_core_threads.py tests/test_fuzz_regressions.py
 done
 echo "sanitize: clean"

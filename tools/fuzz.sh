@@ -1,0 +1,36 @@
+#!/bin/sh
+# `make fuzz`: builds the libFuzzer target (clang; ASan and UBSan on) and
+# fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60).
+#
+# Inputs that add coverage go to build/fuzz/corpus, never into the checked-in
+# fuzz/corpus (fold them in with -merge=1, see the README); an input that
+# fails is written to build/fuzz/artifacts/ and the run exits non-zero.
+# clang is installed with apt-get when, and only when, it is missing.
+set -eu
+cd "$(dirname "$0")/.."
+SECONDS_TO_RUN=${FUZZ_SECONDS:-60}
+OUT=build/fuzz
+CLANG=${FUZZ_CC:-clang}
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v "$CLANG" >/dev/null 2>&1; then
+    echo "fuzz: $CLANG not found; installing clang"
+    as_root apt-get update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang
+fi
+# libFuzzer's runtime ships apart from clang on Debian and Ubuntu
+if ! ls "$("$CLANG" -print-resource-dir)"/lib/*/libclang_rt.fuzzer*.a >/dev/null 2>&1; then
+    major=$("$CLANG" -dumpversion | cut -d. -f1)
+    echo "fuzz: libFuzzer runtime not found; installing libclang-rt-$major-dev"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "libclang-rt-$major-dev"
+fi
+
+tools/build_c.sh "$OUT/fuzz_core" "$CLANG" \
+    "-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O2" \
+    fuzz/fuzz_core.c
+mkdir -p "$OUT/corpus" "$OUT/artifacts"
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# the first directory receives new inputs; the checked-in ones are read only
+"$OUT/fuzz_core" -max_total_time="$SECONDS_TO_RUN" -timeout=30 -print_final_stats=1 \
+    -artifact_prefix="$OUT/artifacts/" "$OUT/corpus" fuzz/corpus fuzz/regressions
