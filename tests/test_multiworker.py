@@ -1,0 +1,407 @@
+"""Beyond one machine: two worker processes under MultiWorkerMirroredStrategy,
+and two replicas in one process under MirroredStrategy, where only one
+replica's gradients overflow.
+
+The workers are this file run as a script with a ``TF_CONFIG`` of two
+loopback ports (picked free, the launch retried on a collision); they train
+in lockstep over gRPC collectives on the CPU and each prints one JSON report.
+Every step feeds each worker its own batch; at chosen steps only worker 1's
+(or only worker 0's) loss is non-finite or overflows float16.  Requirement:
+both workers skip, and end every step with identical variables and scale.
+
+Oracles, run in the same processes on identical model copies:
+
+* ``lossscale.LossScaleOptimizer`` (Keras 3 rule) against the stock
+  ``keras.optimizers.LossScaleOptimizer`` fed the same data with the
+  overflow on *both* workers (a skipped step leaves nothing of its
+  gradients, so the two must agree bit for bit).  Stock is never given a
+  one-sided overflow: under this strategy it decides on each worker's own
+  flag, so one worker would wait in the gradient all-reduce for a peer that
+  skipped.
+* TensorFlow 2.4's custom loop on ``lossscale.experimental`` and
+  ``lossscale.LossScaleOptimizer(loss_scale=DynamicLossScale(...))`` against
+  ``tf.compat.v1.mixed_precision.DynamicLossScale`` under the same strategy
+  (it combines the replicas' flags itself) driving a plain optimizer.
+* The float32 numpy model of the rules (``rule_model``) for every scale.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import rule_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 14
+TIMEOUT = 240  # seconds for a whole run, TensorFlow's start-up included
+# step -> the worker (replica) whose loss is spoiled, and how; "both": every one.
+SPOILED = {3: (1, np.inf), 5: (0, np.nan), 8: ("both", np.inf), 10: (1, 1e30), 11: (1, -np.inf)}
+INITIAL_SCALE, GROWTH = 2.0**10, 2
+
+
+def factor(step, replica, both=False):
+    """The loss factor of ``replica`` at ``step``; ``both``: a spoiled step
+    spoils every replica."""
+    if step not in SPOILED:
+        return np.float32(1.0)
+    who, value = SPOILED[step]
+    return np.float32(value if both or who in ("both", replica) else 1.0)
+
+
+def batch(step, replica):
+    rng = np.random.default_rng([7, step, replica])
+    x = rng.standard_normal((8, 6)).astype(np.float32)
+    return x, np.tanh(x[:, :1] + 0.5 * x[:, 2:3]).astype(np.float32)
+
+
+# --------------------------------------------------- inside a worker process
+
+def build_all(strategy):
+    """The model copies and their optimizers, made under the strategy."""
+    import keras
+    from tensorflow.python.util import deprecation
+
+    import tensorflow as tf
+    from lossscale import experimental
+    from lossscale.loss_scale import DynamicLossScale
+    from lossscale.optimizer import LossScaleOptimizer
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(10, activation="tanh", dtype="mixed_float16"),
+            keras.layers.Dense(1, dtype="float32"),
+        ])
+
+    def sgd():
+        return keras.optimizers.SGD(0.05, momentum=0.5)
+
+    with strategy.scope():
+        models = {name: model() for name in ("ours", "stock", "tf24", "object", "reference")}
+        optimizers = {
+            "ours": LossScaleOptimizer(sgd(), initial_scale=INITIAL_SCALE,
+                                       dynamic_growth_steps=GROWTH),
+            "stock": keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=INITIAL_SCALE,
+                                                         dynamic_growth_steps=GROWTH),
+            "tf24": experimental.LossScaleOptimizer(
+                sgd(), experimental.DynamicLossScale(INITIAL_SCALE, GROWTH)),
+            "object": LossScaleOptimizer(
+                sgd(), loss_scale=DynamicLossScale(INITIAL_SCALE, GROWTH)),
+            "reference": sgd(),
+        }
+        with deprecation.silence():
+            reference_scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+                INITIAL_SCALE, GROWTH)
+        for name, opt in optimizers.items():
+            opt.build(models[name].trainable_variables)
+    return models, optimizers, reference_scale
+
+
+def step_functions(strategy, models, optimizers, reference_scale):
+    import tensorflow as tf
+
+    def loss_of(model, x, y, f):
+        pred = tf.cast(model(x, training=True), tf.float32)
+        return tf.reduce_mean(tf.square(pred - y)) * f / strategy.num_replicas_in_sync
+
+    def keras_step(model, opt):
+        def replica(x, y, f):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss_of(model, x, y, f))
+            opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        return replica
+
+    def tf24_step(model, opt):
+        def replica(x, y, f):
+            with tf.GradientTape() as tape:
+                scaled = opt.get_scaled_loss(loss_of(model, x, y, f))
+            grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        return replica
+
+    def reference_step(model, inner):
+        """TensorFlow 2.4's LossScaleOptimizer step with TensorFlow's loss scale and ops."""
+        def replica(x, y, f):
+            with tf.GradientTape() as tape:
+                scaled = loss_of(model, x, y, f) * reference_scale()
+            grads = tape.gradient(scaled, model.trainable_variables)
+            inv = 1.0 / reference_scale()
+            grads = [g * tf.cast(inv, g.dtype) for g in grads]
+
+            def cross_replica(distribution, grads):
+                _, should_apply = reference_scale.update(grads)
+
+                def apply():
+                    distribution.extended.call_for_each_replica(
+                        lambda g: inner.apply(g, model.trainable_variables), args=(grads,))
+
+                def skip():
+                    inner.iterations.assign_add(1)
+
+                tf.cond(should_apply, apply, skip)
+
+            tf.distribute.get_replica_context().merge_call(cross_replica, args=(grads,))
+        return replica
+
+    makers = {"ours": keras_step, "stock": keras_step, "tf24": tf24_step, "object": keras_step,
+              "reference": reference_step}
+    functions = {}
+    for name, make in makers.items():
+        replica = make(models[name], optimizers[name])
+        functions[name] = tf.function(
+            lambda args, replica=replica: strategy.run(replica, args=args))
+    return functions
+
+
+def describe(models, optimizers, reference_scale):
+    """Per model: a digest of the weights and the inner optimizer's slots,
+    iterations, scale and its counter."""
+    import hashlib
+
+    import keras
+
+    def local(v):
+        v = v.value if isinstance(v, keras.Variable) else v
+        copies = getattr(v, "values", None)
+        return [np.asarray(c.numpy()) for c in copies] if copies else [np.asarray(v.numpy())]
+
+    report = {}
+    for name, model in models.items():
+        opt = optimizers[name]
+        inner = getattr(opt, "inner_optimizer", opt)
+        digest, agree = hashlib.sha1(), True
+        for v in list(model.variables) + [v for v in inner.variables
+                                          if v is not inner.iterations]:
+            copies = local(v)
+            agree &= all(c.tobytes() == copies[0].tobytes() for c in copies)
+            digest.update(copies[0].tobytes())
+        if name == "reference":
+            # pylint: disable=protected-access
+            scale, counter = reference_scale(), reference_scale._num_good_steps
+        elif getattr(opt, "loss_scale_object", None) is not None:
+            ls = opt.loss_scale_object
+            scale, counter = ls(), ls._num_good_steps  # pylint: disable=protected-access
+        else:
+            scale, counter = opt.dynamic_scale, opt.step_counter
+        report[name] = {"weights": digest.hexdigest(), "copies_agree": bool(agree),
+                        "iterations": int(np.asarray(inner.iterations.numpy())),
+                        "scale": float(np.asarray(scale.numpy())),
+                        "counter": int(np.asarray(counter.numpy()))}
+    return report
+
+
+def run_worker():
+    """One worker of the two-worker cluster in ``TF_CONFIG``."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    worker = strategy.cluster_resolver.task_id
+    models, optimizers, reference_scale = build_all(strategy)
+    functions = step_functions(strategy, models, optimizers, reference_scale)
+    trace = []
+    for step in range(STEPS):
+        x, y = batch(step, worker)
+        for name, function in functions.items():
+            f = factor(step, worker, both=name == "stock")
+            function((tf.constant(x), tf.constant(y), tf.constant(f)))
+        trace.append(describe(models, optimizers, reference_scale))
+    return {"worker": worker, "replicas": strategy.num_replicas_in_sync, "trace": trace}
+
+
+def run_mirrored():
+    """Two replicas on two logical CPUs of this process."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    models, optimizers, reference_scale = build_all(strategy)
+    functions = step_functions(strategy, models, optimizers, reference_scale)
+
+    def per_replica(fn):
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(fn(ctx.replica_id_in_sync_group)))
+
+    trace = []
+    for step in range(STEPS):
+        x = per_replica(lambda r: batch(step, r)[0])
+        y = per_replica(lambda r: batch(step, r)[1])
+        for name, function in functions.items():
+            f = per_replica(lambda r: factor(step, r, both=name == "stock"))
+            function((x, y, f))
+        trace.append(describe(models, optimizers, reference_scale))
+    return {"worker": 0, "replicas": strategy.num_replicas_in_sync, "trace": trace}
+
+
+# ------------------------------------------------------------- the test side
+
+def child_env(tf_config=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
+        env.pop(name, None)
+    if tf_config is not None:
+        env["TF_CONFIG"] = json.dumps(tf_config)
+    return env
+
+
+def free_ports(n):
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start(mode, log, tf_config=None):
+    with open(log, "wb") as stderr:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), mode], cwd=ROOT,
+                                env=child_env(tf_config), stdout=subprocess.PIPE,
+                                stderr=stderr)
+
+
+def tail(log):
+    with open(log, "rb") as f:
+        return f.read()[-4000:].decode(errors="replace")
+
+
+def collect(procs, logs, timeout):
+    """Each process's JSON report; on a failure or a timeout, kills every
+    process (a worker left alone waits for its peer forever) and raises."""
+    deadline = time.monotonic() + timeout
+    outputs = [None] * len(procs)
+    try:
+        for i, proc in enumerate(procs):
+            try:
+                outputs[i], _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"process {i} did not finish in {timeout} s; stderr:\n"
+                                     f"{tail(logs[i])}") from None
+            if proc.returncode != 0:
+                raise ChildFailed(i, proc.returncode, tail(logs[i]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+    return [json.loads(out.decode().strip().splitlines()[-1]) for out in outputs]
+
+
+class ChildFailed(AssertionError):
+    def __init__(self, index, returncode, stderr):
+        super().__init__(f"process {index} exited with {returncode}; stderr:\n{stderr}")
+        self.stderr = stderr
+
+
+def port_collision(stderr):
+    return any(s in stderr.lower() for s in ("address already in use", "failed to add port",
+                                              "could not start grpc server"))
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """The two workers' reports and the MirroredStrategy one, run side by side."""
+    tmp = tmp_path_factory.mktemp("multiworker")
+    mirrored_log = tmp / "mirrored.log"
+    mirrored = start("mirrored", mirrored_log)
+    try:
+        for attempt in range(3):
+            ports = free_ports(2)
+            cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+            logs = [tmp / f"worker{i}-{attempt}.log" for i in range(2)]
+            workers = [start("worker", logs[i], {"cluster": cluster,
+                                                 "task": {"type": "worker", "index": i}})
+                       for i in range(2)]
+            try:
+                workers = collect(workers, logs, TIMEOUT)
+                break
+            except ChildFailed as failure:
+                if attempt == 2 or not port_collision(failure.stderr):
+                    raise
+        (mirrored,) = collect([mirrored], [mirrored_log], TIMEOUT)
+    finally:
+        if isinstance(mirrored, subprocess.Popen) and mirrored.poll() is None:
+            mirrored.kill()
+            mirrored.wait(timeout=30)
+    return {"workers": workers, "mirrored": mirrored}
+
+
+def overflowed(step):
+    return step in SPOILED
+
+
+def expected_scales(rule, **kwargs):
+    state = (np.float32(INITIAL_SCALE), 0, 0, 0)
+    scales = []
+    for step in range(STEPS):
+        state = rule(state, not overflowed(step), period=GROWTH, **kwargs)
+        scales.append(float(state[0]))
+    return scales
+
+
+def check_trace(trace):
+    """The requirements on one process's trace of every step."""
+    keras_scales = expected_scales(rule_model.keras3_step)
+    tf24_scales = expected_scales(rule_model.tf24_step)
+    applied = 0
+    for step, now in enumerate(trace):
+        before = trace[step - 1] if step else None
+        where = f"step {step}"
+        for name, state in now.items():
+            assert state["copies_agree"], f"{where}: copies of {name}'s variables differ"
+        # Ours equals stock fed the overflow on every replica.
+        assert now["ours"] == now["stock"], where
+        # The TensorFlow 2.4 paths equal TensorFlow's own loss scale.
+        for name in ("tf24", "object"):
+            for key in ("weights", "scale", "counter"):
+                assert now[name][key] == now["reference"][key], f"{where}: {name} {key}"
+        assert now["ours"]["scale"] == keras_scales[step], where
+        assert now["reference"]["scale"] == tf24_scales[step], where
+        applied += not overflowed(step)
+        assert now["ours"]["iterations"] == now["object"]["iterations"] == applied, where
+        # TensorFlow 2.4 counted skipped steps in `iterations`.
+        assert now["tf24"]["iterations"] == now["reference"]["iterations"] == step + 1, where
+        if before is not None:
+            for name in now:
+                changed = now[name]["weights"] != before[name]["weights"]
+                assert changed != overflowed(step), \
+                    f"{where}: {name} {'changed' if changed else 'kept'} its weights"
+
+
+def test_two_workers_each_skip_when_one_overflows(reports):
+    workers = reports["workers"]
+    assert sorted(w["worker"] for w in workers) == [0, 1]
+    assert all(w["replicas"] == 2 for w in workers)
+    for w in workers:
+        check_trace(w["trace"])
+
+
+def test_two_workers_end_every_step_identical(reports):
+    first, second = reports["workers"]
+    for step, (a, b) in enumerate(zip(first["trace"], second["trace"])):
+        assert a == b, f"step {step}: the workers differ"
+    assert len(first["trace"]) == STEPS
+
+
+def test_mirrored_replicas_skip_together(reports):
+    mirrored = reports["mirrored"]
+    assert mirrored["replicas"] == 2
+    check_trace(mirrored["trace"])
+
+
+if __name__ == "__main__":
+    result = {"worker": run_worker, "mirrored": run_mirrored}[sys.argv[1]]()
+    print(json.dumps(result), flush=True)
