@@ -258,6 +258,65 @@ def test_fork_while_the_pool_is_busy():
     assert "forks failed: 0" in proc.stdout
 
 
+FIRST_USE_SCRIPT = textwrap.dedent("""
+    import sys, threading
+    import ml_dtypes
+    import numpy as np
+    from lossscale import core
+
+    core.set_num_threads(2)
+    dtypes = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+    rng = np.random.default_rng(0)
+    work = [(rng.standard_normal(300_001 + 7 * t) * 50).astype(dtypes[t % 4])
+            for t in range(16)]
+    barrier = threading.Barrier(len(work) + 1)
+    results = {}
+
+    def first_call(t):
+        barrier.wait()
+        y = work[t].copy()
+        results[t] = (core.unscale_(y, 0.125), y, core.all_finite(work[t]))
+
+    threads = [threading.Thread(target=first_call, args=(t,)) for t in range(len(work))]
+    for th in threads:
+        th.start()
+    barrier.wait()  # the kernels are chosen by whichever thread gets there first
+    levels = {core.simd_level() for _ in range(3)}
+    for th in threads:
+        th.join()
+    bad = 0
+    for t, x in enumerate(work):
+        ok, y, finite = results[t]
+        if x.dtype == np.dtype(ml_dtypes.bfloat16):
+            want = (x.astype(np.float32) * np.float32(0.125)).astype(x.dtype)
+        else:
+            want = x * x.dtype.type(0.125)
+        bad += not (ok and finite and y.tobytes() == want.tobytes())
+    print("level", levels.pop(), "bad", bad)
+""")
+
+LEVELS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon"),
+          "arm64": ("scalar", "neon")}
+
+
+def available_levels():
+    order = LEVELS.get(os.uname().machine if hasattr(os, "uname") else "", ("scalar",))
+    best = core.simd_best()
+    return order[:order.index(best) + 1] if best in order else ("scalar",)
+
+
+@pytest.mark.parametrize("level", available_levels())
+def test_first_use_from_many_threads_at_once(level):
+    """In a fresh process, sixteen threads make the very first calls together,
+    so the lazy choice of kernels and the pool's start race each other."""
+    env = dict(os.environ, LOSSSCALE_SIMD=level,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", FIRST_USE_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["level", level, "bad", "0"], proc.stdout + proc.stderr
+
+
 # ------------------------------------------------------------------ ops
 
 def tf_reference(grads, scale):
