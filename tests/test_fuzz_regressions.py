@@ -33,7 +33,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 FLUSH, CHECK_INPUTS, BIG = 1, 2, 8
-MAX_BUFS, MAX_CUTS, MAX_LENGTH, BIG_FACTOR = 4, 7, 4095, 32
+MAX_BUFS, MAX_CUTS, MAX_LENGTH, BIG_UNIT = 4, 7, 4095, 65536
 FAULT_NAN_SCALE, FAULT_INF_SCALE = 5, 6
 
 
@@ -59,7 +59,7 @@ def decode(data):
         lo, hi = byte(), byte()
         length = (lo | hi << 8) % (MAX_LENGTH + 1)
         if mode & BIG and i == 0:
-            length *= BIG_FACTOR
+            length = BIG_UNIT * (1 + length % 4) + length // 4
         buffers.append((b0 & 3, soff, length))
     for _ in range(ncuts):
         byte()
