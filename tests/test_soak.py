@@ -87,18 +87,25 @@ class Layout:
                       for k in indices)
 
 
-def build_model(seed):
+def build_model(seed, low_precision_variables=False):
+    """A small mixed_float16 model; with ``low_precision_variables`` two of
+    its layers keep float16 and bfloat16 variables, so the gradient list
+    mixes float32, float16 and bfloat16."""
     keras.utils.set_random_seed(seed)
+    middle = [keras.layers.Dense(8, activation="tanh", dtype="mixed_float16")]
+    if low_precision_variables:
+        middle = [keras.layers.Dense(8, activation="tanh", dtype="float16"),
+                  keras.layers.Dense(8, activation="tanh", dtype="bfloat16")]
     return keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(12, activation="tanh", dtype="mixed_float16"),
-        keras.layers.Dense(8, activation="tanh", dtype="mixed_float16"),
+        *middle,
         keras.layers.Dense(1, dtype="float32"),
     ])
 
 
-def twin_models():
-    a, b = build_model(0), build_model(1)
+def twin_models(**kwargs):
+    a, b = build_model(0, **kwargs), build_model(1, **kwargs)
     b.set_weights(a.get_weights())
     return a, b
 
@@ -209,9 +216,10 @@ def keras_step_fn(model, optimizer, layout):
 
 
 def test_keras_rule_soak_matches_stock_and_skips_change_nothing():
-    model_ref, model = twin_models()
-    stock = Stock(keras.optimizers.Adam(1e-3), initial_scale=2.0**15, dynamic_growth_steps=4)
-    ours = LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**15,
+    model_ref, model = twin_models(low_precision_variables=True)
+    stock = Stock(keras.optimizers.SGD(0.01, momentum=0.5), initial_scale=2.0**15,
+                  dynamic_growth_steps=4)
+    ours = LossScaleOptimizer(keras.optimizers.SGD(0.01, momentum=0.5), initial_scale=2.0**15,
                               dynamic_growth_steps=4)
     stock.build(model_ref.trainable_variables)
     ours.build(model.trainable_variables)
@@ -248,7 +256,9 @@ def test_keras_rule_soak_matches_stock_and_skips_change_nothing():
         skipped.append(skip)
         scales.append(scale)
 
-    assert sum(skipped) < STEPS // 4 and longest_run(skipped) >= 40
+    # float16 and bfloat16 gradients also overflow on their own when the
+    # scale has grown too far.
+    assert sum(skipped) < STEPS // 3 and longest_run(skipped) >= 30
     # The runs drove the scale far below 1 and it grew back every time.
     assert min(scales) <= 2.0**-10 and scales[-1] >= 2.0**8
     assert sum(b > a for a, b in zip(scales, scales[1:])) >= 100
