@@ -1,14 +1,15 @@
-"""Writes the fuzz target's seed corpus (fuzz/corpus/seed-*).
+"""Writes the fuzz targets' seed corpora (fuzz/corpus/*/seed-*).
 
-Hand-made starting points in the input layout of fuzz/fuzz_core.c, one per
+For fuzz/fuzz_core.c, hand-made starting points in its input layout, one per
 corner the kernels have: every dtype and flag pair, lengths around each
 vector width, starts off every alignment, scales that are powers of two,
 that round, that are subnormal or huge, lists mixing dtypes with cut
 points, lists big enough for the thread pool, every deliberate fault, and
 a caller that runs with FTZ/DAZ set.  The content mixes random bits with
-the special values of each dtype.  Deterministic: rerunning rewrites the
-same files.  Inputs the fuzzer adds later (merged into fuzz/corpus) keep
-their hash names.
+the special values of each dtype.  For fuzz/fuzz_scale_rule.c, both rules'
+defaults and edge configurations, from fresh states and from counters at
+their limits.  Deterministic: rerunning rewrites the same files.  Inputs
+the fuzzers add later (merged into fuzz/corpus/*) keep their hash names.
 
     python fuzz/make_seeds.py
 """
@@ -114,15 +115,48 @@ def seeds():
                            [0, 255], data=content(rng, [(1, 3)])))
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
+def encode_rule(rule, period, multiplier, backoff, min_scale, max_scale, hysteresis,
+                state, steps):
+    out = struct.pack("<Bqffffq", rule, period, multiplier, backoff, min_scale, max_scale,
+                      hysteresis)
+    out += struct.pack("<fqqq", *state)
+    return out + bytes(steps)
+
+
+def rule_seeds():
+    inf = float("inf")
+    mixed = [1, 1, 0, 1, 0, 0, 1, 1, 1, 0] * 3
+    yield "tf24-default", encode_rule(0, 2000, 2.0, 0.0, 1.0, inf, 1, (32768.0, 0, 0, 0), mixed)
+    yield "tf24-period1", encode_rule(0, 1, 2.0, 0.0, 1.0, inf, 1, (2.0 ** 120, 0, 0, 0),
+                                      [1] * 12 + [0] * 3)
+    yield "tf24-ext", encode_rule(0, 3, 4.0, 0.5, 0.25, 1024.0, 2, (512.0, 2, 1, 7), mixed)
+    yield "tf24-floor0", encode_rule(0, 2, 2.0, 0.0, 0.0, inf, 1, (2.0 ** -120, 0, 0, 0),
+                                     [0] * 12)
+    yield "tf24-limits", encode_rule(0, INT64_MAX, 2.0, 0.0, 1.0, inf, INT64_MAX,
+                                     (1.0, INT64_MAX, INT64_MAX, INT64_MAX), [1, 0, 0, 1])
+    yield "keras3-default", encode_rule(1, 2000, 2.0, 0.0, 1.0, inf, 1, (32768.0, 1998, 0, 0),
+                                        mixed)
+    yield "keras3-limits", encode_rule(1, 5, 2.0, 0.0, 1.0, inf, 1,
+                                       (2.0 ** -125, INT64_MAX - 1, 0, INT64_MAX - 1),
+                                       [1, 1, 0, 0])
+    yield "bad-rule", encode_rule(2, 2000, 2.0, 0.0, 1.0, inf, 1, (1.0, 0, 0, 0), [1])
+    yield "bad-multiplier", encode_rule(0, 2000, float("nan"), 0.0, 1.0, inf, 1,
+                                        (1.0, 0, 0, 0), [1])
+
+
 def main():
-    out = os.path.join(HERE, "corpus")
-    os.makedirs(out, exist_ok=True)
-    n = 0
-    for name, data in seeds():
-        with open(os.path.join(out, f"seed-{name}"), "wb") as f:
-            f.write(data)
-        n += 1
-    print(f"{n} seeds in {out}")
+    for sub, generate in (("core", seeds), ("scale_rule", rule_seeds)):
+        out = os.path.join(HERE, "corpus", sub)
+        os.makedirs(out, exist_ok=True)
+        n = 0
+        for name, data in generate():
+            with open(os.path.join(out, f"seed-{name}"), "wb") as f:
+                f.write(data)
+            n += 1
+        print(f"{n} seeds in {out}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The fuzz target's inputs replayed through the numpy bindings.
 
-Every file in ``fuzz/regressions/`` (inputs that once exposed a bug) and
-in ``fuzz/corpus/`` is decoded as ``fuzz/fuzz_core.c`` decodes it and run
-through ``lossscale.core``, so ``make test`` covers them without clang.
+Every file in ``fuzz/regressions/core/`` (inputs that once exposed a bug)
+and in ``fuzz/corpus/core/`` is decoded as ``fuzz/fuzz_core.c`` decodes it
+and run through ``lossscale.core``, so ``make test`` covers them without
+clang.
 What the bindings cannot express is left out: they work in place only (an
 out-of-place buffer runs in place, with the same arithmetic), reject empty
 arrays (dropped), and have no faults other than a bad scale; the C replay
@@ -26,8 +27,8 @@ import pytest
 from lossscale import core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INPUTS = sorted(glob.glob(os.path.join(ROOT, "fuzz", "regressions", "*")) +
-                glob.glob(os.path.join(ROOT, "fuzz", "corpus", "*")))
+INPUTS = sorted(glob.glob(os.path.join(ROOT, "fuzz", "regressions", "core", "*")) +
+                glob.glob(os.path.join(ROOT, "fuzz", "corpus", "core", "*")))
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
@@ -203,3 +204,74 @@ def _same_bits(a, b):
         return a is b
     return (a[0] == b[0] and a[2] == b[2] and len(a[1]) == len(b[1]) and
             all(np.array_equal(x, y) for x, y in zip(a[1], b[1])))
+
+
+# ------------------------------------------------------------ scale rule
+
+from lossscale import _native  # noqa: E402
+from rule_model import keras3_step, tf24_step  # noqa: E402
+
+RULE_INPUTS = sorted(glob.glob(os.path.join(ROOT, "fuzz", "regressions", "scale_rule", "*")) +
+                     glob.glob(os.path.join(ROOT, "fuzz", "corpus", "scale_rule", "*")))
+INT64_MAX = 2 ** 63 - 1
+TINY = float(np.finfo(np.float32).tiny)
+
+
+def decode_rule(data):
+    """Configuration, state and steps (see the layout in fuzz/fuzz_scale_rule.c)."""
+    head = (bytes(data) + bytes(61))[:61]
+    rule, period, mult, backoff, lo, hi, hyst = struct.unpack("<Bqffffq", head[:33])
+    state = struct.unpack("<fqqq", head[33:61])
+    config = dict(rule=rule % 3, increment_period=period, multiplier=mult,
+                  backoff_factor=None if backoff == 0 else backoff, min_loss_scale=lo,
+                  max_loss_scale=None if hi == math.inf else hi, hysteresis=hyst)
+    return config, state, [b & 1 for b in data[61:]]
+
+
+def ordinary(config, state):
+    """Whether the float32 model can be the oracle: it keeps subnormal
+    configuration values and replaces a NaN scale by the floor, where the
+    core (like TensorFlow) flushes and propagates."""
+    values = [config["multiplier"], config["min_loss_scale"], state[0]]
+    values += [v for v in (config["backoff_factor"], config["max_loss_scale"]) if v is not None]
+    return all(math.isfinite(v) and (v == 0 or abs(v) >= TINY) for v in values)
+
+
+def model_step(config, state, finite):
+    with np.errstate(all="ignore"):
+        if config["rule"] == 1:
+            new = keras3_step(state, finite, period=config["increment_period"],
+                              multiplier=config["multiplier"])
+        else:
+            new = tf24_step(state, finite, period=config["increment_period"],
+                            multiplier=config["multiplier"],
+                            backoff_factor=config["backoff_factor"],
+                            min_loss_scale=config["min_loss_scale"],
+                            max_loss_scale=config["max_loss_scale"],
+                            hysteresis=config["hysteresis"])
+    # the core's counters stop at INT64_MAX
+    return (new[0],) + tuple(min(int(v), INT64_MAX) for v in new[1:])
+
+
+def test_there_are_rule_inputs():
+    assert any(os.sep + "regressions" + os.sep in p for p in RULE_INPUTS)
+
+
+@pytest.mark.parametrize("path", RULE_INPUTS, ids=[os.path.relpath(p, ROOT) for p in RULE_INPUTS])
+def test_rule_input(path):
+    config, state, steps = decode_rule(open(path, "rb").read())
+    state = (float(state[0]),) + tuple(state[1:])
+    for finite in steps:
+        try:
+            new, apply = _native.scale_update(state, bool(finite), **config)
+        except ValueError:
+            assert config["rule"] == 2 or steps  # refused: a bad configuration
+            return
+        assert apply is bool(finite)
+        want_skipped = state[3] if finite else min(state[3] + 1, INT64_MAX)
+        assert new[3] == want_skipped
+        if ordinary(config, state) and not math.isnan(new[0]):
+            want = model_step(config, state, bool(finite))
+            assert (np.float32(new[0]) == np.float32(want[0]) and
+                    tuple(new[1:]) == tuple(want[1:])), (state, finite, new, want)
+        state = new

@@ -1,10 +1,12 @@
 #!/bin/sh
-# `make fuzz`: builds the libFuzzer target (clang; ASan and UBSan on) and
-# fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60).
+# `make fuzz`: builds the libFuzzer targets (clang; ASan and UBSan on) and
+# fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60), then
+# the loss-scale rule for a sixth of that (its input space is small).
 #
-# Inputs that add coverage go to build/fuzz/corpus, never into the checked-in
-# fuzz/corpus (fold them in with -merge=1, see the README); an input that
-# fails is written to build/fuzz/artifacts/ and the run exits non-zero.
+# Inputs that add coverage go to build/fuzz/corpus/<target>, never into the
+# checked-in fuzz/corpus (fold them in with -merge=1, see the README); an
+# input that fails is written to build/fuzz/artifacts/ and the run exits
+# non-zero.
 # clang is installed with apt-get when, and only when, it is missing.
 set -eu
 cd "$(dirname "$0")/.."
@@ -26,11 +28,18 @@ if ! ls "$("$CLANG" -print-resource-dir)"/lib/*/libclang_rt.fuzzer*.a >/dev/null
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "libclang-rt-$major-dev"
 fi
 
-tools/build_c.sh "$OUT/fuzz_core" "$CLANG" \
-    "-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O2" \
-    fuzz/fuzz_core.c
-mkdir -p "$OUT/corpus" "$OUT/artifacts"
+FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O2"
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-# the first directory receives new inputs; the checked-in ones are read only
-"$OUT/fuzz_core" -max_total_time="$SECONDS_TO_RUN" -timeout=30 -print_final_stats=1 \
-    -artifact_prefix="$OUT/artifacts/" "$OUT/corpus" fuzz/corpus fuzz/regressions
+mkdir -p "$OUT/artifacts"
+for target in core scale_rule; do
+    tools/build_c.sh "$OUT/fuzz_$target" "$CLANG" "$FLAGS" "fuzz/fuzz_$target.c"
+    mkdir -p "$OUT/corpus/$target"
+done
+run() { # target, seconds
+    echo "== fuzz_$1 for $2 s"
+    # the first directory receives new inputs; the checked-in ones are read only
+    "$OUT/fuzz_$1" -max_total_time="$2" -timeout=30 -print_final_stats=1 \
+        -artifact_prefix="$OUT/artifacts/$1-" "$OUT/corpus/$1" "fuzz/corpus/$1" "fuzz/regressions/$1"
+}
+run core "$SECONDS_TO_RUN"
+run scale_rule $((SECONDS_TO_RUN / 6 > 10 ? SECONDS_TO_RUN / 6 : 10))

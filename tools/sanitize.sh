@@ -2,8 +2,8 @@
 # `make sanitize`: the C core and the numpy bindings built with
 # AddressSanitizer and UndefinedBehaviorSanitizer, then exercised.
 #
-#   1. pure C (LeakSanitizer on too): the fuzz target replaying its seed
-#      corpus and every regression input, and the thread-pool driver, under
+#   1. pure C (LeakSanitizer on too): the fuzz targets replaying their
+#      corpora and every regression input, and the thread-pool driver, under
 #      each kernel level LOSSSCALE_SIMD can name; the thread-pool driver
 #      again under ThreadSanitizer;
 #   2. Python: the extension rebuilt into build/sanitize/ (never over the
@@ -28,11 +28,13 @@ mkdir -p "$OUT"
 
 echo "== C: core + fuzz target replay and thread driver ($CC, ASan+UBSan+LSan)"
 tools/build_c.sh "$OUT/replay_core" "$CC" "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
+tools/build_c.sh "$OUT/replay_scale_rule" "$CC" "$SAN -O2" fuzz/fuzz_scale_rule.c fuzz/replay.c
+ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_scale_rule" fuzz/corpus/scale_rule fuzz/regressions/scale_rule
 tools/build_c.sh "$OUT/test_threads" "$CC" "$SAN -O2" _core/tests/test_threads.c
 for level in $LEVELS; do
     # a level this CPU lacks still runs: every entry point must refuse it
     echo "-- LOSSSCALE_SIMD=$level"
-    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_core" fuzz/corpus fuzz/regressions
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_core" fuzz/corpus/core fuzz/regressions/core
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/test_threads"
 done
 echo "-- ThreadSanitizer"

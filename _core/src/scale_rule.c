@@ -68,11 +68,16 @@ static float f32_div(float a, float b)
     return r;
 }
 
+/* Counters come from a restored state, which may hold anything: they stop
+ * at INT64_MAX rather than overflow (undefined in C, and a wrap to a
+ * negative count would read as a step far in the past). */
+static int64_t count_one(int64_t v) { return v < INT64_MAX ? v + 1 : v; }
+
 static void step_tf24(const ls_scale_config *c, ls_scale_state *s, int finite)
 {
     if (finite) {
         s->overflow_run = 0;
-        if (s->good_steps + 1 >= c->increment_period) {
+        if (s->good_steps >= c->increment_period - 1) { /* good_steps + 1 >= period */
             float grown = f32_mul(s->scale, c->multiplier);
             if (grown > c->max_loss_scale)
                 grown = c->max_loss_scale;
@@ -85,8 +90,8 @@ static void step_tf24(const ls_scale_config *c, ls_scale_state *s, int finite)
         return;
     }
     s->good_steps = 0;
-    s->skipped_steps += 1;
-    s->overflow_run += 1;
+    s->skipped_steps = count_one(s->skipped_steps);
+    s->overflow_run = count_one(s->overflow_run);
     if (s->overflow_run < c->hysteresis)
         return;
     s->overflow_run = 0;
@@ -103,12 +108,12 @@ static void step_keras3(const ls_scale_config *c, ls_scale_state *s, int finite)
             s->scale = f32_mul(s->scale, c->multiplier);
             s->good_steps = 0;
         } else {
-            s->good_steps += 1;
+            s->good_steps = count_one(s->good_steps);
         }
         return;
     }
     s->good_steps = 0;
-    s->skipped_steps += 1;
+    s->skipped_steps = count_one(s->skipped_steps);
     s->scale = f32_div(s->scale, c->multiplier);
 }
 
