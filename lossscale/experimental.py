@@ -162,9 +162,11 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         """
         del name, experimental_aggregate_gradients
         if self._next_gradients_scaled:
-            # Keras 3's train step: scale_loss, then the scaled gradients.
+            # Keras 3's train step: scale_loss, then the scaled gradients.  The
+            # flag stays set when they are rejected, for the corrected call.
+            result = super().apply_gradients(grads_and_vars)
             self._next_gradients_scaled = False
-            return super().apply_gradients(grads_and_vars)
+            return result
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply_gradients() must be called in a replica context.")
         grads_and_vars = list(grads_and_vars)

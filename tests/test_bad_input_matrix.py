@@ -154,7 +154,7 @@ def freeze(x, seen=None):
     if isinstance(x, keras.optimizers.Optimizer):
         inner = getattr(x, "inner_optimizer", None)
         ls = getattr(x, "_loss_scale_object", None)
-        return ("optimizer", type(x).__name__, x.built,
+        return ("optimizer", type(x).__name__, x.built, getattr(x, "_next_gradients_scaled", None),
                 tuple(freeze(v, seen) for v in x.variables),
                 freeze(inner, seen) if inner is not None else None,
                 freeze(ls, seen) if ls is not None else None)
@@ -1094,6 +1094,23 @@ cases("experimental.LossScaleOptimizer.apply_gradients", "mismatched lists", {
     "wrong shape": _xapply(lambda vs: [(tf.ones([2, 2]), vs[0]), (tf.ones([3]), vs[1])]),
     "swapped": _xapply(lambda vs: [(tf.ones([2]), vs[0]), (tf.ones([2, 2]), vs[1])]),
 }, ValueError, r"apply_gradients: gradient \d has shape \([\d, ]+\), its variable")
+def _after_scale_loss(pairs):
+    """apply_gradients of Keras 3's train step (scale_loss first, so scaled gradients)."""
+    def make():
+        opt, variables = built_experimental()
+        opt.scale_loss(tf.constant(2.0))
+        p = pairs(variables)
+        return (lambda: opt.apply_gradients(p)), [opt, variables, p]
+    return make
+
+
+cases("experimental.LossScaleOptimizer.apply_gradients", "mismatched lists", {
+    "after scale_loss: wrong shape": _after_scale_loss(
+        lambda vs: [(tf.ones([2, 2]), vs[0]), (tf.ones([4]), vs[1])]),
+}, ValueError, r"apply: gradient 1 has shape \(4,\), its variable")
+cases("experimental.LossScaleOptimizer.apply_gradients", "empty list", {
+    "after scale_loss": _after_scale_loss(lambda vs: []),
+}, ValueError, r"apply_gradients: grads_and_vars is empty")
 cases("experimental.LossScaleOptimizer.get_unscaled_gradients", "wrong type", {
     "None": _xapply(lambda vs: None, "get_unscaled_gradients"),
     "tensor": _xapply(lambda vs: tf.ones([2]), "get_unscaled_gradients"),
@@ -1419,8 +1436,6 @@ not_applicable("Policy.from_config", ("zero scale", "inf scale"),
                "Policy row")
 not_applicable("experimental.LossScaleOptimizer.apply_gradients", _SCALES,
                "takes gradients, not a scale")
-not_applicable("experimental.LossScaleOptimizer.apply_gradients", ("empty list",),
-               "an empty list is valid: nothing to apply, as TensorFlow 2.4")
 not_applicable("experimental.LossScaleOptimizer.apply_gradients", _BUFFERS, _CONVERTED)
 not_applicable("experimental.LossScaleOptimizer.apply_gradients", ("corrupted config",),
                _NO_CONFIG)
