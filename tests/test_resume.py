@@ -1,29 +1,38 @@
 """Kill and resume: a training process killed at a random step ends, once
 restarted from its last checkpoint, exactly where an uninterrupted run ends.
 
-The training process is this file run as a script.  It trains four copies
-of a small mixed_float16 model in lockstep, one per loss-scale path:
+The training process is this file run as a script, in two phases:
 
-* ``keras``: ``lossscale.LossScaleOptimizer`` (the Keras 3 rule),
-* ``stock``: ``keras.optimizers.LossScaleOptimizer``, the oracle of ``keras``,
-* ``tf24``: TensorFlow 2.4's custom loop on ``lossscale.experimental``,
-  whose skipped steps advance ``iterations``,
-* ``extensions``: ``DynamicLossScale`` with hysteresis, a floor and a
-  skipped-step counter, so that its extra state is in the checkpoints,
+1. ``Model.fit`` of two small mixed_float16 models with
+   ``keras.callbacks.BackupAndRestore`` (a backup at the end of every
+   epoch): one with ``lossscale.LossScaleOptimizer`` (the Keras 3 rule), one
+   with a ``DynamicLossScale`` with hysteresis, a floor and a skipped-step
+   counter, so that the extension state is in the backups.
+2. A custom loop over four copies of the model in lockstep, one per
+   loss-scale path:
 
-on batches that are a function of the step number alone, with overflow
-injected at known steps (single ones and runs).  Every ``EVERY`` steps it
-saves the models, the optimizers (loss-scale state included) and the step
-number with ``tf.train.CheckpointManager``; on start it restores the latest
-checkpoint, strictly (``assert_consumed``).  It prints a digest of every
-variable after every step.
+   * ``keras``: ``lossscale.LossScaleOptimizer`` (the Keras 3 rule),
+   * ``stock``: ``keras.optimizers.LossScaleOptimizer``, the oracle of ``keras``,
+   * ``tf24``: TensorFlow 2.4's custom loop on ``lossscale.experimental``,
+     whose skipped steps advance ``iterations``,
+   * ``extensions``: ``DynamicLossScale`` with its extensions,
 
-The test runs it once uninterrupted, and once killed (SIGKILL) twice: at a
-random step, then right after it announces a checkpoint write, so that the
-kill lands in the write.  Both restarts must resume from a complete
-checkpoint, every step they redo must reproduce the uninterrupted run's
-digest, and the final state must be bit-identical to the uninterrupted
-run's.  The kill points come from a seeded generator and are printed.
+   every ``EVERY`` steps saving the models, the optimizers (loss-scale state
+   included) and the step number with ``tf.train.CheckpointManager``, and on
+   start restoring the latest checkpoint strictly (``assert_consumed``).
+
+Batches are a function of the step number alone, with overflow at known
+steps (single ones and runs).  The process prints a digest of every variable
+after every batch and step.
+
+The test runs it once uninterrupted, and once killed (SIGKILL) three times:
+between two batches of ``fit``, at a step of the custom loop, and right as
+it writes a checkpoint (killed as soon as the checkpoint's first file
+appears).  Every restart must resume from the last complete backup or
+checkpoint, every batch and step it redoes must reproduce the uninterrupted
+run's digest, and the final state must be bit-identical to the
+uninterrupted run's.  The kill points come from a seeded generator and are
+printed.
 """
 
 import hashlib
@@ -40,7 +49,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-STEPS = 150
+STEPS = 112
 EVERY = 7  # not a multiple of the growth period: counters are mid-way at saves
 SEED = 20261130
 LINE_TIMEOUT = 180.0  # seconds to wait for the next progress line (TensorFlow's import included)
@@ -63,6 +72,49 @@ def batch(i):
     return x, np.tanh(x[:, :1] - 0.5 * x[:, 1:2]).astype(np.float32)
 
 
+FIT_MODELS = ("fit_keras", "fit_object")
+FIT_EPOCHS, FIT_BATCH, FIT_BATCHES = 3, 8, 12
+
+
+def fit_data():
+    """One epoch of fit's data: two batches of 12 with an inf sample, a run of
+    four, so every epoch has overflow steps."""
+    x, y = zip(*(batch(1000 + i) for i in range(FIT_BATCHES * FIT_BATCH // 16)))
+    x, y = np.concatenate(x), np.concatenate(y)
+    for b in (2, 6, 7, 8, 9):
+        x[b * FIT_BATCH + 3, b % 6] = np.inf
+    return x, y
+
+
+def fit_progress_class():
+    import keras
+
+    class FitProgress(keras.callbacks.Callback):
+        """Prints where fit starts and a digest after every batch; waits to be
+        killed at the batch named by ``TRAINER_PAUSE_AT`` ("name epoch batch")."""
+
+        def __init__(self, name, digest_of):
+            super().__init__()
+            self.name, self.digest_of = name, digest_of
+            self.epoch, self.started = None, False
+            self.pause_at = os.environ.get("TRAINER_PAUSE_AT")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if not self.started:
+                self.started = True
+                print(f"fit {self.name} from {epoch}", flush=True)
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            where = f"{self.name} {self.epoch} {batch}"
+            state = list(self.model.variables) + list(self.model.optimizer.variables)
+            print(f"fit {where} {self.digest_of(state)}", flush=True)
+            if where == self.pause_at:
+                time.sleep(3600)
+
+    return FitProgress
+
+
 # ------------------------------------------------------- the training process
 
 def train(directory, out):
@@ -74,6 +126,7 @@ def train(directory, out):
     from lossscale.optimizer import LossScaleOptimizer
 
     tf.config.experimental.enable_op_determinism()
+    FitProgress = fit_progress_class()  # noqa: N806 - a class
 
     def model(seed):
         keras.utils.set_random_seed(seed)
@@ -86,6 +139,31 @@ def train(directory, out):
     def loss_of(m, x, y, factor):
         return tf.reduce_mean(tf.square(tf.cast(m(x, training=True), tf.float32) - y)) * factor
 
+    def digest_of(variables):
+        digest = hashlib.sha1()
+        for v in variables:
+            digest.update(np.asarray(v).tobytes())
+        return digest.hexdigest()
+
+    # Phase 1: Model.fit with keras.callbacks.BackupAndRestore (end of every
+    # epoch, the two latest kept), the loss scale in the optimizer's weights.
+    fitted = {}
+    for name in FIT_MODELS:
+        m = model(0)
+        inner = keras.optimizers.Adam(1e-2)
+        m.compile(loss="mse", optimizer=(
+            LossScaleOptimizer(inner, initial_scale=2.0**10, dynamic_growth_steps=3)
+            if name == "fit_keras" else
+            LossScaleOptimizer(inner, loss_scale=DynamicLossScale(
+                2.0**10, 3, min_loss_scale=2.0, hysteresis=2, count_skipped_steps=True))))
+        m.fit(*fit_data(), batch_size=FIT_BATCH, epochs=FIT_EPOCHS, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(os.path.join(directory, name),
+                                                          delete_checkpoint=False),
+                         FitProgress(name, digest_of)])
+        fitted[name] = list(m.variables) + list(m.optimizer.variables)
+        print(f"fit {name} end {digest_of(fitted[name])}", flush=True)
+
+    # Phase 2: a custom loop per loss-scale path, tf.train.CheckpointManager.
     models = {name: model(0) for name in ("keras", "stock", "tf24", "extensions")}
     optimizers = {
         "keras": LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
@@ -159,8 +237,9 @@ def train(directory, out):
             manager.save(checkpoint_number=i + 1)
             print(f"saved {i + 1}", flush=True)
 
-    values = read_all()
-    arrays = {f"{name}/{k:02d}": v.numpy() for name in values for k, v in enumerate(values[name])}
+    values = {name: [v.numpy() for v in vs] for name, vs in read_all().items()}
+    values.update({name: [np.asarray(v) for v in vs] for name, vs in fitted.items()})
+    arrays = {f"{name}/{k:02d}": v for name in values for k, v in enumerate(values[name])}
     arrays["step"] = step_number.numpy()
     arrays["scale/keras"] = optimizers["keras"].loss_scale.numpy()
     arrays["scale/stock"] = optimizers["stock"].dynamic_scale.numpy()
@@ -177,13 +256,16 @@ def train(directory, out):
 class Trainer:
     """The training process, its progress lines read on a thread."""
 
-    def __init__(self, directory, out, log):
+    def __init__(self, directory, out, log, pause_at=None):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         env["CUDA_VISIBLE_DEVICES"] = ""
-        for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
+        for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG",
+                     "TRAINER_PAUSE_AT"):
             env.pop(name, None)
+        if pause_at:
+            env["TRAINER_PAUSE_AT"] = pause_at
         self.log = log
         self.lines = []
         self._queue = queue.Queue()
@@ -230,11 +312,18 @@ class Trainer:
         assert self.proc.wait(timeout=60) == 0, self.stderr_tail()
 
     def digests(self):
-        return dict(line.split()[1:] for line in self.lines if line.startswith("step "))
+        """{what: digest} of every step, fit batch and fit end it reported."""
+        return {line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in self.lines
+                if line.startswith("step ") or (line.startswith("fit ") and " from " not in line)}
 
     def restored(self):
         (first,) = [line for line in self.lines if line.startswith("restored ")]
         return int(first.split()[1])
+
+    def fit_started(self):
+        """{fit model: the epoch fit started from}, for the fits that ran an epoch."""
+        return {line.split()[1]: int(line.split()[3]) for line in self.lines
+                if line.startswith("fit ") and " from " in line}
 
     def saved(self):
         return [int(line.split()[1]) for line in self.lines if line.startswith("saved ")]
@@ -261,55 +350,71 @@ def load(path):
 
 def test_killed_and_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     rng = np.random.default_rng(SEED)
+    fit_kill = (FIT_MODELS[rng.integers(len(FIT_MODELS))], int(rng.integers(1, FIT_EPOCHS)),
+                int(rng.integers(FIT_BATCHES)))
     kill_step = int(rng.integers(EVERY + 1, STEPS // 2))
     kill_save = EVERY * int(rng.integers(STEPS // 2 // EVERY + 2, STEPS // EVERY - 1))
-    print(f"seed {SEED}: kill at step {kill_step}, then during the write of checkpoint "
-          f"{kill_save}")
+    print(f"seed {SEED}: kill in fit of {fit_kill[0]} at epoch {fit_kill[1]} batch "
+          f"{fit_kill[2]}, at step {kill_step}, during the write of checkpoint {kill_save}")
+    run = tmp_path / "run"
     trainers = []
+
+    def trainer(log, **kwargs):
+        trainers.append(Trainer(run, tmp_path / "run.npz", tmp_path / log, **kwargs))
+        return trainers[-1]
+
     try:
         whole = Trainer(tmp_path / "whole", tmp_path / "whole.npz", tmp_path / "whole.log")
         trainers.append(whole)
 
-        # 1. Killed at a step.
-        first = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "first.log")
-        trainers.append(first)
-        assert first.until(lambda line: line.startswith("restored ")) == "restored 0"
-        first.until(lambda line: line.startswith(f"step {kill_step} "))
+        # 1. Killed in Model.fit, between two batches.
+        pause_at = " ".join(map(str, fit_kill))
+        first = trainer("first.log", pause_at=pause_at)
+        first.until(lambda line: line.startswith(f"fit {pause_at} "))
         first.kill()
         assert first.proc.returncode == -signal.SIGKILL
-        last_saved = max(first.saved(), default=0)
 
-        # 2. Resumed, killed as it writes a checkpoint.
-        second = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "second.log")
-        trainers.append(second)
-        second.until(lambda line: line.startswith("restored "))
-        # From the last checkpoint the first run announced, or one it was
-        # writing when killed; never from scratch, never from a torn one.
-        assert last_saved >= EVERY
-        assert second.restored() in (last_saved, last_saved + EVERY), second.lines
-        second.until(lambda line: line == f"saving {kill_save}")
-        written = kill_once_written(second, tmp_path / "run", f"ckpt-{kill_save}")
+        # 2. Resumed: fit goes on from the epoch it was in; then killed at a
+        # step of the custom loops.
+        second = trainer("second.log")
+        assert second.until(lambda line: line.startswith("restored ")) == "restored 0"
+        assert second.fit_started()[fit_kill[0]] == fit_kill[1]
+        second.until(lambda line: line.startswith(f"step {kill_step} "))
+        second.kill()
         assert second.proc.returncode == -signal.SIGKILL
-        assert f"saved {kill_save}" not in second.lines
-        print(f"killed with {written} written; left: {sorted(os.listdir(tmp_path / 'run'))}")
+        last_saved = max(second.saved(), default=0)
 
-        # 3. Resumed to the end.
-        third = Trainer(tmp_path / "run", tmp_path / "run.npz", tmp_path / "third.log")
-        trainers.append(third)
-        third.finish()
-        assert third.restored() in (kill_save - EVERY, kill_save), third.lines
+        # 3. Resumed, killed as it writes a checkpoint.
+        third = trainer("third.log")
+        third.until(lambda line: line.startswith("restored "))
+        # From the last checkpoint the second run announced, or one it was
+        # writing when killed; never from scratch, never from a torn one.
+        assert last_saved >= EVERY and not third.fit_started()
+        assert third.restored() in (last_saved, last_saved + EVERY), third.lines
+        third.until(lambda line: line == f"saving {kill_save}")
+        written = kill_once_written(third, run, f"ckpt-{kill_save}")
+        assert third.proc.returncode == -signal.SIGKILL
+        assert f"saved {kill_save}" not in third.lines
+        print(f"killed with {written} written; left: {sorted(os.listdir(run))}")
+
+        # 4. Resumed to the end.
+        fourth = trainer("fourth.log")
+        fourth.finish()
+        assert fourth.restored() in (kill_save - EVERY, kill_save), fourth.lines
         whole.finish()
     finally:
-        for trainer in trainers:
-            trainer.kill()
+        for t in trainers:
+            t.kill()
 
-    assert whole.restored() == 0 and len(whole.digests()) == STEPS
     expected = whole.digests()
-    for run in (first, second, third):
-        redone = run.digests()
-        assert redone, run.lines
-        for step, digest in redone.items():
-            assert digest == expected[step], f"step {step} differs after a restart"
+    assert whole.restored() == 0 and sum(k.startswith("step ") for k in expected) == STEPS
+    assert sum(k.startswith("fit ") for k in expected) == len(FIT_MODELS) * (
+        FIT_EPOCHS * FIT_BATCHES + 1)
+    for t in trainers[1:]:
+        redone = t.digests()
+        assert redone, t.lines
+        for what, digest in redone.items():
+            assert digest == expected[what], f"{what} differs after a restart"
     assert not os.path.exists(tmp_path / "run.npz.tmp")
 
     final, reference = load(tmp_path / "run.npz"), load(tmp_path / "whole.npz")

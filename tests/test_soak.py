@@ -30,7 +30,6 @@ import math
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
