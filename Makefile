@@ -1,10 +1,10 @@
 # One way to build and test: these targets are what CI runs.
 #   make test   create .venv, install, build, run the whole suite
 #   make bench  the same set-up, then the benchmarks -> bench/results/
+#               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 #   make sanitize  the core and lossscale.core under ASan+UBSan (+LSan, TSan
 #                  in C), built apart in build/sanitize/, core tests run there
 #   make fuzz   the libFuzzer target for FUZZ_SECONDS (default 60)
-#               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -44,7 +44,7 @@ bench: build $(BENCH_DEPS)
 	rc=0; $(PY) -m pytest bench -q -p no:cacheprovider $(if $(BENCH_QUICK),--quick) \
 		--benchmark-disable-gc --benchmark-quiet --benchmark-json=$(BENCH_OUT)/raw.json \
 		$(BENCH_ARGS) || rc=$$?; \
-	$(PY) bench/report.py $(BENCH_OUT)/raw.json || rc=$${rc:-1}; exit $$rc
+	$(PY) bench/report.py $(BENCH_OUT)/raw.json || rc=1; exit $$rc
 
 # Never touches the in-place modules: everything lands in build/sanitize/.
 sanitize: $(DEPS)

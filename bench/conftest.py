@@ -34,11 +34,14 @@ def pytest_addoption(parser):
                          "(also LOSSSCALE_BENCH_QUICK=1)")
     group.addoption("--threads", type=int, default=0,
                     help="threads for every implementation (default: the cores available)")
+    group.addoption("--rounds", type=int, default=0,
+                    help="interleaved rounds per workload (default: 5; 2 with --quick)")
 
 
 def pytest_configure(config):
     threads = config.getoption("--threads") or harness.machine_threads()
-    harness.Settings.configure(config.getoption("--quick"), threads)
+    harness.Settings.configure(config.getoption("--quick"), threads,
+                               config.getoption("--rounds"))
     # TensorFlow's pools are sized once, before its first op.
     harness.tensorflow()
     harness.pin_threads(threads)
@@ -142,6 +145,7 @@ def pytest_runtest_logreport(report):
         # A peer that is not installed is skipped with a line saying so;
         # the report repeats it.
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
         skipped = harness.RECORDS.setdefault("skipped", [])
         if reason not in skipped:
             skipped.append(reason)

@@ -45,11 +45,11 @@ class Settings:
     min_sample_s = 2e-3
 
     @classmethod
-    def configure(cls, quick, threads):
+    def configure(cls, quick, threads, rounds=0):
         cls.quick = quick
         cls.threads = threads
         cls.core_threads = (threads,) if quick or threads == 1 else (1, threads)
-        cls.rounds = 2 if quick else 5
+        cls.rounds = rounds or (2 if quick else 5)
         cls.samples = 2 if quick else 3
         cls.min_sample_s = 1e-3 if quick else 2e-3
 

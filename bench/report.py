@@ -545,7 +545,8 @@ def plot_throughput(rep, plt, path):
         ax.set_xlabel("tensor size (bytes, one float32 tensor)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ticks = [1 << k for k in range(10, 31, 4)]
         ax.set_xticks(ticks, [workloads.size_label(t).replace(" ", "") for t in ticks])
     axes[0].set_ylabel("GB/s (2 × tensor bytes / time)")
@@ -559,36 +560,41 @@ def plot_throughput(rep, plt, path):
 
 
 def plot_steps(rep, plt, path):
+    """One row per workload, one marker per implementation at its median with
+    a min-max whisker, on a log axis (bars would start at an arbitrary
+    floor there and mislead)."""
     layers = [la for la in ("core", "tf_op", "loss_scale", "optimizer", "fit")
               if rep.cases(la)]
     if not layers:
         return False
-    heights = [max(1.6, 0.5 + 0.32 * len(rep.cases(la)) * 1.2) for la in layers]
-    fig, axes = plt.subplots(len(layers), 1, figsize=(10, sum(heights) + 0.6),
+    heights = [0.9 + 0.45 * len(rep.cases(la)) for la in layers]
+    fig, axes = plt.subplots(len(layers), 1, figsize=(10, sum(heights) + 0.8),
                              gridspec_kw={"height_ratios": heights})
     if len(layers) == 1:
         axes = [axes]
+    markers = "oDs^vxP*"
     for ax, layer in zip(axes, layers):
         cases = rep.cases(layer)
         peers = rep.peers(layer)
-        width = 0.8 / max(1, len(peers))
         for j, peer in enumerate(peers):
-            ys, xs = [], []
+            ys, xs, lo, hi = [], [], [], []
             for i, case in enumerate(cases):
                 st = rep.get(layer, case, peer)
                 if st and st.median > 0:
-                    ys.append(i + (j - (len(peers) - 1) / 2) * width)
+                    ys.append(i + (j - (len(peers) - 1) / 2) * 0.12)
                     xs.append(st.median * 1e3)
-            ax.barh(ys, xs, height=width, label=PEER_LABELS.get((layer, peer), peer),
-                    color=f"C{j}" if peer != "ours" else "C0",
-                    alpha=1.0 if peer == "ours" else 0.75)
+                    lo.append(st.median * 1e3 - max(st.min, st.median * 1e-3) * 1e3)
+                    hi.append((st.max - st.median) * 1e3)
+            ax.errorbar(xs, ys, xerr=[lo, hi], fmt=markers[j % len(markers)],
+                        color=f"C{j}", markersize=7 if peer == "ours" else 5, capsize=2,
+                        elinewidth=0.8, label=PEER_LABELS.get((layer, peer), peer))
         ax.set_yticks(range(len(cases)), [case_label(c) for c in cases], fontsize=8)
-        ax.invert_yaxis()
+        ax.set_ylim(len(cases) - 0.5, -0.5)
         ax.set_xscale("log")
-        ax.set_xlabel("ms per step (median; lower is better)", fontsize=8)
+        ax.set_xlabel("ms per step: median, min-max (lower is better)", fontsize=8)
         ax.set_title(LAYER_TITLES[layer].replace("`", ""), fontsize=9)
         ax.grid(True, axis="x", which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -639,6 +645,8 @@ def main(argv=None):
     rep = Report(argv[0])
     path = rep.write()
     print(f"report: {path}")
+    for line in rep.records.get("skipped", []):
+        print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
         print(f"  {what}: {r:.2f}")
     return 0
