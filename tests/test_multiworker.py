@@ -266,44 +266,58 @@ def free_ports(n):
             s.close()
 
 
-def start(mode, log, tf_config=None):
-    with open(log, "wb") as stderr:
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), mode], cwd=ROOT,
-                                env=child_env(tf_config), stdout=subprocess.PIPE,
-                                stderr=stderr)
+class Child:
+    """A child process with its stdout and stderr in files."""
 
+    def __init__(self, mode, directory, name, tf_config=None):
+        self.out, self.log = directory / f"{name}.out", directory / f"{name}.log"
+        with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode],
+                                         cwd=ROOT, env=child_env(tf_config), stdout=stdout,
+                                         stderr=stderr)
 
-def tail(log):
-    with open(log, "rb") as f:
-        return f.read()[-4000:].decode(errors="replace")
+    def tail(self):
+        with open(self.log, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
 
+    def report(self):
+        with open(self.out, "rb") as f:
+            return json.loads(f.read().decode().strip().splitlines()[-1])
 
-def collect(procs, logs, timeout):
-    """Each process's JSON report; on a failure or a timeout, kills every
-    process (a worker left alone waits for its peer forever) and raises."""
-    deadline = time.monotonic() + timeout
-    outputs = [None] * len(procs)
-    try:
-        for i, proc in enumerate(procs):
-            try:
-                outputs[i], _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"process {i} did not finish in {timeout} s; stderr:\n"
-                                     f"{tail(logs[i])}") from None
-            if proc.returncode != 0:
-                raise ChildFailed(i, proc.returncode, tail(logs[i]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-    return [json.loads(out.decode().strip().splitlines()[-1]) for out in outputs]
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
 
 
 class ChildFailed(AssertionError):
-    def __init__(self, index, returncode, stderr):
-        super().__init__(f"process {index} exited with {returncode}; stderr:\n{stderr}")
-        self.stderr = stderr
+    def __init__(self, child):
+        super().__init__(f"{child.out.stem} exited with {child.proc.returncode}; stderr:\n"
+                         f"{child.tail()}")
+        self.stderr = child.tail()
+
+
+def collect(children, timeout):
+    """Each child's JSON report.  Fails as soon as one child fails (a worker
+    left alone would wait for its peer forever) or at the timeout, killing
+    them all."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(c.proc.poll() is None for c in children):
+            for child in children:
+                if child.proc.poll() not in (None, 0):
+                    raise ChildFailed(child)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not finished in {timeout} s; stderr of each:\n" +
+                                     "\n".join(c.tail() for c in children))
+            time.sleep(0.1)
+        for child in children:
+            if child.proc.returncode != 0:
+                raise ChildFailed(child)
+    finally:
+        for child in children:
+            child.kill()
+    return [child.report() for child in children]
 
 
 def port_collision(stderr):
@@ -315,27 +329,25 @@ def port_collision(stderr):
 def reports(tmp_path_factory):
     """The two workers' reports and the MirroredStrategy one, run side by side."""
     tmp = tmp_path_factory.mktemp("multiworker")
-    mirrored_log = tmp / "mirrored.log"
-    mirrored = start("mirrored", mirrored_log)
+    children = [Child("mirrored", tmp, "mirrored")]
     try:
         for attempt in range(3):
             ports = free_ports(2)
             cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-            logs = [tmp / f"worker{i}-{attempt}.log" for i in range(2)]
-            workers = [start("worker", logs[i], {"cluster": cluster,
-                                                 "task": {"type": "worker", "index": i}})
+            workers = [Child("worker", tmp, f"worker{i}-{attempt}",
+                             {"cluster": cluster, "task": {"type": "worker", "index": i}})
                        for i in range(2)]
+            children += workers
             try:
-                workers = collect(workers, logs, TIMEOUT)
+                workers = collect(workers, TIMEOUT)
                 break
             except ChildFailed as failure:
                 if attempt == 2 or not port_collision(failure.stderr):
                     raise
-        (mirrored,) = collect([mirrored], [mirrored_log], TIMEOUT)
+        (mirrored,) = collect(children[:1], TIMEOUT)
     finally:
-        if isinstance(mirrored, subprocess.Popen) and mirrored.poll() is None:
-            mirrored.kill()
-            mirrored.wait(timeout=30)
+        for child in children:
+            child.kill()
     return {"workers": workers, "mirrored": mirrored}
 
 
