@@ -8,7 +8,8 @@
 #      again under ThreadSanitizer;
 #   2. Python: the extension rebuilt into build/sanitize/ (never over the
 #      in-place modules), then every test that needs only lossscale.core,
-#      with the sanitizer runtime preloaded into the interpreter.
+#      with the sanitizer runtime preloaded into the interpreter; the fuzz
+#      inputs again at each lower level.
 #
 # Any report fails the run (halt_on_error for both sanitizers).  Leak
 # checking is off for the interpreter, which keeps its own memory to exit.
@@ -59,24 +60,25 @@ export ASAN_OPTIONS=detect_leaks=0
 export PYTHONMALLOC=malloc
 export PYTHONSAFEPATH=1
 export PYTHONPATH="$PWD/$OUT/lib"
-# --capture=sys: a sanitizer report is written to file descriptor 2 just
-# before the process dies; pytest's descriptor capture would lose it.
 "$PY" -c "
 import lossscale, sys
 sys.exit(0 if lossscale.__file__.startswith('$PWD/$OUT/') else
          'sanitized build not the one imported: ' + lossscale.__file__)"
+# --capture=sys: a sanitizer report is written to file descriptor 2 just
+# before the process dies; pytest's descriptor capture would lose it.
 "$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/test_core_errors.py tests/test_core_exact.py \
     tests/test_core_rule.py tests/test_core_simd.py tests/test_core_threads.py \
     tests/test_fuzz_regressions.py
-# the in-process tests again at each level below the best this CPU runs
-# (test_core_simd forces each level in children already)
+# the fuzz inputs through the bindings again at each level below the best
+# this CPU runs (test_core_simd forces every level in children already, and
+# the C drivers above ran at each)
 LEVELS=$("$PY" -c "
 from lossscale import core
 order = ['scalar', 'neon'] if core.simd_best() == 'neon' else ['scalar', 'avx2', 'avx512']
 print(' '.join(order[:order.index(core.simd_best())]))")
 for level in $LEVELS; do
     echo "-- LOSSSCALE_SIMD=$level"
-    LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/test_core_errors.py \
-        tests/test_core_threads.py tests/test_fuzz_regressions.py
+    LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider --capture=sys \
+        tests/test_fuzz_regressions.py
 done
 echo "sanitize: clean"
