@@ -394,7 +394,9 @@ def test_killed_and_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
         third.until(lambda line: line == f"saving {kill_save}")
         written = kill_once_written(third, run, f"ckpt-{kill_save}")
         assert third.proc.returncode == -signal.SIGKILL
+        # Killed with the checkpoint begun but not complete.
         assert f"saved {kill_save}" not in third.lines
+        assert f"ckpt-{kill_save}.index" not in written, written
         print(f"killed with {written} written; left: {sorted(os.listdir(run))}")
 
         # 4. Resumed to the end.
