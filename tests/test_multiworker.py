@@ -23,6 +23,10 @@ Oracles, run in the same processes on identical model copies:
   ``tf.compat.v1.mixed_precision.DynamicLossScale`` under the same strategy
   (it combines the replicas' flags itself) driving a plain optimizer.
 * The float32 numpy model of the rules (``rule_model``) for every scale.
+
+Under ``MirroredStrategy`` the same custom loops run, and ``Model.fit``
+too: ours with a non-finite sample in one replica's half of a global batch,
+stock with one in both halves.
 """
 
 import json
@@ -238,7 +242,73 @@ def run_mirrored():
             f = per_replica(lambda r: factor(step, r, both=name == "stock"))
             function((x, y, f))
         trace.append(describe(models, optimizers, reference_scale))
-    return {"worker": 0, "replicas": strategy.num_replicas_in_sync, "trace": trace}
+    return {"worker": 0, "replicas": strategy.num_replicas_in_sync, "trace": trace,
+            "fit": mirrored_fit(strategy)}
+
+
+FIT_SPOILED = {3: (6, np.inf), 7: (1, np.nan), 8: (5, -np.inf)}  # batch -> (sample, value)
+
+
+def mirrored_fit(strategy):
+    """Model.fit, global batches of 8 split 4 and 4 over the replicas: ours
+    with a non-finite sample in one replica's half of some batches, stock with
+    one in both halves; the states after every batch must be the same."""
+    import hashlib
+
+    import keras
+    import tensorflow as tf
+
+    from lossscale.optimizer import LossScaleOptimizer
+
+    x, y = (np.concatenate(parts) for parts in zip(*(batch(100 + i, 0) for i in range(10))))
+
+    def spoiled(both):
+        x_ = x.copy()
+        for b, (sample, value) in FIT_SPOILED.items():
+            x_[8 * b + sample, sample % 6] = value
+            if both:
+                x_[8 * b + (sample + 4) % 8, sample % 6] = value
+        return x_
+
+    class Snapshots(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.states = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            """(digest of every variable, of the weights and slots only, copies agree)."""
+            opt = self.model.optimizer
+            weights = list(self.model.variables) + [
+                v for v in opt.inner_optimizer.variables if v is not opt.iterations]
+            everything, trained, agree = hashlib.sha1(), hashlib.sha1(), True
+            for v in list(self.model.variables) + list(opt.variables):
+                tf_v = v.value if isinstance(v, keras.Variable) else v
+                copies = [c.numpy().tobytes() for c in getattr(tf_v, "values", [tf_v])]
+                agree &= len(set(copies)) == 1
+                everything.update(copies[0])
+                if any(v is w for w in weights):
+                    trained.update(copies[0])
+            self.states.append((everything.hexdigest(), trained.hexdigest(), bool(agree)))
+
+    runs = {}
+    for name, cls in (("ours", LossScaleOptimizer), ("stock", keras.optimizers.LossScaleOptimizer)):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([
+                keras.Input((6,)),
+                keras.layers.Dense(10, activation="tanh", dtype="mixed_float16"),
+                keras.layers.Dense(1, dtype="float32"),
+            ])
+            model.compile(loss="mse", optimizer=cls(keras.optimizers.SGD(0.05, momentum=0.5),
+                                                    initial_scale=INITIAL_SCALE,
+                                                    dynamic_growth_steps=GROWTH))
+        snapshots = Snapshots()
+        model.fit(spoiled(both=name == "stock"), y, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[snapshots])
+        runs[name] = {"states": snapshots.states,
+                      "iterations": int(model.optimizer.iterations.numpy()),
+                      "scale": float(tf.convert_to_tensor(model.optimizer.dynamic_scale))}
+    return runs
 
 
 # ------------------------------------------------------------- the test side
@@ -412,6 +482,17 @@ def test_mirrored_replicas_skip_together(reports):
     mirrored = reports["mirrored"]
     assert mirrored["replicas"] == 2
     check_trace(mirrored["trace"])
+
+
+def test_mirrored_fit_skips_together_as_stock_does_when_both_overflow(reports):
+    ours, stock = reports["mirrored"]["fit"]["ours"], reports["mirrored"]["fit"]["stock"]
+    assert len(ours["states"]) == 10
+    assert ours == stock
+    assert all(agree for _, _, agree in ours["states"])
+    assert ours["iterations"] == 10 - len(FIT_SPOILED)
+    weights = [trained for _, trained, _ in ours["states"]]
+    for b in range(1, 10):
+        assert (weights[b] == weights[b - 1]) == (b in FIT_SPOILED), f"batch {b}"
 
 
 if __name__ == "__main__":
