@@ -144,7 +144,8 @@ def _device_of(x):
 
 
 def _gradient_list(grads, caller):
-    if grads is None or isinstance(grads, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray)):
+    if grads is None or isinstance(grads, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray,
+                                           str, bytes, dict, set, frozenset)):
         raise TypeError(f"{caller}: grads must be a list of tensors, IndexedSlices or None, "
                         f"got {type(grads).__name__}")
     try:

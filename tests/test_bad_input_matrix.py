@@ -385,6 +385,9 @@ cases("ops.unscale_and_check", "wrong type", {
     "grads=None": _ops_call(ops.unscale_and_check, lambda: None, 2.0),
     "grads=ndarray": _ops_call(ops.unscale_and_check, lambda: np.ones(3, np.float32), 2.0),
     "grads=int": _ops_call(ops.unscale_and_check, lambda: 3, 2.0),
+    "grads=str": _ops_call(ops.unscale_and_check, lambda: "grads", 2.0),
+    "grads=dict": _ops_call(ops.unscale_and_check, lambda: {"w": tf.constant([1.0])}, 2.0),
+    "grads=set": _ops_call(ops.unscale_and_check, lambda: {tf.constant([1.0]).ref()}, 2.0),
 }, TypeError, r"unscale_and_check: grads must be a list")
 cases("ops.unscale_and_check", "wrong type", {
     "item=SparseTensor": _ops_call(ops.unscale_and_check,
@@ -424,6 +427,8 @@ cases("ops.all_finite", "wrong type", {
     "grads=None": _ops_call(ops.all_finite, lambda: None),
     "grads=tensor": _ops_call(ops.all_finite, lambda: tf.constant([1.0])),
     "grads=IndexedSlices": _ops_call(ops.all_finite, lambda: grads_tf()[2]),
+    "grads=dict": _ops_call(ops.all_finite, lambda: {"w": tf.constant([1.0])}),
+    "grads=bytes": _ops_call(ops.all_finite, lambda: b"\x00\x00\x80\x3f"),
 }, TypeError, r"all_finite: grads must be a list")
 cases("ops.all_finite", "wrong dtype", {
     "bool grad": _ops_call(ops.all_finite, lambda: grads_tf() + [tf.constant([True])]),
