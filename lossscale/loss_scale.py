@@ -201,7 +201,7 @@ class FixedLossScale(LossScale):
 
         Raises:
           ValueError: ``loss_scale_value`` is not a number, is below 1, or is
-            not finite.
+            not finite in float32.
         """
         super().__init__()
         if not _is_real_number(loss_scale_value):
