@@ -241,6 +241,12 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     float32 tensor), ``loss_scale_object`` (the ``LossScale``, or None) and
     ``skipped_steps`` (a counter variable when the ``LossScale`` keeps one,
     else None).
+
+    Unlike the stock optimizer, bad arguments fail at once: an
+    ``inner_optimizer`` that is not a Keras optimizer (TypeError), an
+    ``initial_scale`` that is not a positive finite float32 (ValueError); and
+    ``apply``/``apply_gradients`` check that the gradients pair up with the
+    variables (count, shape, a numeric dtype) before any state moves.
     """
 
     # TensorFlow 2.4 advanced `iterations` on a skipped step too; Keras 3
