@@ -22,7 +22,9 @@ Oracles, run in the same processes on identical model copies:
   ``lossscale.LossScaleOptimizer(loss_scale=DynamicLossScale(...))`` against
   ``tf.compat.v1.mixed_precision.DynamicLossScale`` under the same strategy
   (it combines the replicas' flags itself) driving a plain optimizer.
-* The float32 numpy model of the rules (``rule_model``) for every scale.
+* The float32 numpy model of the rules (``rule_model``) for every scale,
+  and for the whole state (overflow run, skipped-step counter) of a
+  ``DynamicLossScale`` with hysteresis, whose copies must agree too.
 
 Under ``MirroredStrategy`` the same custom loops run, and ``Model.fit``
 too: ours with a non-finite sample in one replica's half of a global batch,
@@ -48,6 +50,7 @@ TIMEOUT = 240  # seconds for a whole run, TensorFlow's start-up included
 # step -> the worker (replica) whose loss is spoiled, and how; "both": every one.
 SPOILED = {3: (1, np.inf), 5: (0, np.nan), 8: ("both", np.inf), 10: (1, 1e30), 11: (1, -np.inf)}
 INITIAL_SCALE, GROWTH = 2.0**10, 2
+EXTENSIONS = dict(min_loss_scale=2.0**8, hysteresis=2, count_skipped_steps=True)
 
 
 def factor(step, replica, both=False):
@@ -89,7 +92,8 @@ def build_all(strategy):
         return keras.optimizers.SGD(0.05, momentum=0.5)
 
     with strategy.scope():
-        models = {name: model() for name in ("ours", "stock", "tf24", "object", "reference")}
+        models = {name: model() for name in ("ours", "stock", "tf24", "object", "extensions",
+                                              "reference")}
         optimizers = {
             "ours": LossScaleOptimizer(sgd(), initial_scale=INITIAL_SCALE,
                                        dynamic_growth_steps=GROWTH),
@@ -99,6 +103,8 @@ def build_all(strategy):
                 sgd(), experimental.DynamicLossScale(INITIAL_SCALE, GROWTH)),
             "object": LossScaleOptimizer(
                 sgd(), loss_scale=DynamicLossScale(INITIAL_SCALE, GROWTH)),
+            "extensions": LossScaleOptimizer(
+                sgd(), loss_scale=DynamicLossScale(INITIAL_SCALE, GROWTH, **EXTENSIONS)),
             "reference": sgd(),
         }
         with deprecation.silence():
@@ -156,6 +162,7 @@ def step_functions(strategy, models, optimizers, reference_scale):
         return replica
 
     makers = {"ours": keras_step, "stock": keras_step, "tf24": tf24_step, "object": keras_step,
+              "extensions": keras_step,
               "reference": reference_step}
     functions = {}
     for name, make in makers.items():
@@ -187,18 +194,25 @@ def describe(models, optimizers, reference_scale):
             copies = local(v)
             agree &= all(c.tobytes() == copies[0].tobytes() for c in copies)
             digest.update(copies[0].tobytes())
+        # pylint: disable=protected-access
         if name == "reference":
-            # pylint: disable=protected-access
-            scale, counter = reference_scale(), reference_scale._num_good_steps
-        elif getattr(opt, "loss_scale_object", None) is not None:
-            ls = opt.loss_scale_object
-            scale, counter = ls(), ls._num_good_steps  # pylint: disable=protected-access
+            ls = reference_scale
         else:
-            scale, counter = opt.dynamic_scale, opt.step_counter
+            ls = getattr(opt, "loss_scale_object", None)
+        if ls is not None:
+            scale_state = [ls._current_loss_scale, ls._num_good_steps,
+                           getattr(ls, "_overflow_run", None), getattr(ls, "_skipped_steps", None)]
+        else:
+            scale_state = [opt.dynamic_scale, opt.step_counter]
+        values = []
+        for v in scale_state:
+            copies = [None] if v is None else local(v)
+            agree &= all(c.tobytes() == copies[0].tobytes() for c in copies[1:])
+            values.append(None if v is None else copies[0].item())
         report[name] = {"weights": digest.hexdigest(), "copies_agree": bool(agree),
                         "iterations": int(np.asarray(inner.iterations.numpy())),
-                        "scale": float(np.asarray(scale.numpy())),
-                        "counter": int(np.asarray(counter.numpy()))}
+                        "scale": float(values[0]), "counter": int(values[1]),
+                        "extensions": values[2:]}
     return report
 
 
@@ -425,19 +439,22 @@ def overflowed(step):
     return step in SPOILED
 
 
-def expected_scales(rule, **kwargs):
+def expected_states(rule, **kwargs):
+    """(scale, counter, overflow run, skipped steps) after every step."""
     state = (np.float32(INITIAL_SCALE), 0, 0, 0)
-    scales = []
+    states = []
     for step in range(STEPS):
         state = rule(state, not overflowed(step), period=GROWTH, **kwargs)
-        scales.append(float(state[0]))
-    return scales
+        states.append((float(state[0]),) + tuple(int(v) for v in state[1:]))
+    return states
 
 
 def check_trace(trace):
     """The requirements on one process's trace of every step."""
-    keras_scales = expected_scales(rule_model.keras3_step)
-    tf24_scales = expected_scales(rule_model.tf24_step)
+    keras_scales = [state[0] for state in expected_states(rule_model.keras3_step)]
+    tf24_states = expected_states(rule_model.tf24_step)
+    extension_states = expected_states(rule_model.tf24_step, **{
+        k: v for k, v in EXTENSIONS.items() if k != "count_skipped_steps"})
     applied = 0
     for step, now in enumerate(trace):
         before = trace[step - 1] if step else None
@@ -451,9 +468,12 @@ def check_trace(trace):
             for key in ("weights", "scale", "counter"):
                 assert now[name][key] == now["reference"][key], f"{where}: {name} {key}"
         assert now["ours"]["scale"] == keras_scales[step], where
-        assert now["reference"]["scale"] == tf24_scales[step], where
+        assert now["reference"]["scale"] == tf24_states[step][0], where
+        assert [now["extensions"][k] for k in ("scale", "counter")] + \
+            now["extensions"]["extensions"] == list(extension_states[step]), where
         applied += not overflowed(step)
-        assert now["ours"]["iterations"] == now["object"]["iterations"] == applied, where
+        assert (now["ours"]["iterations"] == now["object"]["iterations"]
+                == now["extensions"]["iterations"] == applied), where
         # TensorFlow 2.4 counted skipped steps in `iterations`.
         assert now["tf24"]["iterations"] == now["reference"]["iterations"] == step + 1, where
         if before is not None:
