@@ -77,8 +77,8 @@ FIT_EPOCHS, FIT_BATCH, FIT_BATCHES = 3, 8, 12
 
 
 def fit_data():
-    """One epoch of fit's data: two batches of 12 with an inf sample, a run of
-    four, so every epoch has overflow steps."""
+    """One epoch of fit's data: 12 batches, five of them with an inf sample,
+    four of those in a row, so every epoch has skipped steps."""
     x, y = zip(*(batch(1000 + i) for i in range(FIT_BATCHES * FIT_BATCH // 16)))
     x, y = np.concatenate(x), np.concatenate(y)
     for b in (2, 6, 7, 8, 9):
