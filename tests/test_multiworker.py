@@ -174,7 +174,8 @@ def step_functions(strategy, models, optimizers, reference_scale):
 
 def describe(models, optimizers, reference_scale):
     """Per model: a digest of the weights and the inner optimizer's slots,
-    iterations, scale and its counter."""
+    iterations, the loss-scale state, and whether the local copies of every
+    one of them agree."""
     import hashlib
 
     import keras
