@@ -28,7 +28,9 @@ Oracles, run in the same processes on identical model copies:
 
 Under ``MirroredStrategy`` the same custom loops run, and ``Model.fit``
 too: ours with a non-finite sample in one replica's half of a global batch,
-stock with one in both halves.
+stock with one in both halves.  The state the custom loops reach there is
+checkpointed, restored without a strategy and back under one: it must come
+back bit for bit, on every copy.
 """
 
 import json
@@ -258,7 +260,52 @@ def run_mirrored():
             function((x, y, f))
         trace.append(describe(models, optimizers, reference_scale))
     return {"worker": 0, "replicas": strategy.num_replicas_in_sync, "trace": trace,
+            "checkpoint": mirrored_checkpoint(strategy, models, optimizers),
             "fit": mirrored_fit(strategy)}
+
+
+def mirrored_checkpoint(strategy, models, optimizers):
+    """The state reached under the strategy (skips included), checkpointed,
+    restored without a strategy and, from there, into fresh copies under the
+    strategy again: per model, whether every variable came back bit for bit
+    (every copy of it, under the strategy), and the number of variables."""
+    import shutil
+    import tempfile
+
+    import keras
+    import tensorflow as tf
+
+    def copies(v):
+        v = v.value if isinstance(v, keras.Variable) else v
+        return [np.asarray(c.numpy()).tobytes() for c in getattr(v, "values", [v])]
+
+    def everything(model, opt):
+        return list(model.variables) + list(opt.variables)
+
+    directory = tempfile.mkdtemp()
+    report = {}
+    try:
+        for name in ("ours", "tf24", "object", "extensions"):
+            saved = [copies(v) for v in everything(models[name], optimizers[name])]
+            path = tf.train.Checkpoint(model=models[name], optimizer=optimizers[name]).write(
+                os.path.join(directory, name))
+            plain_models, plain_optimizers, _ = build_all(tf.distribute.get_strategy())
+            plain = (plain_models[name], plain_optimizers[name])
+            tf.train.Checkpoint(model=plain[0], optimizer=plain[1]).read(path).assert_consumed()
+            path = tf.train.Checkpoint(model=plain[0], optimizer=plain[1]).write(
+                os.path.join(directory, name + "-plain"))
+            fresh_models, fresh_optimizers, _ = build_all(strategy)
+            fresh = (fresh_models[name], fresh_optimizers[name])
+            tf.train.Checkpoint(model=fresh[0], optimizer=fresh[1]).read(path).assert_consumed()
+            report[name] = {
+                "variables": len(saved),
+                "saved_copies_agree": all(len(set(c)) == 1 for c in saved),
+                "plain": [copies(v) for v in everything(*plain)] == [c[:1] for c in saved],
+                "mirrored": [copies(v) for v in everything(*fresh)] == saved,
+            }
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return report
 
 
 FIT_SPOILED = {3: (6, np.inf), 7: (1, np.nan), 8: (5, -np.inf)}  # batch -> (sample, value)
@@ -503,6 +550,15 @@ def test_mirrored_replicas_skip_together(reports):
     mirrored = reports["mirrored"]
     assert mirrored["replicas"] == 2
     check_trace(mirrored["trace"])
+
+
+def test_mirrored_state_checkpoints_to_one_device_and_back(reports):
+    checkpoint = reports["mirrored"]["checkpoint"]
+    assert sorted(checkpoint) == ["extensions", "object", "ours", "tf24"]
+    for name, result in checkpoint.items():
+        assert result == {"variables": result["variables"], "saved_copies_agree": True,
+                          "plain": True, "mirrored": True}, name
+        assert result["variables"] >= 8, name
 
 
 def test_mirrored_fit_skips_together_as_stock_does_when_both_overflow(reports):
