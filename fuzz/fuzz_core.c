@@ -615,15 +615,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ls_set_num_threads(c.threads);
     reference ref;
     reference_run(&c, &ref);
-    /* a kernel never sees a non-finite scale: the entry points refuse it */
-    if (c.fault == FAULT_NONE && finite_double(c.inv_scale)) {
-        run_kernel_sets(&c, &ref);
-        run_bad_ranges(&c);
+    /* A big list is there for the thread pool, which only the whole-list
+     * calls use; the other runs would see nothing a short list does not
+     * show them, at many times the cost per input. */
+    if (!c.big) {
+        /* a kernel never sees a non-finite scale: the entry points refuse it */
+        if (c.fault == FAULT_NONE && finite_double(c.inv_scale)) {
+            run_kernel_sets(&c, &ref);
+            run_bad_ranges(&c);
+        }
+        run_public_unscale(&c, &ref, 1);
+        run_public_check(&c, &ref, 1);
     }
     run_public_unscale(&c, &ref, 0);
-    run_public_unscale(&c, &ref, 1);
     run_public_check(&c, &ref, 0);
-    run_public_check(&c, &ref, 1);
     reference_free(&c, &ref);
     return 0;
 }
