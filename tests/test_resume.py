@@ -303,9 +303,19 @@ class Trainer:
                 return line
 
     def kill(self):
+        """SIGKILL, then take in every line it printed before it died."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=60)
+        while True:
+            try:
+                line = self._queue.get(timeout=10)
+            except queue.Empty:
+                return
+            if line is None:
+                self._queue.put(None)
+                return
+            self.lines.append(line)
 
     def finish(self):
         self.until(lambda line: line == "done")
