@@ -382,6 +382,10 @@ def child_env(tf_config=None):
     env["CUDA_VISIBLE_DEVICES"] = ""
     for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
         env.pop(name, None)
+    # gRPC would send the loopback connections through a proxy.
+    for name in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy"):
+        env.pop(name, None)
+        env.pop(name.upper(), None)
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return env
