@@ -232,6 +232,9 @@ def test_keras_rule_soak_matches_stock_and_skips_change_nothing():
     our_step = keras_step_fn(model, ours, layout)
     loss_scale_state = {layout.index(ours.dynamic_scale), layout.index(ours.step_counter)}
 
+    # Runs of at most 45 overflows, apart: the Keras 3 rule has no floor, and a
+    # scale halved below float32's smallest normal flushes to zero, from where
+    # stock (and so ours) unscales the next finite step's gradients to 0/0.
     steps = schedule(STEPS, model, seed=20, run_lengths=(20, 45))
     skipped, scales = [], []
     before = layout.split(layout.read())
