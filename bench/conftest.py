@@ -50,6 +50,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
+    # The run order, after every plugin's deselection.
+    session.config._lossscale_items = list(session.items)
     # Printed here rather than as pytest's header, which -q hides.
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
@@ -106,7 +108,6 @@ def pytest_collection_modifyitems(session, config, items):
         return (layer_rank, case_rank[(layer, case)], threads, rnd, turn)
 
     items.sort(key=key)
-    config._lossscale_items = items
 
 
 # ------------------------------------------------------------ progress

@@ -61,17 +61,19 @@ RATIOS = {
 # ------------------------------------------------------------ reading
 
 class Stat:
-    def __init__(self, xs):
+    def __init__(self, xs, rounds=None):
         xs = sorted(xs)
         self.samples = xs
         self.median = statistics.median(xs)
         self.min, self.max, self.n = xs[0], xs[-1], len(xs)
+        # round index -> median of that round's samples
+        self.rounds = rounds or {}
 
 
 def load(path):
     with open(path) as f:
         raw = json.load(f)
-    samples = {}
+    samples, by_round = {}, {}
     info = {}
     for b in raw["benchmarks"]:
         e = b["extra_info"]
@@ -79,14 +81,19 @@ def load(path):
             continue
         per = e.get("calls_per_sample", 1) * e.get("steps_per_call", 1)
         key = (e["layer"], e["case"], e["threads"], e["peer"])
-        samples.setdefault(key, []).extend(x / per for x in b["stats"]["data"])
+        xs = [x / per for x in b["stats"]["data"]]
+        samples.setdefault(key, []).extend(xs)
+        by_round.setdefault(key, {}).setdefault(e.get("rnd", 0), []).extend(xs)
         info[key] = e
-    stats = {k: Stat(v) for k, v in samples.items()}
+    stats = {k: Stat(v, {r: statistics.median(x) for r, x in by_round[k].items()})
+             for k, v in samples.items()}
     for (layer, case, threads, peer), st in list(stats.items()):
         base = stats.get((layer, case, threads, "producer"))
         if base is not None and peer in NET.get(layer, ()):
-            stats[(layer, case, threads, peer)] = Stat([x - base.median for x in st.samples])
-            stats[(layer, case, threads, peer)].gross = st
+            net = Stat([x - base.median for x in st.samples],
+                       {r: m - base.rounds.get(r, base.median) for r, m in st.rounds.items()})
+            net.gross = st
+            stats[(layer, case, threads, peer)] = net
     meta = raw.get("lossscale", {})
     return raw, stats, info, meta.get("facts", {}), meta.get("records", {})
 
@@ -109,17 +116,36 @@ def cell(st):
     return f"{fmt_s(st.median)} <sub>{fmt_s(st.min)}–{fmt_s(st.max)}</sub>"
 
 
+class Ratio(float):
+    """ours ÷ peer of the medians, with the range of the same ratio taken
+    round by round (each round's medians, run back to back)."""
+
+    def __new__(cls, a, b):
+        r = super().__new__(cls, a.median / b.median)
+        per = [a.rounds[k] / b.rounds[k] for k in a.rounds
+               if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
+        r.lo, r.hi = (min(per), max(per)) if len(per) > 1 else (None, None)
+        return r
+
+
 def ratio(a, b):
     if a is None or b is None or a.median <= 0 or b.median <= 0:
         return None
-    return a.median / b.median
+    return Ratio(a, b)
 
 
-def fmt_ratio(r):
+def _r(x):
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+
+
+def fmt_ratio(r, spread=True):
     if r is None:
         return "—"
-    s = f"{r:.2f}" if r >= 0.1 else f"{r:.3f}"
-    return f"**{s}**" if r > 1.05 else s
+    s = _r(r)
+    s = f"**{s}**" if r > 1.05 else s
+    if spread and getattr(r, "lo", None) is not None:
+        s += f" <sub>{_r(r.lo)}–{_r(r.hi)}</sub>"
+    return s
 
 
 def case_label(case):
@@ -182,7 +208,8 @@ class Report:
                "Every implementation below ran in one `make bench` run, side by side on the "
                "same data at the same thread count, interleaved round by round.  Times are "
                "medians with <sub>min–max</sub> over every sample; ratios are **ours ÷ peer** "
-               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower).", "")
+               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower) with "
+               "<sub>the range of the same ratio taken round by round</sub>.", "")
         if f:
             self.w("## Machine and method", "",
                    f"- CPU: {f.get('cpu')} ({f.get('arch')}), {f.get('cores_available')} cores "
@@ -286,18 +313,26 @@ class Report:
         self.w(f"### {title or LAYER_TITLES[layer]}", "")
         if note:
             self.w(note, "")
+        gross = rcols[0] if layer in NET else None
         self.w("| workload | " + " | ".join(cols) + " | "
                + " | ".join(f"ours {c[2]}" if not c[0].endswith("eager") else c[2]
-                            for c in rcols) + " |",
-               "|---|" + "---:|" * (len(cols) + len(rcols)))
+                            for c in rcols)
+               + (f" | ours {gross[2]}, making the gradients included" if gross else "") + " |",
+               "|---|" + "---:|" * (len(cols) + len(rcols) + (1 if gross else 0)))
         for case in cases:
             row = [cell(self.get(layer, case, p, threads)) for p in peers]
             rs = []
+            if gross:
+                a, b = (self.get(layer, case, p, threads) for p in gross[:2])
+                g = ratio(getattr(a, "gross", a), getattr(b, "gross", b))
+                gross_cell = fmt_ratio(g)
             for ours, peer, label in rcols:
                 r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
                 rs.append(fmt_ratio(r))
                 if r is not None and r > 1.05 and peer != "roofline":
                     self.losses.append((layer, case, threads or self.threads, ours, peer, r))
+            if gross:
+                rs.append(gross_cell)
             self.w(f"| {case_label(case)} | " + " | ".join(row) + " | " + " | ".join(rs) + " |")
         self.w("")
 
@@ -402,24 +437,33 @@ class Report:
             self.w("")
         self.w(
             "Why, where it is understood:", "",
-            "- **Memory-bound lists at the roofline.** A float32 list larger than the cache "
-            "is one read and one write of every byte whatever does it: ours, torch and the "
-            "in-place multiply all sit at the machine's bandwidth, and the ratios there are "
-            "ties within noise.  The numpy roofline is single-threaded, so at more threads "
-            "ours can beat it.",
-            "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, a "
-            "`tf.function` call or an eager op costs tens of microseconds whatever the "
-            "kernel does; both TensorFlow methods are call overhead there, and torch's "
-            "direct C++ call wins by an order of magnitude.",
+            "- **Memory-bound float32 lists.** A list larger than the cache is one read and "
+            "one write of every byte whoever does it: ours, torch and the in-place multiply "
+            "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
+            "numpy's roofline is single-threaded, so at more threads ours can go below it.",
+            "- **16-bit lists against the roofline.** The roofline for float16 and bfloat16 "
+            "is a float32 multiply over the same bytes; ours converts every value to float32 "
+            "and back, which on one thread costs more than the bytes alone (ours ÷ roofline "
+            "above 1), while it is still far ahead of numpy and torch.",
+            "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, calling a "
+            "`tf.function` or an eager op costs tens of microseconds whatever the kernel "
+            "does; both TensorFlow methods are call overhead there, and torch's direct C++ "
+            "call wins by an order of magnitude.  The same overhead is why torch can beat the "
+            "TensorFlow op on 2,000 tiny tensors.",
+            "- **The TF composite in a graph overlaps with the producer.** Its per-tensor ops "
+            "run as soon as each gradient exists, while it is in cache, and in parallel with "
+            "making the next one; the one fused op waits for the whole list and streams it "
+            "back from memory.",
             "- **Keras `apply`.** Both optimizers hand the unscaled gradients to the same "
-            "inner SGD, whose update is the larger part of `apply` (see the *inner SGD "
-            "alone* column): the most any loss scaling can save is the difference between "
-            "stock and SGD alone.",
+            "inner SGD, whose update is the larger part of `apply` (the *inner SGD alone* "
+            "column): the most any loss scaling can save is stock minus SGD alone.",
             "- **A whole `fit` step of a small model.** The optimizer's share of the step is "
             "small; the two agree within the step time's scatter.",
-            "- **The TF composite in a graph overlaps with the producer.** Its per-tensor "
-            "ops run as soon as each gradient exists, while it is in cache; the one fused op "
-            "waits for the whole list and streams it back from memory.", "")
+            "- **torch at more than one thread on a busy machine.** Its OpenMP workers wait "
+            "at a barrier; when another process holds a core, a parallel region waits a "
+            "scheduler tick, and torch's multi-threaded times jump by milliseconds (compare "
+            "its one-thread row).  That is a property of the peer on a shared machine, "
+            "not of the work; the load averages above say how shared this one was.", "")
 
     def reading(self):
         self.w("## How to read the TensorFlow numbers", "",
