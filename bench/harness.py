@@ -285,13 +285,19 @@ class Flip:
 _calls = {}
 
 
-def timed(benchmark, key, method, info):
+def timed(benchmark, key, method, info, baseline=None):
     """Time ``method`` (a zero-argument callable) for this item.
 
     ``key`` names the method on its workload and thread count; the number
     of calls per sample is fixed the first time a key is seen and reused in
     every round.  Seconds per sample go to pytest-benchmark; ``info`` and
     ``calls_per_sample`` go to its ``extra_info``.
+
+    ``baseline``, when given, is the part of ``method`` that is not measured
+    (making the gradients it works on): it is timed for the same number of
+    calls just before every sample, untimed by pytest-benchmark, and its
+    seconds per call go to ``extra_info["baseline_s"]``, so that the report
+    subtracts pairs that ran back to back under the same machine load.
     """
     seen = key in _calls
     if not seen:
@@ -299,21 +305,32 @@ def timed(benchmark, key, method, info):
         t0 = time.perf_counter()
         method()
         once = max(time.perf_counter() - t0, 1e-9)
+        if baseline is not None:
+            baseline()
         _calls[key] = (max(1, min(100_000, math.ceil(Settings.min_sample_s / once))), once)
     calls, once = _calls[key]
     # Later rounds warm up again (the other peers have since evicted this
     # one's data from the caches) unless one call streams far more than any
     # cache holds anyway.
     warmup = 1 if seen and once < 0.02 else 0
+    base = []
 
     def sample():
         for _ in range(calls):
             method()
 
     def settle():
+        if baseline is not None:
+            time.sleep(SETTLE_S)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                baseline()
+            base.append((time.perf_counter() - t0) / calls)
         time.sleep(SETTLE_S)
 
     benchmark.extra_info.update(info)
     benchmark.extra_info["calls_per_sample"] = calls
     benchmark.pedantic(sample, setup=settle, rounds=Settings.samples,
                        warmup_rounds=warmup, iterations=1)
+    if baseline is not None:
+        benchmark.extra_info["baseline_s"] = base[-Settings.samples:]

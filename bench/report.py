@@ -6,8 +6,8 @@
 Per method on a workload, every timed sample of every round is divided by
 the calls (and, for ``fit``, the steps) it covered; the report gives their
 median with the minimum and maximum.  Methods that make their gradients
-inside a ``tf.function`` have the ``producer`` baseline's median taken off
-each sample.  Ratios are times, ours divided by the peer: below 1 ours is
+inside a ``tf.function`` have the time of making them alone (the
+``producer``, timed just before each sample) taken off that sample.  Ratios are times, ours divided by the peer: below 1 ours is
 faster.  Plots need matplotlib; without it the report says so and is
 written without them.
 """
@@ -42,9 +42,11 @@ PEER_LABELS = {
     ("fit", "ours"): "mixed, ours", ("fit", "stock"): "mixed, stock Keras",
     ("fit", "float32"): "float32, no loss scaling",
 }
-# Graph methods whose gradients are made in the graph: the producer comes off.
-NET = {"tf_op": ("ours", "composite"), "loss_scale": ("ours", "stock"),
-       "optimizer": ("ours", "stock", "sgd")}
+# Layers whose graph methods make their gradients in the graph; the
+# producer's time, measured before each sample, comes off.
+NET = ("tf_op", "loss_scale", "optimizer")
+for _layer in NET:
+    PEER_LABELS[(_layer, "producer")] = "making the gradients (subtracted)"
 # (layer, ours, peer, label) -> the ratio columns of each layer's table.
 RATIOS = {
     "core": [("ours", "torch", "÷ torch"), ("ours", "numpy", "÷ numpy"),
@@ -75,6 +77,11 @@ def load(path):
         raw = json.load(f)
     samples, by_round = {}, {}
     info = {}
+
+    def add(key, rnd, xs):
+        samples.setdefault(key, []).extend(xs)
+        by_round.setdefault(key, {}).setdefault(rnd, []).extend(xs)
+
     for b in raw["benchmarks"]:
         e = b["extra_info"]
         if "peer" not in e:
@@ -82,18 +89,21 @@ def load(path):
         per = e.get("calls_per_sample", 1) * e.get("steps_per_call", 1)
         key = (e["layer"], e["case"], e["threads"], e["peer"])
         xs = [x / per for x in b["stats"]["data"]]
-        samples.setdefault(key, []).extend(xs)
-        by_round.setdefault(key, {}).setdefault(e.get("rnd", 0), []).extend(xs)
+        rnd = e.get("rnd", 0)
+        base = e.get("baseline_s")
+        if base:
+            # The baseline ran just before each sample: subtract pairwise.
+            add(key[:3] + ("producer",), rnd, base)
+            add(key + ("gross",), rnd, xs)
+            xs = [x - b for x, b in zip(xs, base)]
+        add(key, rnd, xs)
         info[key] = e
     stats = {k: Stat(v, {r: statistics.median(x) for r, x in by_round[k].items()})
-             for k, v in samples.items()}
-    for (layer, case, threads, peer), st in list(stats.items()):
-        base = stats.get((layer, case, threads, "producer"))
-        if base is not None and peer in NET.get(layer, ()):
-            net = Stat([x - base.median for x in st.samples],
-                       {r: m - base.rounds.get(r, base.median) for r, m in st.rounds.items()})
-            net.gross = st
-            stats[(layer, case, threads, peer)] = net
+             for k, v in samples.items() if len(k) == 4}
+    for k, st in stats.items():
+        if k + ("gross",) in samples:
+            st.gross = Stat(samples[k + ("gross",)],
+                            {r: statistics.median(x) for r, x in by_round[k + ("gross",)].items()})
     meta = raw.get("lossscale", {})
     return raw, stats, info, meta.get("facts", {}), meta.get("records", {})
 
@@ -191,9 +201,9 @@ class Report:
     def peers(self, layer):
         found = []
         for (la, _c, _t, p) in self.stats:
-            if la == layer and p != "producer" and p not in found:
+            if la == layer and p not in found:
                 found.append(p)
-        order = [p for (la, p) in PEER_LABELS if la == layer]
+        order = [p for (la, p) in PEER_LABELS if la == layer] + ["producer"]
         return sorted(found, key=lambda p: order.index(p) if p in order else 99)
 
     def w(self, *lines):
@@ -424,7 +434,7 @@ class Report:
             self.w(f"![loss scale and training loss]({self.plots['training']})", "")
 
     def where_we_lose(self):
-        self.w("## Where we lose or tie", "")
+        self.w("## Where we lose", "")
         if not self.losses:
             self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
         else:
@@ -470,10 +480,10 @@ class Report:
                "- In `tf.function` the gradients are made inside the graph, as a backward pass "
                "leaves them: fresh buffers, each ending in an op Grappler cannot see through "
                "(otherwise Grappler folds the composite's multiply by a scalar into the "
-               "producer and the stock unscale looks free).  Making them is timed on its own "
-               "(the `producer` baseline, ending in the same one-value-per-tensor read as every "
-               "method) and its median is taken off every sample: the tables show the "
-               "loss-scale work alone.",
+               "producer and the stock unscale looks free).  Making them alone (ending in "
+               "the same one-value-per-tensor read as every method) is timed just before "
+               "every sample and taken off it: the tables show the loss-scale work alone, "
+               "and the last column the whole step, making the gradients included.",
                "- Eager methods take ready-made tensors the caller keeps; nobody may write "
                "over them, so they write fresh outputs.",
                "- torch works in place on its own copy of the same values, and its column "

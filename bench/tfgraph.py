@@ -15,9 +15,10 @@ Two traps, both fixed here:
   cannot see through: the stateful pass-through op of the lossscale op
   library, which hands on its input buffer untouched;
 * every method must end in the same consumer (a read of one value per
-  tensor) so that nothing is pruned and the producer alone, timed on its
-  own as the ``producer`` baseline, costs what it costs inside every method.
-  The report subtracts it.
+  tensor) so that nothing is pruned and the producer alone (``producer``:
+  make the gradients, consume them) costs what it costs inside every
+  method.  It is timed just before every sample of a method, and the
+  report subtracts the pairs.
 """
 
 import numpy as np
