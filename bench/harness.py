@@ -22,7 +22,6 @@ import gc
 import math
 import os
 import platform
-import sys
 import time
 
 import numpy as np

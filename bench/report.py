@@ -7,9 +7,9 @@ Per method on a workload, every timed sample of every round is divided by
 the calls (and, for ``fit``, the steps) it covered; the report gives their
 median with the minimum and maximum.  Methods that make their gradients
 inside a ``tf.function`` have the time of making them alone (the
-``producer``, timed just before each sample) taken off that sample.  Ratios are times, ours divided by the peer: below 1 ours is
-faster.  Plots need matplotlib; without it the report says so and is
-written without them.
+``producer``, timed just before each sample) taken off that sample.  Ratios
+are times, ours divided by the peer: below 1 ours is faster.  Plots need
+matplotlib; without it the report says so and is written without them.
 """
 
 import json
@@ -35,7 +35,8 @@ PEER_LABELS = {
     ("tf_op", "ours"): "ours (tf.function)", ("tf_op", "composite"): "TF composite (tf.function)",
     ("tf_op", "ours_eager"): "ours eager", ("tf_op", "composite_eager"): "TF composite eager",
     ("tf_op", "torch"): "torch unscale+update",
-    ("loss_scale", "ours"): "ours (tf.function)", ("loss_scale", "stock"): "tf.compat.v1 (tf.function)",
+    ("loss_scale", "ours"): "ours (tf.function)",
+    ("loss_scale", "stock"): "tf.compat.v1 (tf.function)",
     ("loss_scale", "ours_eager"): "ours eager", ("loss_scale", "stock_eager"): "tf.compat.v1 eager",
     ("optimizer", "ours"): "ours", ("optimizer", "stock"): "stock Keras",
     ("optimizer", "sgd"): "inner SGD alone",
@@ -54,7 +55,8 @@ RATIOS = {
     "tf_op": [("ours", "composite", "÷ composite"),
               ("ours_eager", "composite_eager", "eager ÷ composite eager"),
               ("ours", "torch", "÷ torch"), ("ours", "roofline", "÷ roofline")],
-    "loss_scale": [("ours", "stock", "÷ stock"), ("ours_eager", "stock_eager", "eager ÷ stock eager")],
+    "loss_scale": [("ours", "stock", "÷ stock"),
+                   ("ours_eager", "stock_eager", "eager ÷ stock eager")],
     "optimizer": [("ours", "stock", "÷ stock")],
     "fit": [("ours", "stock", "÷ stock")],
 }
@@ -337,7 +339,8 @@ class Report:
                 g = ratio(getattr(a, "gross", a), getattr(b, "gross", b))
                 gross_cell = fmt_ratio(g)
             for ours, peer, label in rcols:
-                r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
+                r = ratio(self.get(layer, case, ours, threads),
+                          self.get(layer, case, peer, threads))
                 rs.append(fmt_ratio(r))
                 if r is not None and r > 1.05 and peer != "roofline":
                     self.losses.append((layer, case, threads or self.threads, ours, peer, r))
@@ -393,7 +396,8 @@ class Report:
         self.w("| gradient | " + " | ".join(label[m] for m in methods) + " |",
                "|---|" + "---:|" * len(methods))
         for situation, rows in mem["situations"].items():
-            name = {"inside": "made inside the step", "argument": "passed in, kept alive"}[situation]
+            name = {"inside": "made inside the step",
+                    "argument": "passed in, kept alive"}[situation]
             self.w(f"| {name} | " + " | ".join(
                 f"{rows[m]['fraction_of_gradient'] * 100:.1f}%" for m in methods) + " |")
         self.w("", "A gradient made in the step (as backprop makes it) is a buffer nobody else "
@@ -423,7 +427,8 @@ class Report:
                    f"{r['skipped_steps'] if r['loss_scale'] else '—'} | {final} | "
                    f"{r['step_ms_median']:.2f} ms <sub>{r['step_ms_min']:.2f}–"
                    f"{r['step_ms_max']:.2f}</sub> |")
-        self.w("", f"- accuracy, stock vs ours: **{'equal' if tr['accuracy_equal'] else 'DIFFERENT'}**"
+        equal = "equal" if tr["accuracy_equal"] else "DIFFERENT"
+        self.w("", f"- accuracy, stock vs ours: **{equal}**"
                f"; final weights bit-identical: **{tr['weights_identical']}**; loss-scale "
                f"trajectories identical: **{tr['scales_identical']}**.",
                "- Step times here include Keras' per-step callback overhead; on a CPU, "

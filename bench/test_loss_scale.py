@@ -5,8 +5,8 @@ brings back.
 
 In ``tf.function`` (``ours``, ``stock``) the gradients are made inside the
 graph (``tfgraph.py``; making them alone, the ``producer``, is timed before
-every sample and subtracted by the report); eagerly (``ours_eager``, ``stock_eager``) they are ready-made
-tensors.  The update only reads the gradients, so neither side can gain
+every sample and subtracted by the report); eagerly (``ours_eager``,
+``stock_eager``) they are ready-made tensors.  The update only reads the gradients, so neither side can gain
 from writing in place: the difference is one all-finite op and one update
 op against an ``is_finite`` + ``reduce_all`` per tensor and a graph of
 conditionals.
