@@ -78,7 +78,7 @@ def load(path):
     with open(path) as f:
         raw = json.load(f)
     samples, by_round = {}, {}
-    info = {}
+    info, first = {}, {}
 
     def add(key, rnd, xs):
         samples.setdefault(key, []).extend(xs)
@@ -100,6 +100,8 @@ def load(path):
             xs = [x - b for x, b in zip(xs, base)]
         add(key, rnd, xs)
         info[key] = e
+        if "first_call_s" in e:
+            first[key] = e["first_call_s"]
     stats = {k: Stat(v, {r: statistics.median(x) for r, x in by_round[k].items()})
              for k, v in samples.items() if len(k) == 4}
     for k, st in stats.items():
@@ -107,7 +109,7 @@ def load(path):
             st.gross = Stat(samples[k + ("gross",)],
                             {r: statistics.median(x) for r, x in by_round[k + ("gross",)].items()})
     meta = raw.get("lossscale", {})
-    return raw, stats, info, meta.get("facts", {}), meta.get("records", {})
+    return raw, stats, info, first, meta.get("facts", {}), meta.get("records", {})
 
 
 # ------------------------------------------------------------ formatting
@@ -179,7 +181,8 @@ class Report:
     def __init__(self, path):
         self.path = path
         self.out_dir = os.path.dirname(os.path.abspath(path))
-        self.raw, self.stats, self.info, self.facts, self.records = load(path)
+        (self.raw, self.stats, self.info, self.first, self.facts,
+         self.records) = load(path)
         self.threads = self.facts.get("threads") or max(k[2] for k in self.stats)
         self.lines = []
         self.losses = []
@@ -380,6 +383,41 @@ class Report:
             self.w(f"| {workloads.size_label(size)} | " + " | ".join(cells) + " |")
         self.w("")
 
+    def first_calls(self):
+        """The one-off cost of the first call of every method (tracing a
+        ``tf.function``, creating kernels), from the first round."""
+        rows = []
+        for layer in ("tf_op", "loss_scale", "optimizer", "fit"):
+            for case in self.cases(layer):
+                cells = {}
+                for peer in self.peers(layer):
+                    first = self.first.get((layer, case, self.threads, peer))
+                    if first is not None:
+                        cells[peer] = first
+                if cells:
+                    rows.append((layer, case, cells))
+        if not rows:
+            return
+        self.w("### First call: tracing and set-up, paid once per function", "",
+               "The first call of each method, before any timing (for `tf.function`: "
+               "tracing and graph optimization, with the gradients' producer included "
+               "alike in every method).", "",
+               "| layer | workload | " + " | ".join(
+                   ["ours", "stock / composite", "ours eager", "stock eager"]) + " |",
+               "|---|---|---:|---:|---:|---:|")
+        for layer, case, cells in rows:
+            def c(*names):
+                for n in names:
+                    if n in cells:
+                        return fmt_s(cells[n])
+                return "—"
+            short = {"tf_op": "TF op", "loss_scale": "`LossScale.update`",
+                     "optimizer": "`LossScaleOptimizer.apply`", "fit": "`fit` epoch"}[layer]
+            self.w(f"| {short} | "
+                   f"{case_label(case)} | {c('ours')} | {c('stock', 'composite')} | "
+                   f"{c('ours_eager')} | {c('stock_eager', 'composite_eager')} |")
+        self.w("")
+
     def memory(self):
         mem = self.records.get("memory")
         if not mem:
@@ -533,6 +571,7 @@ class Report:
                          "*inner SGD alone* is the part both optimizers share.")
         self.layer_table("fit", note="Time per training step (one sample is an epoch of `fit`, "
                          "divided by its steps).")
+        self.first_calls()
         self.memory()
         self.training()
         self.where_we_lose()
