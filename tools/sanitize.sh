@@ -5,8 +5,9 @@
 #   1. pure C (LeakSanitizer on too): the fuzz targets replaying their
 #      corpora and every regression input, and the thread-pool driver, under
 #      each kernel level LOSSSCALE_SIMD can name; the thread-pool driver
-#      again under ThreadSanitizer; both again under MemorySanitizer when
-#      clang is there;
+#      again under ThreadSanitizer; with clang, the replay under clang's
+#      ASan (which instruments masked vector loads and stores) and both
+#      under MemorySanitizer;
 #   2. Python: the extension rebuilt into build/sanitize/ (never over the
 #      in-place modules), then every test that needs only lossscale.core,
 #      with the sanitizer runtime preloaded into the interpreter; the fuzz
@@ -45,18 +46,23 @@ tools/build_c.sh "$OUT/test_threads_tsan" "$CC" "-fsanitize=thread -g -O1" _core
 # TSan only follows when told to
 TSAN_OPTIONS=halt_on_error=1:die_after_fork=0 "$OUT/test_threads_tsan"
 
-# MemorySanitizer needs clang; without it this step is skipped, not failed
+# With clang: its ASan also checks the AVX-512 masked loads and stores lane
+# by lane (gcc's leaves them alone, so only the guard bytes see those), and
+# MemorySanitizer.  Without clang these steps are skipped, not failed.
 if command -v clang >/dev/null 2>&1; then
-    echo "-- MemorySanitizer (clang)"
+    echo "-- clang: ASan+UBSan, then MemorySanitizer"
+    tools/build_c.sh "$OUT/clang/replay_core" clang "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
     MSAN="-fsanitize=memory -fsanitize-memory-track-origins -fno-omit-frame-pointer -g -O1"
     tools/build_c.sh "$OUT/msan/replay_core" clang "$MSAN" fuzz/fuzz_core.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/test_threads" clang "$MSAN" _core/tests/test_threads.c
     for level in $LEVELS; do
+        LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
+            "$OUT/clang/replay_core" fuzz/corpus/core fuzz/regressions/core
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_core" fuzz/corpus/core fuzz/regressions/core
         LOSSSCALE_SIMD=$level "$OUT/msan/test_threads"
     done
 else
-    echo "-- MemorySanitizer skipped: no clang"
+    echo "-- clang steps skipped (ASan on masked vector accesses, MemorySanitizer): no clang"
 fi
 
 echo "== Python: lossscale.core built with ASan+UBSan into $OUT/lib"
