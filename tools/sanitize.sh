@@ -15,11 +15,12 @@
 #
 # Any report fails the run (halt_on_error for both sanitizers).  Leak
 # checking is off for the interpreter, which keeps its own memory to exit.
-# PY and CC may be set; PY defaults to the project's virtual environment.
+# PY may be set (default: the project's virtual environment).  The compiler
+# is gcc: its runtime is the one preloaded into the interpreter.
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-CC=${CC:-gcc}
+CC=gcc
 OUT=build/sanitize
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
 case $(uname -m) in
