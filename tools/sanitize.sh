@@ -67,7 +67,7 @@ else
 fi
 
 echo "== Python: lossscale.core built with ASan+UBSan into $OUT/lib"
-CFLAGS="$SAN" LDFLAGS="$SAN" LOSSSCALE_BUILD_TF_OPS=0 \
+CC="$CC" CFLAGS="$SAN" LDFLAGS="$SAN" LOSSSCALE_BUILD_TF_OPS=0 \
     "$PY" setup.py --quiet build_ext --build-lib "$OUT/lib" --build-temp "$OUT/tmp"
 cp lossscale/*.py "$OUT/lib/lossscale/"
 
