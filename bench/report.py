@@ -131,14 +131,19 @@ def cell(st):
 
 
 class Ratio(float):
-    """ours ÷ peer of the medians, with the range of the same ratio taken
-    round by round (each round's medians, run back to back)."""
+    """ours ÷ peer taken round by round (each round's medians, measured back
+    to back): the median of those ratios, and their range.  With one round,
+    the ratio of the medians."""
 
     def __new__(cls, a, b):
-        r = super().__new__(cls, a.median / b.median)
         per = [a.rounds[k] / b.rounds[k] for k in a.rounds
                if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
-        r.lo, r.hi = (min(per), max(per)) if len(per) > 1 else (None, None)
+        if len(per) > 1:
+            r = super().__new__(cls, statistics.median(per))
+            r.lo, r.hi = min(per), max(per)
+        else:
+            r = super().__new__(cls, a.median / b.median)
+            r.lo = r.hi = None
         return r
 
 
@@ -186,6 +191,7 @@ class Report:
         self.threads = self.facts.get("threads") or max(k[2] for k in self.stats)
         self.lines = []
         self.losses = []
+        self.sweep_losses = {}
 
     def get(self, layer, case, peer, threads=None):
         t = self.threads if threads is None else threads
@@ -223,8 +229,9 @@ class Report:
                "Every implementation below ran in one `make bench` run, side by side on the "
                "same data at the same thread count, interleaved round by round.  Times are "
                "medians with <sub>min–max</sub> over every sample; ratios are **ours ÷ peer** "
-               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower) with "
-               "<sub>the range of the same ratio taken round by round</sub>.", "")
+               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower), taken "
+               "round by round from that round's medians: the median of the rounds' ratios "
+               "with <sub>their range</sub>.", "")
         if f:
             self.w("## Machine and method", "",
                    f"- CPU: {f.get('cpu')} ({f.get('arch')}), {f.get('cores_available')} cores "
@@ -353,35 +360,52 @@ class Report:
         self.w("")
 
     def sweep_table(self):
-        rows = []
-        for layer in ("core", "tf_op"):
-            for case in self.cases(layer, sweep=True):
-                rows.append((layer, case))
-        if not rows:
+        core_threads = self.facts.get("core_threads") or [self.threads]
+        cols = [("core", p, t) for t in core_threads for p in self.peers("core")]
+        cols += [("tf_op", p, self.threads) for p in self.peers("tf_op") if p != "producer"]
+        sizes = set()
+        for layer, _p, t in cols:
+            sizes |= {int(c.split("/")[0][6:]) for c in self.cases(layer, t, sweep=True)}
+        if not sizes:
             return
+        if self.get("core", f"{workloads.BIG}/float32", "ours"):
+            sizes.add(workloads.GIB)
         self.w("### Throughput against tensor size (one float32 tensor)", "",
                "GB/s counts the bytes read plus written, 2 × the tensor's size, whatever an "
                "implementation does on the way (the TF composite also writes a boolean "
                "temporary).  TensorFlow methods here take a ready-made tensor the caller "
-               "keeps, so both write a fresh output.", "")
-        core_peers = self.peers("core")
-        tf_peers = [p for p in self.peers("tf_op")]
-        cols = ([("core", p) for p in core_peers] + [("tf_op", p) for p in tf_peers])
-        self.w("| size | " + " | ".join(PEER_LABELS.get(c, c[1]) for c in cols) + " |",
-               "|---|" + "---:|" * len(cols))
-        sizes = sorted({int(c.split("/")[0][6:]) for _, c in rows}
-                       | ({workloads.GIB} if self.get("core", f"{workloads.BIG}/float32", "ours")
-                          else set()))
-        for size in sizes:
-            case = (f"{workloads.sweep_name(size)}/float32" if size < workloads.GIB
-                    else f"{workloads.BIG}/float32")
-            cells = []
-            for layer, peer in cols:
-                st = self.get(layer, case, peer) if (layer == "core" or size < workloads.GIB) \
-                    else None
-                cells.append(f"{2 * size / st.median / 1e9:.2f}" if st and st.median > 0 else "—")
-            self.w(f"| {workloads.size_label(size)} | " + " | ".join(cells) + " |")
-        self.w("")
+               "keeps, so both write a fresh output; the 1 GiB row of the numpy layer is the "
+               "1 GiB workload above.", "")
+        for part, title in (("core", "numpy layer"), ("tf_op", "TensorFlow layer")):
+            pc = [c for c in cols if c[0] == part]
+            if not pc:
+                continue
+            multi = part == "core" and len(core_threads) > 1
+            self.w(f"{title}:", "",
+                   "| size | " + " | ".join(
+                       PEER_LABELS.get((la, p), p) + (f", {t} thr" if multi else "")
+                       for la, p, t in pc) + " |",
+                   "|---|" + "---:|" * len(pc))
+            for size in sorted(sizes):
+                if part == "tf_op" and size >= workloads.GIB:
+                    continue
+                case = (f"{workloads.sweep_name(size)}/float32" if size < workloads.GIB
+                        else f"{workloads.BIG}/float32")
+                cells = []
+                for layer, peer, t in pc:
+                    st = self.get(layer, case, peer, t)
+                    cells.append(f"{2 * size / st.median / 1e9:.2f}"
+                                 if st and st.median > 0 else "—")
+                self.w(f"| {workloads.size_label(size)} | " + " | ".join(cells) + " |")
+                for ours, peer, _label in RATIOS[part]:
+                    if peer == "roofline":
+                        continue
+                    for t in (core_threads if part == "core" else [self.threads]):
+                        r = ratio(self.get(part, case, ours, t), self.get(part, case, peer, t))
+                        if r is not None and r > 1.05:
+                            self.sweep_losses.setdefault((part, t, ours, peer), []).append(
+                                (size, r))
+            self.w("")
 
     def first_calls(self):
         """The one-off cost of the first call of every method (tracing a
@@ -478,7 +502,7 @@ class Report:
 
     def where_we_lose(self):
         self.w("## Where we lose", "")
-        if not self.losses:
+        if not self.losses and not self.sweep_losses:
             self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
         else:
             self.w("Every cell above where ours is more than 5% slower than a peer:", "")
@@ -487,6 +511,12 @@ class Report:
                        f"{threads} thread{'s' if threads > 1 else ''}: "
                        f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
                        f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
+            for (layer, threads, ours, peer), pts in self.sweep_losses.items():
+                self.w(f"- {LAYER_TITLES[layer].split(':')[0]}, one float32 tensor, "
+                       f"{threads} thread{'s' if threads > 1 else ''}: "
+                       f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
+                       f"{PEER_LABELS.get((layer, peer), peer)} = "
+                       + ", ".join(f"{r:.2f} at {workloads.size_label(n)}" for n, r in pts))
             self.w("")
         self.w(
             "Why, where it is understood:", "",
@@ -605,15 +635,15 @@ def make_plots(rep):
     return out
 
 
-def _series(rep, layer, peer):
+def _series(rep, layer, peer, threads):
     pts = []
-    for case in rep.cases(layer, sweep=True):
-        st = rep.get(layer, case, peer)
+    for case in rep.cases(layer, threads, sweep=True):
+        st = rep.get(layer, case, peer, threads)
         if st and st.median > 0:
             size = int(case.split("/")[0][6:])
             pts.append((size, 2 * size / st.median / 1e9))
     if layer == "core":
-        st = rep.get(layer, f"{workloads.BIG}/float32", peer)
+        st = rep.get(layer, f"{workloads.BIG}/float32", peer, threads)
         if st and st.median > 0:
             pts.append((workloads.GIB, 2 * workloads.GIB / st.median / 1e9))
     return sorted(pts)
@@ -626,12 +656,17 @@ def plot_throughput(rep, plt, path):
               ("tf_op", "ours_eager"): ("C4", "--", "D"),
               ("tf_op", "composite_eager"): ("C5", "--", "x"),
               ("tf_op", "torch"): ("C1", "--", "s")}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    core_threads = rep.facts.get("core_threads") or [rep.threads]
+    panels = [("core", t, f"numpy layer, in place, {t} thread{'s' if t > 1 else ''}")
+              for t in core_threads]
+    panels.append(("tf_op", rep.threads, f"TensorFlow layer (unscale + check + update), "
+                                         f"{rep.threads} threads"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.8), sharey=True)
+    axes = list(axes) if len(panels) > 1 else [axes]
     drew = False
-    for ax, layer, title in ((axes[0], "core", "numpy layer (in place)"),
-                             (axes[1], "tf_op", "TensorFlow layer (unscale + check + update)")):
+    for ax, (layer, threads, title) in zip(axes, panels):
         for peer in rep.peers(layer):
-            pts = _series(rep, layer, peer)
+            pts = _series(rep, layer, peer, threads)
             if not pts:
                 continue
             color, ls, marker = styles.get((layer, peer), (None, "-", "o"))
@@ -641,18 +676,18 @@ def plot_throughput(rep, plt, path):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tensor size (bytes, one float32 tensor)")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         ticks = [1 << k for k in range(10, 31, 4)]
         ax.set_xticks(ticks, [workloads.size_label(t).replace(" ", "") for t in ticks])
     axes[0].set_ylabel("GB/s (2 × tensor bytes / time)")
-    fig.suptitle(f"{rep.facts.get('cpu', '')}, {rep.threads} threads, kernel set "
-                 f"{rep.facts.get('simd_level', '')}", fontsize=10)
+    fig.suptitle(f"{rep.facts.get('cpu', '')}, kernel set {rep.facts.get('simd_level', '')}",
+                 fontsize=10)
     fig.tight_layout()
     if drew:
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=90)
     plt.close(fig)
     return drew
 
