@@ -724,6 +724,12 @@ def plot_steps(rep, plt, path):
         ax.set_yticks(range(len(cases)), [case_label(c) for c in cases], fontsize=8)
         ax.set_ylim(len(cases) - 0.5, -0.5)
         ax.set_xscale("log")
+        # A whisker of a time with the producer subtracted may reach near
+        # zero; the axis follows the medians and clips such whiskers.
+        meds = [st.median * 1e3 for p in peers for c in cases
+                for st in [rep.get(layer, c, p)] if st and st.median > 0]
+        if meds:
+            ax.set_xlim(min(meds) / 3, max(meds) * 3)
         ax.set_xlabel("ms per step: median, min-max (lower is better)", fontsize=8)
         ax.set_title(LAYER_TITLES[layer].replace("`", ""), fontsize=9)
         ax.grid(True, axis="x", which="both", alpha=0.3)
