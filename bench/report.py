@@ -274,16 +274,17 @@ class Report:
 
         add("numpy layer, ResNet-50 float32, 1 thread: ours ÷ roofline", "core",
             "resnet50/float32", "ours", "roofline", 1)
-        add(f"numpy layer, ResNet-50 float32, {t} threads: ours ÷ torch", "core",
-            "resnet50/float32", "ours", "torch")
-        add(f"numpy layer, ResNet-50 float16, {t} threads: ours ÷ torch", "core",
-            "resnet50/float16", "ours", "torch")
-        add(f"numpy layer, ResNet-50 bfloat16, {t} threads: ours ÷ torch", "core",
-            "resnet50/bfloat16", "ours", "torch")
+        for threads in sorted({1, t}):
+            for dtype in ("float32", "float16", "bfloat16"):
+                add(f"numpy layer, ResNet-50 {dtype}, {threads} thread"
+                    f"{'s' if threads > 1 else ''}: ours ÷ torch", "core",
+                    f"resnet50/{dtype}", "ours", "torch", threads)
         add(f"numpy layer, 1 GiB float32, {t} threads: ours ÷ roofline", "core",
             f"{workloads.BIG}/float32", "ours", "roofline")
         add(f"numpy layer, 2,000 tiny float32, {t} threads: ours ÷ numpy loop", "core",
             "tiny_2000x64/float32", "ours", "numpy")
+        add(f"numpy layer, 2,000 tiny float32, {t} threads: ours ÷ torch", "core",
+            "tiny_2000x64/float32", "ours", "torch")
         for case, label in (("resnet50/float32", "ResNet-50 float32"),
                             ("bert_base/float32", "BERT-base float32"),
                             ("tiny_2000x64/float32", "2,000 tiny float32")):
