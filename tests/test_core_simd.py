@@ -30,13 +30,20 @@ X86_LEVELS = ["scalar", "avx2", "avx512"]
 ARM_LEVELS = ["scalar", "neon"]
 
 
-def child_env(**extra):
-    """The environment for a child interpreter that imports the same
-    lossscale as this process."""
+def package_root():
+    """The folder holding the lossscale this process imported (the source
+    tree, or a separate build such as the sanitized one)."""
     import lossscale
 
+    return os.path.dirname(os.path.dirname(os.path.abspath(lossscale.__file__)))
+
+
+def child_env(**extra):
+    """The environment for a child interpreter that imports the same
+    lossscale as this process.  Children run with ``cwd=package_root()``:
+    ``python -c`` puts its working directory ahead of PYTHONPATH."""
     env = dict(os.environ, **extra)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(lossscale.__file__)))
+    here = package_root()
     env["PYTHONPATH"] = os.pathsep.join([here] + ([env["PYTHONPATH"]]
                                                   if env.get("PYTHONPATH") else []))
     return env
@@ -197,7 +204,7 @@ WORKER = COMMON + textwrap.dedent(r'''
 def run_worker(level, out_path):
     env = child_env(LOSSSCALE_SIMD=level)
     proc = subprocess.run([sys.executable, "-c", WORKER, str(out_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          cwd=package_root(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"level {level}: {proc.stderr[-3000:]}"
     with np.load(out_path) as z:
         return {k: z[k] for k in z.files}
@@ -321,8 +328,8 @@ def _probe(env_value, code="from lossscale import core; print(core.simd_level())
         env.pop("LOSSSCALE_SIMD", None)
     else:
         env["LOSSSCALE_SIMD"] = env_value
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=package_root(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_default_level_is_best():
