@@ -579,11 +579,13 @@ class Report:
             "column): the most any loss scaling can save is stock minus SGD alone.",
             "- **A whole `fit` step of a small model.** The optimizer's share of the step is "
             "small; the two agree within the step time's scatter.",
-            "- **torch at more than one thread on a busy machine.** Its OpenMP workers wait "
-            "at a barrier; when another process holds a core, a parallel region waits a "
-            "scheduler tick, and torch's multi-threaded times jump by milliseconds (compare "
-            "its one-thread row).  That is a property of the peer on a shared machine, "
-            "not of the work; the load averages above say how shared this one was.", "")
+            "- **torch at more than one thread.** Its OpenMP workers meet at a barrier; when "
+            "another process holds a core a parallel region can wait a scheduler tick, and on "
+            "single tensors of 1–4 MiB its two-thread pass takes milliseconds in this suite "
+            "even when this run was the only load (the cause is not pinned down).  Its "
+            "one-thread rows and panel show torch without it; its times from 16 MiB up are "
+            "normal.  Where a torch cell looks absurd, read it as the peer's threading on "
+            "this machine, not as the work.", "")
 
     def reading(self):
         self.w("## How to read the TensorFlow numbers", "",
