@@ -267,6 +267,37 @@ def drop_all():
     gc.collect()
 
 
+class CaseData:
+    """The arrays of one workload case (``"name/dtype"``) and every peer's
+    method on them, each made on first use by the subclass's ``_make``."""
+
+    layer = None
+
+    def __init__(self, case):
+        import workloads
+
+        self.case = case
+        self.name, self.dtype = case.split("/")
+        self.arrays = workloads.arrays(self.name, self.dtype)
+        self.methods = {}
+
+    def method(self, peer):
+        if peer not in self.methods:
+            self.methods[peer] = self._make(peer)
+        return self.methods[peer]
+
+    def _make(self, peer):
+        raise NotImplementedError
+
+    def info(self, peer, rnd, threads=None, **extra):
+        """What the raw JSON keeps beside each sample (``extra_info``)."""
+        return dict(layer=self.layer, case=self.case, workload=self.name, dtype=self.dtype,
+                    peer=peer, threads=Settings.threads if threads is None else threads,
+                    rnd=rnd, tensors=len(self.arrays),
+                    values=int(sum(a.size for a in self.arrays)),
+                    bytes=int(sum(a.nbytes for a in self.arrays)), **extra)
+
+
 class Flip:
     """Alternates between two exact factors (1/2 and 2) so that repeated
     in-place unscaling keeps the values where they started."""

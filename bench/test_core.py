@@ -46,11 +46,12 @@ def items(settings):
     return [(c, p) for c in cases(settings) for p in PEERS]
 
 
-class Data:
+class Data(harness.CaseData):
+    layer = LAYER
+
     def __init__(self, case):
-        name, dtype = case.split("/")
-        self.name, self.dtype = name, dtype
-        self.arrays = workloads.arrays(name, dtype)
+        super().__init__(case)
+        dtype = self.dtype
         self.flip = harness.Flip()
         self.typed = [self.arrays[0].dtype.type(s) for s in SCALES]
         if dtype == "float32":
@@ -70,12 +71,6 @@ class Data:
             self._torch = (ts, torch.zeros(1),
                            [torch.full((1,), s, dtype=torch.float32) for s in SCALES])
         return self._torch
-
-    def info(self, peer, threads, rnd, case):
-        return dict(layer=LAYER, case=case, workload=self.name, dtype=self.dtype, peer=peer,
-                    threads=threads, rnd=rnd, tensors=len(self.arrays),
-                    values=int(sum(a.size for a in self.arrays)),
-                    bytes=int(sum(a.nbytes for a in self.arrays)))
 
 
 def method(data, peer):
@@ -118,7 +113,7 @@ def test_core(benchmark, case, peer, threads, rnd):
     harness.pin_threads(threads)
     fn = method(data, peer)
     harness.timed(benchmark, (LAYER, case, threads, peer), fn,
-                  data.info(peer, threads, rnd, case))
+                  data.info(peer, rnd, threads))
     assert core.all_finite(data.arrays), "values left the finite range"
     if peer == "torch":
         assert data.torch_args(None)[1].item() == 0.0

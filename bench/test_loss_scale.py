@@ -44,20 +44,14 @@ def make_loss_scale(kind):
             initial_loss_scale=2.0 ** 15, increment_period=PERIOD)
 
 
-class Data:
+class Data(harness.CaseData):
+    layer = LAYER
+
     def __init__(self, case):
+        super().__init__(case)
         tf = harness.tensorflow()
-        name, dtype = case.split("/")
-        self.name, self.dtype = name, dtype
-        self.arrays = workloads.arrays(name, dtype)
         self.tensors = [tf.constant(a) for a in self.arrays]
         self.graph = None
-        self.methods = {}
-
-    def method(self, peer):
-        if peer not in self.methods:
-            self.methods[peer] = self._make(peer)
-        return self.methods[peer]
 
     def _make(self, peer):
         from tfgraph import GraphGradients
@@ -70,17 +64,11 @@ class Data:
             return lambda: loss_scale.update(tensors)
         return self.graph.wrap(lambda gs: (None, loss_scale.update(gs)[1]))
 
-    def info(self, peer, rnd, case):
-        return dict(layer=LAYER, case=case, workload=self.name, dtype=self.dtype, peer=peer,
-                    threads=harness.Settings.threads, rnd=rnd, tensors=len(self.arrays),
-                    values=int(sum(a.size for a in self.arrays)),
-                    bytes=int(sum(a.nbytes for a in self.arrays)))
-
 
 def test_loss_scale_update(benchmark, case, peer, rnd):
     data = harness.live(LAYER, case, lambda: Data(case))
     fn = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd, case),
+    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd),
                   baseline=None if peer.endswith("_eager") else data.graph.producer)
     if rnd == 0:
         assert bool(fn()[1]), f"{peer} found a non-finite gradient in finite data"

@@ -32,20 +32,14 @@ def items(settings):
     return [(c, p) for c in cases(settings) for p in PEERS]
 
 
-class Data:
+class Data(harness.CaseData):
+    layer = LAYER
+
     def __init__(self, case):
         from tfgraph import GraphGradients
 
-        name, dtype = case.split("/")
-        self.name, self.dtype = name, dtype
-        self.arrays = workloads.arrays(name, dtype)
+        super().__init__(case)
         self.graph = GraphGradients(self.arrays)
-        self.methods = {}
-
-    def method(self, peer):
-        if peer not in self.methods:
-            self.methods[peer] = self._make(peer)
-        return self.methods[peer]
 
     def _make(self, peer):
         import keras
@@ -71,15 +65,9 @@ class Data:
 
         return self.graph.wrap(step)
 
-    def info(self, peer, rnd, case):
-        return dict(layer=LAYER, case=case, workload=self.name, dtype=self.dtype, peer=peer,
-                    threads=harness.Settings.threads, rnd=rnd, tensors=len(self.arrays),
-                    values=int(sum(a.size for a in self.arrays)),
-                    bytes=int(sum(a.nbytes for a in self.arrays)))
-
 
 def test_optimizer_apply(benchmark, case, peer, rnd):
     data = harness.live(LAYER, case, lambda: Data(case))
     fn = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd, case),
+    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd),
                   baseline=data.graph.producer)

@@ -80,20 +80,14 @@ def loss_scale_steps():
     return ours, composite
 
 
-class Data:
-    def __init__(self, case):
-        tf = harness.tensorflow()
-        name, dtype = case.split("/")
-        self.name, self.dtype = name, dtype
-        self.arrays = workloads.arrays(name, dtype)
-        self.in_graph = not name.startswith("sweep_")
-        self.tensors = [tf.constant(a) for a in self.arrays]
-        self.methods = {}
+class Data(harness.CaseData):
+    layer = LAYER
 
-    def method(self, peer):
-        if peer not in self.methods:
-            self.methods[peer] = self._make(peer)
-        return self.methods[peer]
+    def __init__(self, case):
+        super().__init__(case)
+        tf = harness.tensorflow()
+        self.in_graph = not self.name.startswith("sweep_")
+        self.tensors = [tf.constant(a) for a in self.arrays]
 
     def _make(self, peer):
         tf = harness.tensorflow()
@@ -119,13 +113,10 @@ class Data:
             return self.methods["graph"].producer
         return None
 
-    def info(self, peer, rnd, case):
-        return dict(layer=LAYER, case=case, workload=self.name, dtype=self.dtype, peer=peer,
-                    threads=harness.Settings.threads, rnd=rnd, tensors=len(self.arrays),
-                    values=int(sum(a.size for a in self.arrays)),
-                    bytes=int(sum(a.nbytes for a in self.arrays)),
-                    gradients=("made in the graph" if self.in_graph and not peer.endswith("_eager")
-                               else "ready-made tensors"))
+    def info(self, peer, rnd):
+        return super().info(peer, rnd, gradients=(
+            "made in the graph" if self.in_graph and not peer.endswith("_eager")
+            else "ready-made tensors"))
 
 
 def torch_step(torch, arrays):
@@ -153,7 +144,7 @@ def torch_step(torch, arrays):
 def test_tf_op(benchmark, case, peer, rnd):
     data = harness.live(LAYER, case, lambda: Data(case))
     fn = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd, case),
+    harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd),
                   baseline=data.baseline(peer))
     if rnd == 0 and peer != "torch":
         assert bool(fn()[1]), f"{peer} found a non-finite gradient in finite data"
