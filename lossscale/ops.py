@@ -229,7 +229,7 @@ def _as_tf_variable(v):
 # ---------------------------------------------------------- unscale/check
 
 @tf.autograph.experimental.do_not_convert
-def unscale_and_check(grads, scale, *, check_inputs=False):
+def unscale_and_check(grads, scale, *, check_inputs=False, divide=False):
     """Unscales a gradient list and checks it for inf/NaN in one op.
 
     Args:
@@ -241,6 +241,9 @@ def unscale_and_check(grads, scale, *, check_inputs=False):
         variable or Python number.
       check_inputs: the finite flag describes the inputs (the scaled
         gradients, as Keras 3 checks them) instead of the results.
+      divide: every result is ``g / tf.cast(scale, g.dtype)`` instead, as
+        Keras 3 unscales (the one fused pass whenever that is the same
+        thing as multiplying by ``1 / scale``).
 
     Returns:
       ``(unscaled, all_finite)``: the list with every gradient multiplied by
@@ -257,9 +260,10 @@ def unscale_and_check(grads, scale, *, check_inputs=False):
         module = _native_library(devices + [scale_device])
         if module is not None:
             outputs, finite = module.loss_scale_unscale_and_check(
-                values, scale_t, check_inputs=bool(check_inputs))
+                values, scale_t, check_inputs=bool(check_inputs), divide=bool(divide))
         else:
-            outputs, finite = _unscale_and_check_tf(values, scale_t, bool(check_inputs))
+            outputs, finite = _unscale_and_check_tf(values, scale_t, bool(check_inputs),
+                                                    bool(divide))
         return _rebuild(grads, slots, list(outputs)), finite
 
 
@@ -284,11 +288,14 @@ def _all_finite_tf(values):
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
 
 
-def _unscale_and_check_tf(values, scale, check_inputs):
+def _unscale_and_check_tf(values, scale, check_inputs, divide=False):
     if scale.shape.rank is None:
         scale = tf.ensure_shape(scale, [])
-    inv = 1.0 / scale
-    outputs = [v * tf.cast(inv, v.dtype) for v in values]
+    if divide:
+        outputs = [v / tf.cast(scale, v.dtype) for v in values]
+    else:
+        inv = 1.0 / scale
+        outputs = [v * tf.cast(inv, v.dtype) for v in values]
     return outputs, _all_finite_tf(values if check_inputs else outputs)
 
 

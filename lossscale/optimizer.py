@@ -19,10 +19,11 @@ Exactness notes, each checked against the stock optimizer in the tests:
   bfloat16 gradients come out float32.  The native op multiplies by
   ``1 / scale`` in the gradient's own dtype.  Both give the same bits when
   the scale is a power of two whose reciprocal is a normal float32 (2**-126
-  to 2**126), and only then; the scale is tested for that at run time and any
-  other scale (``initial_scale=1000.``, a scale grown past 2**126, one
-  assigned by hand) takes the stock division.  Gradients are promoted to the
-  stock result dtype first.
+  to 2**126), and only then.  The op, asked to divide, tests the scale
+  itself at run time: any other scale (``initial_scale=1000.``, a scale
+  grown past 2**126, one assigned by hand) gets TensorFlow's division in the
+  same op, so the graph has no ``cond`` between the two.  Gradients are
+  promoted to the stock result dtype first.
 * Under ``MirroredStrategy`` the stock optimizer trusts the first replica's
   finite flag; here the flags of all replicas are combined, so an overflow on
   any replica skips the step everywhere (the stock one then applies the
@@ -55,27 +56,6 @@ _plain_python = tf.autograph.experimental.do_not_convert
 _DEFAULT_INITIAL_SCALE = 2.0**15
 _FLOAT32_MAX = 3.4028234663852886e38
 _DEFAULT_GROWTH_STEPS = 2000
-
-# float32 exponent field of a scale whose reciprocal is a normal float32.
-_EXACT_EXPONENT_MIN = 1
-_EXACT_EXPONENT_MAX = 253
-
-
-def _exact_reciprocal(scale):
-    """Whether ``g * (1 / scale) == g / scale`` for every float32/float64 ``g``.
-
-    True for a positive power of two with a normal reciprocal: the
-    reciprocal is then exact, both sides round the same real number, and
-    flush the same subnormals.
-    """
-    bits = tf.bitcast(tf.convert_to_tensor(scale, tf.float32), tf.int32)
-    mantissa_is_zero = tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFF), 0)
-    # An arithmetic shift: a negative scale gives a negative exponent.
-    exponent = tf.bitwise.right_shift(bits, 23)
-    return tf.logical_and(
-        mantissa_is_zero,
-        tf.logical_and(exponent >= _EXACT_EXPONENT_MIN, exponent <= _EXACT_EXPONENT_MAX))
-
 
 def _promote(grad):
     """``grad`` in the dtype stock Keras divides it in: ``result_type(g, float32)``."""
@@ -351,18 +331,11 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
             unscaled, finite = native_ops.unscale_and_check(
                 [grads[i] for i in positions], self._loss_scale_object())
         else:
+            # Keras 3: divided by the scale in result_type(g, float32),
+            # checked before unscaling.
             scale = tf.convert_to_tensor(_tf_variable(self.dynamic_scale))
-            scaled = [_promote(grads[i]) for i in positions]
-
-            def fused():
-                out, ok = native_ops.unscale_and_check(scaled, scale, check_inputs=True)
-                return list(out), ok
-
-            def divided():
-                ok = native_ops.all_finite(scaled)
-                return [keras.ops.divide(g, scale) for g in scaled], ok
-
-            unscaled, finite = tf.cond(_exact_reciprocal(scale), fused, divided)
+            unscaled, finite = native_ops.unscale_and_check(
+                [_promote(grads[i]) for i in positions], scale, check_inputs=True, divide=True)
 
         if passthrough:
             finite = tf.logical_and(finite, native_ops.all_finite(passthrough))

@@ -97,6 +97,37 @@ def test_unscale_bit_identical_to_tensorflow(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_divide_bit_identical_to_tensorflow_division(dtype):
+    """divide=True gives TensorFlow's g / tf.cast(scale, g.dtype) for every
+    scale: the fused pass where that equals multiplying by 1/scale, a
+    division everywhere else."""
+    x = bit_patterns(dtype)
+    for scale in SCALES:
+        ref = x / tf.cast(tf.constant(scale, tf.float32), dtype)
+        for check_inputs in (False, True):
+            (out,), finite = ops.unscale_and_check([x], scale, check_inputs=check_inputs,
+                                                   divide=True)
+            assert_same_bits(out, ref)
+            assert bool(finite) == reference_finite([x if check_inputs else ref]), scale
+
+
+def test_divide_in_a_mixed_list_and_in_a_graph():
+    """A 16-bit gradient beside float32 ones, and the op inside tf.function."""
+    rng = np.random.default_rng(5)
+    grads = [tf.constant(rng.standard_normal(n).astype(d.as_numpy_dtype))
+             for n, d in zip([70_000, 1000, 333], [tf.float32, tf.float16, tf.float64])]
+    fn = tf.function(lambda g, s: ops.unscale_and_check(g, s, check_inputs=True, divide=True))
+    for scale in [2.0 ** 15, 1000.0, 2.0 ** 127, 2.0 ** -127]:
+        refs = [g / tf.cast(tf.constant(scale, tf.float32), g.dtype) for g in grads]
+        for run in (ops.unscale_and_check(grads, scale, check_inputs=True, divide=True),
+                    fn(grads, tf.constant(scale))):
+            outs, finite = run
+            for out, ref in zip(outs, refs):
+                assert_same_bits(out, ref)
+            assert bool(finite) is True
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
 def test_subnormals_follow_tensorflow_not_ieee(dtype):
     """TensorFlow's CPU kernels flush subnormal float32/float64/bfloat16 inputs
     and results (float16 arithmetic happens in float32, where its subnormals

@@ -58,15 +58,24 @@ def assert_same_bits(actual, expected):
     assert same.all(), f"{(~same).sum()} of {a.size} values differ"
 
 
+def unscale_inputs(grads, scale):
+    return ops.unscale_and_check(grads, scale, check_inputs=True)
+
+
+def unscale_divided(grads, scale):
+    return ops.unscale_and_check(grads, scale, check_inputs=True, divide=True)
+
+
 def run_everything(call=lambda f, *a: f(*a)):
     """Unscale (both flag modes), all_finite and a short update trajectory."""
     results = []
     for grads in (gradient_list(), finite_list()):
         for scale in SCALES:
             outs, finite = call(ops.unscale_and_check, grads, tf.constant(scale))
-            _, finite_in = call(lambda g, s: ops.unscale_and_check(g, s, check_inputs=True),
-                                grads, tf.constant(scale))
+            _, finite_in = call(unscale_inputs, grads, tf.constant(scale))
+            divided, finite_div = call(unscale_divided, grads, tf.constant(scale))
             results.append((list(outs), bool(finite), bool(finite_in)))
+            results.append((list(divided), bool(finite_div), bool(finite_in)))
         results.append(bool(call(ops.all_finite, grads)))
     return results
 
@@ -216,16 +225,13 @@ def test_unusable_library_warns_once_and_falls_back(monkeypatch, tmp_path, probl
 
 def test_xla_compilation_uses_the_fallback(native_results):
     unscale = tf.function(lambda g, s: ops.unscale_and_check(g, s), jit_compile=True)
-    unscale_inputs = tf.function(lambda g, s: ops.unscale_and_check(g, s, check_inputs=True),
-                                 jit_compile=True)
-    finite = tf.function(lambda g: ops.all_finite(g), jit_compile=True)
+    compiled = {fn: tf.function(fn, jit_compile=True)
+                for fn in (unscale_inputs, unscale_divided, ops.all_finite)}
 
     def call(fn, *args):
         if fn is ops.unscale_and_check:
             return unscale(*args)
-        if fn is ops.all_finite:
-            return finite(*args)
-        return unscale_inputs(*args)
+        return compiled[fn](*args)
 
     assert_same_results(run_everything(call), native_results[0])
     assert graph_native_ops(unscale, finite_list(), tf.constant(2.0)) == []

@@ -12,6 +12,8 @@
 #define EIGEN_USE_THREADS
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -38,6 +40,7 @@ REGISTER_OP("LossScaleUnscaleAndCheck")
     .Output("all_finite: bool")
     .Attr("T: list({half, bfloat16, float, double}) >= 1")
     .Attr("check_inputs: bool = false")
+    .Attr("divide: bool = false")
     .SetShapeFn([](InferenceContext* c) {
         const int n = c->num_inputs() - 1;
         ShapeHandle unused;
@@ -49,7 +52,9 @@ REGISTER_OP("LossScaleUnscaleAndCheck")
     })
     .Doc(R"doc(
 Multiplies every gradient by 1/scale (rounded to its dtype) and says whether
-every result is finite; with check_inputs, whether every input is.
+every result is finite; with check_inputs, whether every input is.  With
+divide, every result is gradient / scale (scale cast to its dtype), as
+TensorFlow's RealDiv gives it.
 )doc");
 
 REGISTER_OP("LossScaleAllFinite")
@@ -71,9 +76,24 @@ float ReciprocalAsTensorFlow(float scale) {
     return inv;
 }
 
+// Whether g * (1/scale) == g / scale for every float32 and float64 g: a
+// positive power of two whose reciprocal is normal (both sides then round
+// the same real number and flush the same subnormals).
+bool IsExactReciprocal(float scale) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof bits);
+    const int exponent = static_cast<int>(bits >> 23);  // the sign bit makes it > 255
+    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
+}
+
 template <typename T>
 void MultiplyByScalar(const CPUDevice& d, const tf::Tensor& in, tf::Tensor* out, float inv) {
     out->flat<T>().device(d) = in.flat<T>() * static_cast<T>(inv);
+}
+
+template <typename T>
+void DivideByScalar(const CPUDevice& d, const tf::Tensor& in, tf::Tensor* out, float scale) {
+    out->flat<T>().device(d) = in.flat<T>() / static_cast<T>(scale);
 }
 
 tf::Status DescribeList(const tf::OpInputList& grads, std::vector<ls_buffer>* bufs) {
@@ -168,6 +188,7 @@ class UnscaleAndCheckOp : public tf::OpKernel {
   public:
     explicit UnscaleAndCheckOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("check_inputs", &check_inputs_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("divide", &divide_));
     }
 
     void Compute(tf::OpKernelContext* ctx) override {
@@ -178,7 +199,8 @@ class UnscaleAndCheckOp : public tf::OpKernel {
         OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(scale_t.shape()),
                     tf::errors::InvalidArgument("scale must be a scalar, got shape ",
                                                 scale_t.shape().DebugString()));
-        const float inv = ReciprocalAsTensorFlow(scale_t.scalar<float>()());
+        const float scale = scale_t.scalar<float>()();
+        const float inv = ReciprocalAsTensorFlow(scale);
 
         std::vector<ls_buffer> bufs;
         OP_REQUIRES_OK(ctx, DescribeList(grads, &bufs));
@@ -189,8 +211,17 @@ class UnscaleAndCheckOp : public tf::OpKernel {
         tf::Tensor* flag = nullptr;
         OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &flag));
 
+        // Dividing is multiplying by 1/scale only for an exact reciprocal,
+        // and for 16-bit gradients only where the reciprocal rounds alike
+        // in them too: those, and every inexact scale, divide with Eigen.
+        bool by_core = std::isfinite(inv);
+        if (divide_) {
+            by_core = by_core && IsExactReciprocal(scale);
+            for (int i = 0; by_core && i < n; ++i)
+                by_core = grads[i].dtype() == tf::DT_FLOAT || grads[i].dtype() == tf::DT_DOUBLE;
+        }
         int rc;
-        if (std::isfinite(inv)) {
+        if (by_core) {
             const unsigned flags = LS_FLUSH_DENORMALS | (check_inputs_ ? LS_CHECK_INPUTS : 0u);
             const double inv_d = inv;
             rc = RunOverRange(ctx, ls_total_length(bufs.data(), bufs.size()),
@@ -199,20 +230,23 @@ class UnscaleAndCheckOp : public tf::OpKernel {
                                                           flags, begin, end);
                               });
         } else {
-            rc = UnscaleByNonFinite(ctx, grads, outs, &bufs, inv);
+            rc = UnscaleWithEigen(ctx, grads, outs, &bufs, divide_ ? scale : inv);
         }
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, "LossScaleUnscaleAndCheck"));
         flag->scalar<bool>()() = rc == 1;
     }
 
   private:
-    // scale is 0, subnormal, tiny or NaN: 1/scale is inf or NaN, which the
-    // core refuses as a multiplier.  TensorFlow still multiplies (every
-    // nonzero result inf, zeros NaN); do exactly what it does, with its own
-    // Eigen expression, so the op never disagrees with the composite.
-    int UnscaleByNonFinite(tf::OpKernelContext* ctx, const tf::OpInputList& grads,
-                           const std::vector<tf::Tensor*>& outs, std::vector<ls_buffer>* bufs,
-                           float inv) {
+    // Multiplying, scale is 0, subnormal, tiny or NaN: 1/scale is inf or
+    // NaN, which the core refuses as a multiplier.  TensorFlow still
+    // multiplies (every nonzero result inf, zeros NaN).  Dividing, the
+    // scale's reciprocal is not exact.  Either way do exactly what
+    // TensorFlow does, with its own Eigen expression, so the op never
+    // disagrees with the composite.  `factor` is 1/scale, or with divide
+    // the scale.
+    int UnscaleWithEigen(tf::OpKernelContext* ctx, const tf::OpInputList& grads,
+                         const std::vector<tf::Tensor*>& outs, std::vector<ls_buffer>* bufs,
+                         float factor) {
         int inputs_finite = 1;
         if (check_inputs_) {
             inputs_finite = ls_all_finite(bufs->data(), bufs->size(), 0);
@@ -221,11 +255,25 @@ class UnscaleAndCheckOp : public tf::OpKernel {
         }
         const CPUDevice& d = ctx->eigen_device<CPUDevice>();
         for (int i = 0; i < grads.size(); ++i) {
-            switch (grads[i].dtype()) {
-            case tf::DT_HALF: MultiplyByScalar<Eigen::half>(d, grads[i], outs[i], inv); break;
-            case tf::DT_BFLOAT16: MultiplyByScalar<tf::bfloat16>(d, grads[i], outs[i], inv); break;
-            case tf::DT_FLOAT: MultiplyByScalar<float>(d, grads[i], outs[i], inv); break;
-            case tf::DT_DOUBLE: MultiplyByScalar<double>(d, grads[i], outs[i], inv); break;
+            const tf::Tensor& g = grads[i];
+            tf::Tensor* out = outs[i];
+            switch (g.dtype()) {
+            case tf::DT_HALF:
+                divide_ ? DivideByScalar<Eigen::half>(d, g, out, factor)
+                        : MultiplyByScalar<Eigen::half>(d, g, out, factor);
+                break;
+            case tf::DT_BFLOAT16:
+                divide_ ? DivideByScalar<tf::bfloat16>(d, g, out, factor)
+                        : MultiplyByScalar<tf::bfloat16>(d, g, out, factor);
+                break;
+            case tf::DT_FLOAT:
+                divide_ ? DivideByScalar<float>(d, g, out, factor)
+                        : MultiplyByScalar<float>(d, g, out, factor);
+                break;
+            case tf::DT_DOUBLE:
+                divide_ ? DivideByScalar<double>(d, g, out, factor)
+                        : MultiplyByScalar<double>(d, g, out, factor);
+                break;
             default: return LS_ERR_DTYPE;
             }
         }
@@ -237,6 +285,7 @@ class UnscaleAndCheckOp : public tf::OpKernel {
     }
 
     bool check_inputs_ = false;
+    bool divide_ = false;
 };
 
 class AllFiniteOp : public tf::OpKernel {
