@@ -564,11 +564,7 @@ class Report:
             "wide, and a single ratio there (against torch, say) is soft.",
             "- **Tracing the Keras optimizer.** Tracing `apply` over thousands of variables "
             "takes longer with ours than with the stock optimizer (the first-call table); it "
-            "is paid once per function.  Ours builds both sides of a `tf.cond`: the one fused "
-            "op, and the stock per-tensor division for a scale whose reciprocal is not exact "
-            "(outside [2^-126, 2^126] or not a power of two), which bit-for-bit parity "
-            "with stock needs; the second side is a divide per gradient plus the branch's "
-            "per-output plumbing.",
+            "is paid once per function.",
             "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, calling a "
             "`tf.function` or an eager op costs tens of microseconds whatever the kernel "
             "does; both TensorFlow methods are call overhead there, and torch's direct C++ "
