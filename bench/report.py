@@ -66,6 +66,14 @@ RATIOS = {
 
 # ------------------------------------------------------------ reading
 
+
+def ratio_line(layer, case, threads, ours, peer, r):
+    """One bullet of the where-we-lose and ties lists."""
+    return (f"- {LAYER_TITLES[layer].split(':')[0]}, {case_label(case)}, "
+            f"{threads} thread{'s' if threads > 1 else ''}: "
+            f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
+            f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
+
 class Stat:
     def __init__(self, xs, rounds=None):
         xs = sorted(xs)
@@ -525,11 +533,8 @@ class Report:
             self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
         else:
             self.w("Every cell above where ours is more than 5% slower than a peer:", "")
-            for layer, case, threads, ours, peer, r in self.losses:
-                self.w(f"- {LAYER_TITLES[layer].split(':')[0]}, {case_label(case)}, "
-                       f"{threads} thread{'s' if threads > 1 else ''}: "
-                       f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
-                       f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
+            for row in self.losses:
+                self.w(ratio_line(*row))
             for layer, case, ours, peer, a, b in self.first_losses:
                 self.w(f"- first call (tracing, set-up), {LAYER_TITLES[layer].split(':')[0]}, "
                        f"{case_label(case)}: {PEER_LABELS.get((layer, ours), ours)} "
@@ -543,11 +548,8 @@ class Report:
             self.w("")
         if self.ties:
             self.w("Ties, where ours is within 5% of a peer:", "")
-            for layer, case, threads, ours, peer, r in self.ties:
-                self.w(f"- {LAYER_TITLES[layer].split(':')[0]}, {case_label(case)}, "
-                       f"{threads} thread{'s' if threads > 1 else ''}: "
-                       f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
-                       f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
+            for row in self.ties:
+                self.w(ratio_line(*row))
             self.w("")
         self.w(
             "Why, where it is understood:", "",
