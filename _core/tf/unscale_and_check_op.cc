@@ -86,14 +86,15 @@ bool IsExactReciprocal(float scale) {
     return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
 }
 
+// out = in / factor or in * factor, factor cast to T: TensorFlow's own
+// RealDiv / Mul expression for a scalar right-hand side.
 template <typename T>
-void MultiplyByScalar(const CPUDevice& d, const tf::Tensor& in, tf::Tensor* out, float inv) {
-    out->flat<T>().device(d) = in.flat<T>() * static_cast<T>(inv);
-}
-
-template <typename T>
-void DivideByScalar(const CPUDevice& d, const tf::Tensor& in, tf::Tensor* out, float scale) {
-    out->flat<T>().device(d) = in.flat<T>() / static_cast<T>(scale);
+void ByScalar(const CPUDevice& d, const tf::Tensor& in, tf::Tensor* out, float factor,
+              bool divide) {
+    if (divide)
+        out->flat<T>().device(d) = in.flat<T>() / static_cast<T>(factor);
+    else
+        out->flat<T>().device(d) = in.flat<T>() * static_cast<T>(factor);
 }
 
 tf::Status DescribeList(const tf::OpInputList& grads, std::vector<ls_buffer>* bufs) {
@@ -258,22 +259,10 @@ class UnscaleAndCheckOp : public tf::OpKernel {
             const tf::Tensor& g = grads[i];
             tf::Tensor* out = outs[i];
             switch (g.dtype()) {
-            case tf::DT_HALF:
-                divide_ ? DivideByScalar<Eigen::half>(d, g, out, factor)
-                        : MultiplyByScalar<Eigen::half>(d, g, out, factor);
-                break;
-            case tf::DT_BFLOAT16:
-                divide_ ? DivideByScalar<tf::bfloat16>(d, g, out, factor)
-                        : MultiplyByScalar<tf::bfloat16>(d, g, out, factor);
-                break;
-            case tf::DT_FLOAT:
-                divide_ ? DivideByScalar<float>(d, g, out, factor)
-                        : MultiplyByScalar<float>(d, g, out, factor);
-                break;
-            case tf::DT_DOUBLE:
-                divide_ ? DivideByScalar<double>(d, g, out, factor)
-                        : MultiplyByScalar<double>(d, g, out, factor);
-                break;
+            case tf::DT_HALF: ByScalar<Eigen::half>(d, g, out, factor, divide_); break;
+            case tf::DT_BFLOAT16: ByScalar<tf::bfloat16>(d, g, out, factor, divide_); break;
+            case tf::DT_FLOAT: ByScalar<float>(d, g, out, factor, divide_); break;
+            case tf::DT_DOUBLE: ByScalar<double>(d, g, out, factor, divide_); break;
             default: return LS_ERR_DTYPE;
             }
         }
