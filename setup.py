@@ -13,7 +13,6 @@ x86-64 (or aarch64) CPU and pick their kernels at run time.
 """
 
 import os
-import platform
 import sys
 
 from setuptools import Extension, setup
@@ -23,30 +22,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CORE = os.path.join("_core", "src")
 INCLUDE = os.path.join("_core", "include")
 
-MACHINE = platform.machine().lower()
-IS_X86 = MACHINE in ("x86_64", "amd64", "i686", "i386")
-IS_ARM64 = MACHINE in ("aarch64", "arm64")
+sys.path.insert(0, os.path.join(HERE, "_core"))
+import kernel_sets  # noqa: E402  (the one list of kernel sets and their flags)
 
-COMMON_CFLAGS = ["-O3", "-std=c11", "-fvisibility=hidden", "-fno-strict-aliasing",
-                 "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"]
-
-# (source, extra flags): the generic files first, then one file per ISA.
-CORE_SOURCES = [
-    ("dispatch.c", []),
-    ("fpenv.c", []),
-    ("lists.c", []),
-    ("threads.c", []),
-    ("scale_rule.c", []),
-    ("kernels_scalar.c", []),
-]
-if IS_X86:
-    CORE_SOURCES += [
-        ("kernels_avx2.c", ["-mavx2", "-mf16c", "-mfma"]),
-        ("kernels_avx512.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                              "-mavx512bf16", "-mavx2", "-mf16c", "-mfma"]),
-    ]
-elif IS_ARM64:
-    CORE_SOURCES += [("kernels_neon.c", [])]
+COMMON_CFLAGS = kernel_sets.COMMON_CFLAGS
 
 
 def tensorflow_flags():
@@ -68,9 +47,9 @@ class BuildWithCore(build_ext):
     def build_extensions(self):
         objects = []
         build_temp = os.path.join(self.build_temp, "core")
-        for source, flags in CORE_SOURCES:
+        for source, flags in kernel_sets.core_sources():
             objects += self.compiler.compile(
-                [os.path.join(CORE, source)],
+                [source],
                 output_dir=build_temp,
                 include_dirs=[INCLUDE, CORE],
                 extra_postargs=COMMON_CFLAGS + flags,
