@@ -7,6 +7,7 @@ leaves every array as it was.  See ``lossscale.core`` for the public names.
 
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc, qsort
+from libc.string cimport memset
 
 cimport numpy as cnp
 
@@ -67,6 +68,38 @@ cdef extern from "lossscale.h" nogil:
     void ls_scale_config_default(ls_scale_config *config, int rule)
     int ls_scale_config_check(const ls_scale_config *config, const char **why)
     int ls_scale_update(const ls_scale_config *config, ls_scale_state *state, int grads_finite)
+
+    ctypedef struct ls_param:
+        float *var
+        const void *grad
+        float *slot[3]
+        size_t length
+        ls_dtype grad_dtype
+        int decay
+
+    ctypedef struct ls_optim_config:
+        int optimizer
+        int unscale
+        double scale
+        float learning_rate
+        float weight_decay
+        float momentum
+        int nesterov
+        float alpha
+        float one_minus_beta_1
+        float one_minus_beta_2
+        float epsilon
+        int amsgrad
+
+    enum:
+        LS_OPTIM_SGD
+        LS_OPTIM_ADAM
+        LS_UNSCALE_NONE
+        LS_UNSCALE_DIVIDE
+        LS_UNSCALE_MULTIPLY
+
+    int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
+                      unsigned flags)
 
 
 def _dtype_codes():
@@ -312,3 +345,208 @@ def scale_update(state, bint grads_finite, *, int rule=RULE_TF24, increment_peri
     s.scale, s.good_steps, s.overflow_run, s.skipped_steps = state
     cdef int apply = ls_scale_update(&c, &s, grads_finite)
     return (s.scale, s.good_steps, s.overflow_run, s.skipped_steps), bool(apply)
+
+
+# ----------------------------------------------------------------- fused steps
+
+_UNSCALE_MODES = {"divide": LS_UNSCALE_DIVIDE, "multiply": LS_UNSCALE_MULTIPLY}
+
+
+def _real(value, str what, str name, bint positive=False, bint nonnegative=False):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: {name} must be a real number, got {type(value).__name__}")
+    try:
+        x = float(value)
+    except OverflowError:
+        raise ValueError(f"{what}: {name} must be finite, got a value too large for a "
+                         f"float") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{what}: {name} must be finite, got {x}")
+    if positive and not x > 0.0:
+        raise ValueError(f"{what}: {name} must be positive, got {x}")
+    if nonnegative and x < 0.0:
+        raise ValueError(f"{what}: {name} must be >= 0, got {x}")
+    return x
+
+
+def _float32(double x, str what, str name):
+    f = np.float32(x)
+    if not np.isfinite(f):
+        raise ValueError(f"{what}: {name} = {x} overflows float32")
+    return float(f)
+
+
+def _param_list(arrays, str what, str name, Py_ssize_t n):
+    if isinstance(arrays, np.ndarray) or not isinstance(arrays, (list, tuple)):
+        raise TypeError(f"{what}: {name} must be a list or tuple of numpy arrays, got "
+                        f"{type(arrays).__name__}")
+    if len(arrays) != n:
+        raise ValueError(f"{what}: got {len(arrays)} {name} for {n} variables; they must "
+                         f"pair up one to one")
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{what}: {name}[{i}] is {type(a).__name__}, not a numpy array")
+    return list(arrays)
+
+
+cdef int _check_f32(object obj, object var, str what, str label) except -1:
+    cdef cnp.ndarray a = <cnp.ndarray>obj
+    if a.dtype != np.float32 or not cnp.PyArray_ISNOTSWAPPED(a):
+        raise TypeError(f"{what}: {label} must be float32 (native byte order), got "
+                        f"{a.dtype}")
+    if var is not None and obj.shape != var.shape:
+        raise ValueError(f"{what}: {label} has shape {obj.shape}, its variable has shape "
+                         f"{var.shape}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"{what}: {label} is not C-contiguous (updated in place)")
+    if not cnp.PyArray_ISWRITEABLE(a):
+        raise ValueError(f"{what}: {label} is read-only")
+    if (<size_t>cnp.PyArray_DATA(a)) % 4:
+        raise ValueError(f"{what}: {label} is not aligned to 4 bytes")
+    return 0
+
+
+cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
+                    ls_optim_config *config, unsigned flags) except -10:
+    """Checks everything, then one nogil ls_optim_step; nothing is written
+    unless every check passed."""
+    cdef Py_ssize_t n = len(variables), i, k
+    cdef Py_ssize_t nslots = len(slots)
+    cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((2 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot
+    cdef int code, rc
+    cdef size_t nb = 0
+    if params == NULL or bufs == NULL:
+        free(params)
+        free(bufs)
+        raise MemoryError()
+    try:
+        for i in range(n):
+            var = <cnp.ndarray>variables[i]
+            _check_f32(<object>var, None, what, f"variables[{i}]")
+            grad = <cnp.ndarray>grads[i]
+            code = _dtype_code(grad)
+            if code not in (LS_FLOAT16, LS_BFLOAT16, LS_FLOAT32) or not cnp.PyArray_ISNOTSWAPPED(grad):
+                raise TypeError(f"{what}: grads[{i}] has dtype {grad.dtype}; expected "
+                                f"float16, bfloat16 or float32 (native byte order)")
+            if (<object>grad).shape != (<object>var).shape:
+                raise ValueError(f"{what}: grads[{i}] has shape {(<object>grad).shape}, its "
+                                 f"variable has shape {(<object>var).shape}")
+            if not cnp.PyArray_IS_C_CONTIGUOUS(grad):
+                raise ValueError(f"{what}: grads[{i}] is not C-contiguous")
+            if (<size_t>cnp.PyArray_DATA(grad)) % (4 if code == LS_FLOAT32 else 2):
+                raise ValueError(f"{what}: grads[{i}] is not aligned to its element size")
+            params[i].var = <float *>cnp.PyArray_DATA(var)
+            params[i].grad = cnp.PyArray_DATA(grad)
+            params[i].length = <size_t>cnp.PyArray_SIZE(var)
+            params[i].grad_dtype = <ls_dtype>code
+            params[i].decay = 1 if decay[i] else 0
+            params[i].slot[0] = NULL
+            params[i].slot[1] = NULL
+            params[i].slot[2] = NULL
+            bufs[nb].src = params[i].var
+            bufs[nb].dtype = LS_FLOAT32
+            bufs[nb].length = params[i].length
+            nb += 1
+            bufs[nb].src = params[i].grad
+            bufs[nb].dtype = <ls_dtype>code
+            bufs[nb].length = params[i].length
+            nb += 1
+            for k in range(nslots):
+                slot = <cnp.ndarray>slots[k][1][i]
+                _check_f32(slot, <object>var, what, f"{slots[k][0]}[{i}]")
+                params[i].slot[k] = <float *>cnp.PyArray_DATA(slot)
+                bufs[nb].src = params[i].slot[k]
+                bufs[nb].dtype = LS_FLOAT32
+                bufs[nb].length = params[i].length
+                nb += 1
+        _check_disjoint(bufs, nb, what)
+        with nogil:
+            rc = ls_optim_step(params, <size_t>n, config, flags)
+        _check_status(rc)
+        return rc
+    finally:
+        free(params)
+        free(bufs)
+
+
+cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale,
+              ls_optim_config *c):
+    variables = _param_list(variables, what, "variables", len(variables)
+                            if isinstance(variables, (list, tuple)) else -1)
+    n = len(variables)
+    grads = _param_list(grads, what, "grads", n)
+    c.unscale = LS_UNSCALE_NONE
+    c.scale = 1.0
+    if scale is not None:
+        if unscale not in _UNSCALE_MODES:
+            raise ValueError(f"{what}: unscale must be one of {sorted(_UNSCALE_MODES)}, got "
+                             f"{unscale!r}")
+        c.unscale = _UNSCALE_MODES[unscale]
+        c.scale = _real(scale, what, "scale", positive=True)
+    c.weight_decay = 0.0
+    if weight_decay is None:
+        decay = [False] * n
+    else:
+        c.weight_decay = _float32(_real(weight_decay, what, "weight_decay"), what,
+                                  "weight_decay")
+        if decay is None:
+            decay = [True] * n
+        elif not isinstance(decay, (list, tuple)) or len(decay) != n:
+            raise ValueError(f"{what}: decay must be a list of {n} booleans, one per variable")
+    return variables, grads, list(decay)
+
+
+def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,
+              nesterov=False, weight_decay=None, decay=None, scale=None, unscale="divide",
+              bint flush_denormals=False):
+    """One Keras SGD step over float32 arrays, in place, fused with the
+    finite check and the unscale; see ``lossscale.core``."""
+    cdef ls_optim_config c
+    memset(&c, 0, sizeof(c))
+    what = "sgd_step_"
+    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
+                                       unscale, &c)
+    c.optimizer = LS_OPTIM_SGD
+    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
+                               what, "learning_rate")
+    c.momentum = _float32(_real(momentum, what, "momentum"), what, "momentum")
+    c.nesterov = 1 if nesterov else 0
+    slots = []
+    if c.momentum != 0.0:
+        if momentums is None:
+            raise ValueError(f"{what}: momentum={momentum} needs the momentums")
+        slots.append(("momentums", _param_list(momentums, what, "momentums", len(variables))))
+    elif momentums is not None:
+        raise ValueError(f"{what}: momentums given but momentum is 0 (Keras keeps no slot)")
+    return bool(_optim_run(what, variables, grads, slots, decay, &c,
+                           LS_FLUSH_DENORMALS if flush_denormals else 0))
+
+
+def adam_step_(variables, grads, m, v, v_hat=None, *, learning_rate, alpha, beta_1=0.9,
+               beta_2=0.999, epsilon=1e-7, weight_decay=None, decay=None, scale=None,
+               unscale="divide", bint flush_denormals=False):
+    """One Keras Adam (AdamW with ``weight_decay``; amsgrad with ``v_hat``)
+    step over float32 arrays, in place, fused with the finite check and the
+    unscale; see ``lossscale.core``."""
+    cdef ls_optim_config c
+    memset(&c, 0, sizeof(c))
+    what = "adam_step_"
+    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
+                                       unscale, &c)
+    n = len(variables)
+    c.optimizer = LS_OPTIM_ADAM
+    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
+                               what, "learning_rate")
+    c.alpha = _float32(_real(alpha, what, "alpha"), what, "alpha")
+    # As Keras: 1 - beta in Python floats, then float32.
+    c.one_minus_beta_1 = _float32(1 - _real(beta_1, what, "beta_1"), what, "beta_1")
+    c.one_minus_beta_2 = _float32(1 - _real(beta_2, what, "beta_2"), what, "beta_2")
+    c.epsilon = _float32(_real(epsilon, what, "epsilon"), what, "epsilon")
+    c.amsgrad = 0 if v_hat is None else 1
+    slots = [("m", _param_list(m, what, "m", n)), ("v", _param_list(v, what, "v", n))]
+    if v_hat is not None:
+        slots.append(("v_hat", _param_list(v_hat, what, "v_hat", n)))
+    return bool(_optim_run(what, variables, grads, slots, decay, &c,
+                           LS_FLUSH_DENORMALS if flush_denormals else 0))

@@ -10,15 +10,17 @@ import numpy as np
 
 from lossscale import _native
 from lossscale._native import (  # noqa: F401
+    adam_step_,
     all_finite,
     get_num_threads,
+    sgd_step_,
     simd_best,
     simd_level,
     unscale_,
 )
 
 __all__ = ["all_finite", "unscale_", "simd_level", "simd_best",
-           "set_num_threads", "get_num_threads", "round_to_dtype"]
+           "set_num_threads", "get_num_threads", "round_to_dtype", "sgd_step_", "adam_step_"]
 
 _INT_MAX = 2**31 - 1
 

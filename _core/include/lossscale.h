@@ -185,6 +185,93 @@ int ls_scale_config_check(const ls_scale_config *config, const char **why);
 int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
                     int grads_finite);
 
+/* ------------------------------------------- fused optimizer steps
+ *
+ * Check, unscale and the Keras SGD / Adam update of float32 variables in
+ * one pass over memory.  Every element is computed with exactly the
+ * roundings of Keras 3's op-by-op float32 arithmetic, in its order (each
+ * `+ - * / sqrt` rounded on its own, never fused), so the variables and
+ * slots come out bit-identical to the stock optimizer's:
+ *
+ *   g  = unscale(grad)                     (see ls_unscale_mode)
+ *   w  = var;  if decay: w = w - (w * weight_decay) * learning_rate
+ *   SGD, no momentum:  w = w - g * lr
+ *   SGD, momentum mu:  m = m * mu - g * lr;   w = w + m
+ *            Nesterov: m = m * mu - g * lr;   w = w + (m * mu - g * lr)
+ *   Adam:   m = m + (g - m) * (1 - beta_1);  v = v + (g * g - v) * (1 - beta_2)
+ *           amsgrad: v_hat = max(v_hat, v), v_hat in place of v below
+ *           w = w - (m * alpha) / (sqrt(v) + epsilon)
+ *
+ * The scalars Keras derives from its step counter (Adam's alpha =
+ * lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)) are the caller's: computed with
+ * the framework's own scalar ops, they are passed in as they came out. */
+
+typedef enum ls_optimizer {
+    LS_OPTIM_SGD = 0,
+    LS_OPTIM_ADAM = 1
+} ls_optimizer;
+
+typedef enum ls_unscale_mode {
+    /* The gradients are already unscaled. */
+    LS_UNSCALE_NONE = 0,
+    /* Keras 3: g = float32(grad) / float32(scale), in float32. */
+    LS_UNSCALE_DIVIDE = 1,
+    /* TensorFlow 2.4: g = grad * (1 / scale) in the gradient's own dtype
+     * (the reciprocal computed in float32 and rounded to that dtype, the
+     * product of a float16/bfloat16 gradient rounded back to it), then
+     * widened to float32. */
+    LS_UNSCALE_MULTIPLY = 2
+} ls_unscale_mode;
+
+/* One variable with its gradient and slots.  `var` and the slots are
+ * float32 buffers of `length` elements, updated in place; `grad` is
+ * float16, bfloat16 or float32 and only read.  Slots: SGD with momentum:
+ * slot[0] = momentum; Adam: slot[0] = m, slot[1] = v, slot[2] = v_hat
+ * (amsgrad only).  Unused slots are NULL.  No two buffers may overlap. */
+typedef struct ls_param {
+    float *var;
+    const void *grad;
+    float *slot[3];
+    size_t length;
+    ls_dtype grad_dtype;
+    int decay; /* 1: weight decay applies to this variable */
+} ls_param;
+
+typedef struct ls_optim_config {
+    int optimizer;          /* ls_optimizer */
+    int unscale;            /* ls_unscale_mode */
+    double scale;           /* the loss scale; finite and > 0 unless NONE */
+    float learning_rate;    /* finite, >= 0 */
+    float weight_decay;     /* for params with decay = 1; finite */
+    float momentum;         /* SGD: 0 means no momentum slot */
+    int nesterov;           /* SGD */
+    float alpha;            /* Adam: lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) */
+    float one_minus_beta_1; /* Adam */
+    float one_minus_beta_2; /* Adam */
+    float epsilon;          /* Adam */
+    int amsgrad;            /* Adam */
+} ls_optim_config;
+
+/* Validate a step without touching anything: LS_OK or the error. */
+int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_config *config);
+
+/*
+ * One optimizer step over the list: first a read-only check that every
+ * gradient is finite; when one is not, nothing is written and 0 is
+ * returned; else every variable and slot is updated and 1 is returned.
+ * < 0: an ls_status, nothing written.  Large lists use the library's
+ * threads.  LS_FLUSH_DENORMALS computes as TensorFlow's CPU kernels do.
+ */
+int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
+                  unsigned flags);
+
+/* The update alone (no check) over elements [begin, end) of the
+ * concatenation of the variables, on the calling thread: for hosts with
+ * their own pool, which check first (ls_all_finite_range on the
+ * gradients).  Disjoint ranges may run concurrently.  1 or < 0. */
+int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_config *config,
+                        unsigned flags, size_t begin, size_t end);
+
 #ifdef __cplusplus
 }
 #endif

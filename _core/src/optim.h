@@ -1,0 +1,147 @@
+/*
+ * The contract between the fused optimizer step (optim.c) and its per-ISA
+ * kernel files (optim_scalar.c, optim_avx2.c, optim_avx512.c,
+ * optim_neon.c), and the one-element reference every one of them follows.
+ *
+ * A kernel updates elements [lo, hi) of one variable and its slots.  The
+ * caller has set the floating-point control state (FTZ/DAZ per
+ * LS_FLUSH_DENORMALS) and resolved the configuration into ls_optim_args.
+ * Every operation is a plain IEEE float32 operation rounded on its own, in
+ * Keras' order (the files are compiled with -ffp-contract=off, and the
+ * vector code uses separate multiply and add instructions), so the scalar
+ * reference below, numpy op by op, and Keras on TensorFlow all agree bit
+ * for bit.
+ */
+#ifndef LOSSSCALE_OPTIM_H
+#define LOSSSCALE_OPTIM_H
+
+#include <math.h>
+
+#include "kernels.h"
+
+/* How a kernel turns a stored gradient into the float32 it applies. */
+enum {
+    LS_GRAD_AS_IS = 0,      /* widened only */
+    LS_GRAD_DIVIDE = 1,     /* widened, then / factor */
+    LS_GRAD_MULTIPLY = 2,   /* widened, then * factor (exact reciprocal) */
+    LS_GRAD_MUL_ROUNDED = 3 /* widened, * factor, rounded to the gradient's
+                               dtype, widened again (TensorFlow 2.4) */
+};
+
+/* The configuration as one kernel call sees it. */
+typedef struct ls_optim_args {
+    int grad_mode;   /* LS_GRAD_* */
+    float factor;    /* divisor or multiplier of the gradient */
+    float lr;        /* learning rate */
+    float wd;        /* weight decay */
+    int decay;       /* apply weight decay to this variable */
+    float momentum;  /* SGD */
+    int use_momentum;
+    int nesterov;
+    float alpha, c1, c2, epsilon; /* Adam: alpha, 1 - beta_1, 1 - beta_2 */
+    int amsgrad;
+} ls_optim_args;
+
+typedef void (*ls_optim_fn)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a);
+
+typedef struct ls_optim_kernels {
+    const char *name;
+    ls_optim_fn sgd[LS_NUM_DTYPES];  /* by gradient dtype; float64: NULL */
+    ls_optim_fn adam[LS_NUM_DTYPES];
+} ls_optim_kernels;
+
+extern const ls_optim_kernels ls_optim_scalar;
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+extern const ls_optim_kernels ls_optim_avx2;
+extern const ls_optim_kernels ls_optim_avx512;
+#endif
+#if defined(__aarch64__)
+extern const ls_optim_kernels ls_optim_neon;
+#endif
+
+/* ------------------------------------------- the one-element reference */
+
+static inline float ls_optim_load_grad(const void *grad, size_t i, ls_dtype dt)
+{
+    switch (dt) {
+    case LS_FLOAT16:
+        return ls_f16_to_f32(ls_load_u16((const uint16_t *)grad + i));
+    case LS_BFLOAT16:
+        return ls_bf16_to_f32(ls_load_u16((const uint16_t *)grad + i));
+    default:
+        return ls_load_f32((const float *)grad + i);
+    }
+}
+
+static inline float ls_optim_unscale1(float g, ls_dtype dt, const ls_optim_args *a)
+{
+    switch (a->grad_mode) {
+    case LS_GRAD_DIVIDE:
+        return g / a->factor;
+    case LS_GRAD_MULTIPLY:
+        return g * a->factor;
+    case LS_GRAD_MUL_ROUNDED:
+        if (dt == LS_FLOAT16)
+            return ls_f16_to_f32(ls_f32_to_f16(g * a->factor));
+        if (dt == LS_BFLOAT16)
+            return ls_bf16_to_f32(ls_f32_to_bf16(g * a->factor));
+        return g * a->factor;
+    default:
+        return g;
+    }
+}
+
+/* max as x86's MAXPS computes it, (a > b) ? a : b, on every ISA. */
+static inline float ls_optim_max(float a, float b) { return a > b ? a : b; }
+
+static inline float ls_optim_decay1(float w, const ls_optim_args *a)
+{
+    return a->decay ? w - (w * a->wd) * a->lr : w;
+}
+
+static inline void ls_sgd1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
+{
+    float w = ls_optim_decay1(p->var[i], a);
+    if (a->use_momentum) {
+        float m = p->slot[0][i] * a->momentum - g * a->lr;
+        p->slot[0][i] = m;
+        w = a->nesterov ? w + (m * a->momentum - g * a->lr) : w + m;
+    } else {
+        w = w - g * a->lr;
+    }
+    p->var[i] = w;
+}
+
+static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
+{
+    float w = ls_optim_decay1(p->var[i], a);
+    float m = p->slot[0][i] + (g - p->slot[0][i]) * a->c1;
+    float v = p->slot[1][i] + (g * g - p->slot[1][i]) * a->c2;
+    p->slot[0][i] = m;
+    p->slot[1][i] = v;
+    if (a->amsgrad) {
+        v = ls_optim_max(p->slot[2][i], v);
+        p->slot[2][i] = v;
+    }
+    p->var[i] = w - (m * a->alpha) / (sqrtf(v) + a->epsilon);
+}
+
+/* Elements [lo, hi) one at a time: the scalar set, and the vector sets'
+ * tails and rare modes. */
+static inline void ls_sgd_elements(const ls_param *p, size_t lo, size_t hi,
+                                   const ls_optim_args *a)
+{
+    for (size_t i = lo; i < hi; i++)
+        ls_sgd1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype),
+                                        p->grad_dtype, a), a);
+}
+
+static inline void ls_adam_elements(const ls_param *p, size_t lo, size_t hi,
+                                    const ls_optim_args *a)
+{
+    for (size_t i = lo; i < hi; i++)
+        ls_adam1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype),
+                                         p->grad_dtype, a), a);
+}
+
+#endif /* LOSSSCALE_OPTIM_H */

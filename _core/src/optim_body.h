@@ -1,0 +1,127 @@
+/*
+ * The fused optimizer kernels, written once over a small vector vocabulary
+ * that each ISA file defines before including this file:
+ *
+ *   LS_V, LS_VW          the float32 vector type and its lane count
+ *   v_load, v_store      unaligned float32 loads and stores
+ *   v_load_f16, v_load_bf16   LS_VW 16-bit gradients widened (exactly)
+ *   v_set1, v_add, v_sub, v_mul, v_div, v_sqrt   IEEE, each rounded once
+ *   v_max(a, b)          (a > b) ? a : b
+ *   LS_OPTIM_SET         the set's name (a token)
+ *
+ * Each vector statement is the one-element reference of optim.h on LS_VW
+ * lanes, operation for operation, so the two can be read side by side.
+ * Tails, and float16/bfloat16 gradients under TensorFlow 2.4's rounded
+ * multiply, run the reference itself.
+ */
+#ifndef LS_OPTIM_SET
+#error "define the vector vocabulary and LS_OPTIM_SET before including optim_body.h"
+#endif
+
+#define LS_OPTIM_CAT2(a, b) a##b
+#define LS_OPTIM_CAT(a, b) LS_OPTIM_CAT2(a, b)
+#define LS_OPTIM_FN(name) LS_OPTIM_CAT(name##_, LS_OPTIM_SET)
+
+static inline __attribute__((always_inline)) LS_V
+LS_OPTIM_FN(grad)(const ls_param *p, size_t i, ls_dtype dt, int mode, LS_V factor)
+{
+    LS_V g;
+    if (dt == LS_FLOAT16)
+        g = v_load_f16((const uint16_t *)p->grad + i);
+    else if (dt == LS_BFLOAT16)
+        g = v_load_bf16((const uint16_t *)p->grad + i);
+    else
+        g = v_load((const float *)p->grad + i);
+    if (mode == LS_GRAD_DIVIDE)
+        g = v_div(g, factor);
+    else if (mode == LS_GRAD_MULTIPLY || mode == LS_GRAD_MUL_ROUNDED) /* float32 only */
+        g = v_mul(g, factor);
+    return g;
+}
+
+/* The vector loop's reach: none when a rounded 16-bit multiply is asked. */
+static inline size_t LS_OPTIM_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
+                                             const ls_optim_args *a)
+{
+    if (a->grad_mode == LS_GRAD_MUL_ROUNDED && p->grad_dtype != LS_FLOAT32)
+        return lo;
+    return lo + (hi - lo) / LS_VW * LS_VW;
+}
+
+static inline __attribute__((always_inline)) void
+LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+                     ls_dtype dt)
+{
+    const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
+               mu = v_set1(a->momentum);
+    const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
+    float *var = p->var, *mom = p->slot[0];
+    size_t i = lo;
+    for (; i < end; i += LS_VW) {
+        LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
+        LS_V w = v_load(var + i);
+        if (a->decay)
+            w = v_sub(w, v_mul(v_mul(w, wd), lr));
+        if (a->use_momentum) {
+            LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
+            v_store(mom + i, m);
+            w = a->nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
+        } else {
+            w = v_sub(w, v_mul(g, lr));
+        }
+        v_store(var + i, w);
+    }
+    ls_sgd_elements(p, i, hi, a);
+}
+
+static inline __attribute__((always_inline)) void
+LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+                      ls_dtype dt)
+{
+    const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
+               c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
+               eps = v_set1(a->epsilon);
+    const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
+    float *var = p->var, *ms = p->slot[0], *vs = p->slot[1], *vhs = p->slot[2];
+    size_t i = lo;
+    for (; i < end; i += LS_VW) {
+        LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
+        LS_V w = v_load(var + i);
+        if (a->decay)
+            w = v_sub(w, v_mul(v_mul(w, wd), lr));
+        LS_V m = v_load(ms + i), v = v_load(vs + i);
+        m = v_add(m, v_mul(v_sub(g, m), c1));
+        v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
+        v_store(ms + i, m);
+        v_store(vs + i, v);
+        if (a->amsgrad) {
+            v = v_max(v_load(vhs + i), v);
+            v_store(vhs + i, v);
+        }
+        w = v_sub(w, v_div(v_mul(m, alpha), v_add(v_sqrt(v), eps)));
+        v_store(var + i, w);
+    }
+    ls_adam_elements(p, i, hi, a);
+}
+
+#define LS_OPTIM_DEFINE(opt, dtname, dt)                                                     \
+    static void LS_OPTIM_CAT(LS_OPTIM_FN(opt), _##dtname)(const ls_param *p, size_t lo,      \
+                                                          size_t hi, const ls_optim_args *a) \
+    {                                                                                        \
+        LS_OPTIM_FN(opt##_run)(p, lo, hi, a, dt);                                            \
+    }
+
+LS_OPTIM_DEFINE(sgd, f16, LS_FLOAT16)
+LS_OPTIM_DEFINE(sgd, bf16, LS_BFLOAT16)
+LS_OPTIM_DEFINE(sgd, f32, LS_FLOAT32)
+LS_OPTIM_DEFINE(adam, f16, LS_FLOAT16)
+LS_OPTIM_DEFINE(adam, bf16, LS_BFLOAT16)
+LS_OPTIM_DEFINE(adam, f32, LS_FLOAT32)
+
+const ls_optim_kernels LS_OPTIM_CAT(ls_optim_, LS_OPTIM_SET) = {
+    LS_OPTIM_NAME,
+    {LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _f16), LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _bf16),
+     LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _f32), NULL},
+    {LS_OPTIM_CAT(LS_OPTIM_FN(adam), _f16), LS_OPTIM_CAT(LS_OPTIM_FN(adam), _bf16),
+     LS_OPTIM_CAT(LS_OPTIM_FN(adam), _f32), NULL},
+};
