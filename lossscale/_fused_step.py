@@ -143,28 +143,52 @@ def _slots(inner, kind, variables):
     return [source[i] for i in index]
 
 
-def apply(inner, grads, variables, *, scale, unscale, should_apply,
+class Scalars:
+    """The step's scalars, computed as Keras computes them, and the checks
+    that must pass before any state moves."""
+
+    def __init__(self, inner):
+        name = inner.name
+        lr = tf.cast(inner.learning_rate, tf.float32)
+        self.checks = [
+            tf.debugging.assert_all_finite(
+                lr, f"{name}: the learning rate is not finite; no variable was changed"),
+            tf.debugging.assert_greater_equal(
+                lr, tf.constant(0.0, tf.float32),
+                message=f"{name}: the learning rate is negative; no variable was changed"),
+        ]
+        self.learning_rate = lr
+        wd = inner.weight_decay
+        self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
+        self.alpha = None
+        if family(inner) == "adam":
+            # Keras' Adam.update_step, scalars only.
+            local_step = tf.cast(inner.iterations + 1, tf.float32)
+            beta_1_power = tf.pow(tf.cast(inner.beta_1, tf.float32), local_step)
+            beta_2_power = tf.pow(tf.cast(inner.beta_2, tf.float32), local_step)
+            self.alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+
+def apply(inner, grads, variables, scalars, *, scale, unscale, should_apply,
           advance_iterations_always=False):
     """The fused step: when ``should_apply`` (a bool tensor), ``inner``'s
     update of ``variables`` by ``grads`` unscaled by ``scale`` — ``"divide"``
     (Keras 3), ``"multiply"`` (TensorFlow 2.4) or ``"none"`` — and
-    ``iterations`` advanced; when not, nothing changes.  ``step_reason``
+    ``iterations`` advanced; when not, nothing changes.  ``scalars`` is the
+    step's ``Scalars``, made before the loss scale moved; ``step_reason``
     must have said None for these arguments.  With
     ``advance_iterations_always`` a skipped step advances ``iterations`` too,
     as TensorFlow 2.4's optimizer did."""
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     grads = [tf.convert_to_tensor(g) for g, _ in pairs]
     variables = [v for _, v in pairs]
-    kind = family(inner)
-    lr = tf.cast(inner.learning_rate, tf.float32)
-    weight_decay = inner.weight_decay
     reassociated = _grappler_reassociates_products()
     decay = [_decay_form(inner, v, reassociated) for v in variables]
-    wd = tf.constant(0.0 if weight_decay is None else float(weight_decay), tf.float32)
     scale = tf.convert_to_tensor(scale, tf.float32)
     handles = [_handle(v) for v in variables]
     library = native_ops._native_library([])  # pylint: disable=protected-access
-    if kind == "sgd":
+    lr, wd = scalars.learning_rate, scalars.weight_decay
+    if family(inner) == "sgd":
         momentum = float(inner.momentum)
         momentums = [_handle(m) for m in _slots(inner, "momentum", variables)] \
             if momentum != 0 else []
@@ -172,17 +196,13 @@ def apply(inner, grads, variables, *, scale, unscale, should_apply,
             should_apply, handles, momentums, grads, scale, lr, wd,
             momentum=momentum, nesterov=bool(inner.nesterov), decay=decay, unscale=unscale)
     else:
-        # Keras' Adam.update_step, scalars only.
-        local_step = tf.cast(inner.iterations + 1, tf.float32)
-        beta_1_power = tf.pow(tf.cast(inner.beta_1, tf.float32), local_step)
-        beta_2_power = tf.pow(tf.cast(inner.beta_2, tf.float32), local_step)
-        alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         v_hat = [_handle(s) for s in _slots(inner, "v_hat", variables)] if inner.amsgrad else []
         library.loss_scale_apply_adam(
             should_apply, handles, [_handle(s) for s in _slots(inner, "m", variables)],
             [_handle(s) for s in _slots(inner, "v", variables)], v_hat, grads, scale, lr,
-            alpha, wd, one_minus_beta_1=1 - inner.beta_1, one_minus_beta_2=1 - inner.beta_2,
-            epsilon=float(inner.epsilon), decay=decay, unscale=unscale)
+            scalars.alpha, wd, one_minus_beta_1=1 - inner.beta_1,
+            one_minus_beta_2=1 - inner.beta_2, epsilon=float(inner.epsilon), decay=decay,
+            unscale=unscale)
     if advance_iterations_always:
         inner.iterations.assign_add(1)
     else:

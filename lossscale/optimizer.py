@@ -356,12 +356,16 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(
             _tf_variable(self.dynamic_scale) if ls is None else ls(), tf.float32)
+        scalars = _fused_step.Scalars(self.inner_optimizer)
         finite = native_ops.all_finite_grouped([g for g in grads if g is not None])
+        # A bad learning rate fails before the loss scale moves.
+        with tf.control_dependencies(scalars.checks):
+            finite = tf.identity(finite)
         should_apply = self._advance_scale(finite, None)
         if isinstance(should_apply, bool):
             should_apply = tf.constant(should_apply)
-        _fused_step.apply(self.inner_optimizer, grads, trainable_variables, scale=scale,
-                          unscale=unscale, should_apply=should_apply,
+        _fused_step.apply(self.inner_optimizer, grads, trainable_variables, scalars,
+                          scale=scale, unscale=unscale, should_apply=should_apply,
                           advance_iterations_always=self._skipped_steps_advance_iterations)
 
     @_plain_python
