@@ -13,7 +13,7 @@ shift 3
 src=_core/src
 objdir=$out.objs
 mkdir -p "$objdir"
-common="-std=c11 -Wall -Wextra -Wno-unused-parameter -pthread -I_core/include -I$src"
+common="-std=c11 -ffp-contract=off -Wall -Wextra -Wno-unused-parameter -pthread -I_core/include -I$src"
 
 compile() { # source, extra flags
     obj=$objdir/$(basename "$1" .c).o
@@ -23,18 +23,10 @@ compile() { # source, extra flags
 }
 
 objs=
-for f in dispatch fpenv lists threads scale_rule kernels_scalar; do
-    compile "$src/$f.c" ""
-done
-case $(uname -m) in
-x86_64 | amd64 | i?86)
-    compile "$src/kernels_avx2.c" "-mavx2 -mf16c -mfma"
-    compile "$src/kernels_avx512.c" "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx2 -mf16c -mfma"
-    ;;
-aarch64 | arm64)
-    compile "$src/kernels_neon.c" ""
-    ;;
-esac
+python3 _core/kernel_sets.py sources > "$objdir/sources"
+while read -r source flags; do
+    compile "$source" "$flags"
+done < "$objdir/sources"
 for f in "$@"; do
     compile "$f" ""
 done

@@ -11,7 +11,7 @@
 #include "internal.h"
 #include "optim.h"
 
-static const ls_optim_kernels *optim_kernels_for(int level)
+const ls_optim_kernels *ls_optim_kernels_for(int level)
 {
     switch (level) {
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
@@ -160,9 +160,8 @@ static void resolve(const ls_optim_config *c, ls_optim_args args[LS_NUM_DTYPES])
     }
 }
 
-/* Runs the kernels over [begin, end); assumes validated arguments. */
-static void run_range(const ls_optim_kernels *k, const ls_param *params, size_t count,
-                      const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
+void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                  const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
 {
     ls_fpenv env;
     ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
@@ -206,7 +205,7 @@ int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_con
         return LS_ERR_SIMD;
     if (begin > end || end > total_length(params, count))
         return LS_ERR_ARG;
-    run_range(optim_kernels_for(level), params, count, config, flags, begin, end);
+    ls_optim_run(ls_optim_kernels_for(level), params, count, config, flags, begin, end);
     return 1;
 }
 
@@ -234,7 +233,7 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
-    run_range(optim_kernels_for(level), params, count, config, flags, 0,
+    ls_optim_run(ls_optim_kernels_for(level), params, count, config, flags, 0,
               total_length(params, count));
     return 1;
 }
