@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import UINT
 from lossscale import core, ops
 from rule_model import F32, keras3_step, tf24_step
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (np.float16, BF16, np.float32, np.float64)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -15,21 +15,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import UINT, bit_patterns
 from lossscale import core
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 finfo = ml_dtypes.finfo  # numpy's finfo does not know bfloat16
 
 SWEEP_SCALES = [2.0 ** e for e in range(-24, 25)] + [1.0 / 3.0, 1000.0]
-
-
-def bits(a):
-    return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
 
 
 def assert_same(got, want, what=""):
@@ -38,14 +34,15 @@ def assert_same(got, want, what=""):
     g32 = got.astype(np.float64)
     w32 = want.astype(np.float64)
     nan_g, nan_w = np.isnan(g32), np.isnan(w32)
-    bad = (nan_g != nan_w) | (~nan_w & (bits(got) != bits(want)))
+    bad = (nan_g != nan_w) | (~nan_w & (bit_patterns(got) != bit_patterns(want)))
     if bad.any():
         i = np.flatnonzero(bad)
         k = i[:8]
         pytest.fail(f"{what}: {len(i)} of {got.size} differ; first at {k.tolist()}: "
                     f"got {got[k].tolist()} "
-                    f"(bits {[hex(int(v)) for v in bits(got)[k]]}) want {want[k].tolist()} "
-                    f"(bits {[hex(int(v)) for v in bits(want)[k]]})")
+                    f"(bits {[hex(int(v)) for v in bit_patterns(got)[k]]}) "
+                    f"want {want[k].tolist()} "
+                    f"(bits {[hex(int(v)) for v in bit_patterns(want)[k]]})")
 
 
 def all_patterns(dtype):
@@ -245,7 +242,7 @@ def test_shapes_and_zero_dim():
     assert_same(got, oracle_ieee(x, 1.0 / 3.0), "3-d")
     z = np.array(3.0, dtype=F64)
     assert core.unscale_(z, 0.1) is True
-    assert bits(z.reshape(1))[0] == bits(np.array([3.0 * 0.1]))[0]
+    assert bit_patterns(z.reshape(1))[0] == bit_patterns(np.array([3.0 * 0.1]))[0]
 
 
 # --------------------------------------------------------- round_to_dtype
@@ -336,7 +333,7 @@ def test_flush_half_every_pattern_against_tensorflow(tf, dtype):
         ieee = x.copy()
         core.unscale_(ieee, s)
         assert_same(ieee, oracle_half(x, s), f"ieee {dtype} * {s!r}")
-        differs += int((bits(ieee) != bits(want_tf)).sum())
+        differs += int((bit_patterns(ieee) != bit_patterns(want_tf)).sum())
     if dtype == BF16:
         # bfloat16 subnormals are float32 subnormals: flushed by TensorFlow
         assert differs > 0
@@ -379,7 +376,7 @@ def test_flush_wide_against_tensorflow(tf, dtype):
         assert_same(ieee, want_np, f"ieee {dtype} * {s!r}")
         # the two sides really differ here, and only where numpy has a subnormal
         # (input or result)
-        diff = bits(want_np) != bits(want_tf)
+        diff = bit_patterns(want_np) != bit_patterns(want_tf)
         diff &= ~np.isnan(want_np)
         assert diff.any(), s
         sub = (np.abs(x) < finfo(dtype).tiny) | (np.abs(want_np) < finfo(dtype).tiny)

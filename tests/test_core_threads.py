@@ -12,10 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import UINT
 from lossscale import core
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def oracle(x, s):

@@ -54,13 +54,11 @@ def child_distribute(directory):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
-    from tensorflow.python.util import deprecation
-
     import lossscale
+    from helpers import tf_dynamic
 
     def reference():
-        with deprecation.silence():
-            return tf.compat.v1.mixed_precision.DynamicLossScale(1024.0, 3, 2.0)
+        return tf_dynamic(1024.0, 3, 2.0)
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import UINT
 from lossscale import _loader, ops
 from rule_model import keras3_step, tf24_step
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NATIVE_OPS = {"LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate"}
 
 # Loss scales: powers of two, non-powers of two, below 1, and degenerate

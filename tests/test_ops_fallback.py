@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import UINT
 from lossscale import _loader, ops
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NATIVE_OPS = {"LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate"}
 SCALES = [1.0, 3.0, 1000.0, 2.0 ** 15, 0.75, 2.0 ** 127, 0.0, float("nan")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,93 @@
+"""What several test modules need alike: exact bit comparison of values and
+TensorFlow 2.4's loss scaling as the oracle.
+
+``bits`` turns a value into a comparable key of its raw bytes (NaN equals
+the same NaN, -0.0 differs from 0.0); ``bit_patterns`` gives the unsigned
+integer of each element, for element-wise comparisons.  ``tf_dynamic`` and
+``tf_fixed`` are TensorFlow's own ``tf.compat.v1.mixed_precision`` loss
+scales, and ``tf24_reference_step`` is TensorFlow 2.4's
+``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
+scale.  TensorFlow is imported only by the functions that need it, so that
+the tests of the C core can use this module without it.
+"""
+
+import numpy as np
+
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(x, dtype=None):
+    """The raw bytes of ``x`` (first converted to ``dtype`` when given), with
+    its dtype and shape: NaN equals the same NaN, -0.0 differs from 0.0."""
+    a = np.ascontiguousarray(np.asarray(x, dtype=dtype))
+    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
+
+
+def bit_patterns(a):
+    """Each element of the array ``a`` as the unsigned integer of its bits."""
+    return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
+
+
+def tf_dynamic(*args, **kwargs):
+    """``tf.compat.v1.mixed_precision.DynamicLossScale``, without its
+    deprecation warning."""
+    import tensorflow as tf
+    from tensorflow.python.util import deprecation
+    with deprecation.silence():
+        return tf.compat.v1.mixed_precision.DynamicLossScale(*args, **kwargs)
+
+
+def tf_fixed(value):
+    """``tf.compat.v1.mixed_precision.FixedLossScale``, without its deprecation
+    warning."""
+    import tensorflow as tf
+    from tensorflow.python.util import deprecation
+    with deprecation.silence():
+        return tf.compat.v1.mixed_precision.FixedLossScale(value)
+
+
+def mse_loss(model, x, y, factor):
+    """The tests' training loss: mean squared error in float32, times ``factor``
+    (a large or non-finite factor forces an overflow)."""
+    import tensorflow as tf
+    pred = tf.cast(model(x, training=True), tf.float32)
+    return tf.reduce_mean(tf.square(pred - y)) * factor
+
+
+def tf24_reference_step(model, inner, loss_scale, loss_of, *, count_skipped=False):
+    """TensorFlow 2.4's ``LossScaleOptimizer`` step with TensorFlow's ops.
+
+    ``loss_scale`` is a ``tf.compat.v1`` loss scale and ``inner`` a Keras
+    optimizer built for ``model``.  The returned ``step(x, y, factor,
+    edit=None)`` scales ``loss_of(model, x, y, factor)``, takes the gradients
+    (passed through ``edit`` when given), multiplies them by ``1 / scale`` in
+    their own dtype, updates the loss scale and applies them when they were
+    finite; ``count_skipped``: a skipped step still counts in
+    ``inner.iterations``, as TensorFlow 2.4's did.  It returns the
+    should-apply flag, and runs in whatever context calls it (eager or a
+    ``tf.function``).
+    """
+    import tensorflow as tf
+
+    def step(x, y, factor, edit=None):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y, factor)
+            scaled = loss * tf.cast(loss_scale(), loss.dtype)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        if edit is not None:
+            grads = edit(grads)
+        inv = 1.0 / loss_scale()
+        grads = [g * tf.cast(inv, g.dtype) for g in grads]
+        _, should_apply = loss_scale.update(grads)
+
+        def apply():
+            inner.apply(grads, model.trainable_variables)
+
+        def skip():
+            if count_skipped:
+                inner.iterations.assign_add(1)
+
+        tf.cond(should_apply, apply, skip)
+        return should_apply
+
+    return step
