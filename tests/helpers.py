@@ -7,8 +7,12 @@ integer of each element, for element-wise comparisons.  ``tf_dynamic`` and
 ``tf_fixed`` are TensorFlow's own ``tf.compat.v1.mixed_precision`` loss
 scales, and ``tf24_reference_step`` is TensorFlow 2.4's
 ``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
-scale.  TensorFlow is imported only by the functions that need it, so that
-the tests of the C core can use this module without it.
+scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
+(``keras3_train_step``, ``tf24_train_step``) are the small model and
+training loop the optimizer tests run side by side with their oracle.
+TensorFlow and Keras are imported only by the functions that need them, so
+that the tests of the C core can use this module without them, and the
+child processes that configure TensorFlow before importing it can too.
 """
 
 import numpy as np
@@ -46,6 +50,18 @@ def tf_fixed(value):
         return tf.compat.v1.mixed_precision.FixedLossScale(value)
 
 
+def mixed_mlp(seed, hidden):
+    """A mixed_float16 Dense(hidden, tanh) on 6 inputs and a float32 Dense(1),
+    its weights drawn from ``seed``."""
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(hidden, activation="tanh", dtype="mixed_float16"),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+
+
 def mse_loss(model, x, y, factor):
     """The tests' training loss: mean squared error in float32, times ``factor``
     (a large or non-finite factor forces an overflow)."""
@@ -54,7 +70,7 @@ def mse_loss(model, x, y, factor):
     return tf.reduce_mean(tf.square(pred - y)) * factor
 
 
-def tf24_reference_step(model, inner, loss_scale, loss_of, *, count_skipped=False):
+def tf24_reference_step(model, inner, loss_scale, loss_of=mse_loss, *, count_skipped=False):
     """TensorFlow 2.4's ``LossScaleOptimizer`` step with TensorFlow's ops.
 
     ``loss_scale`` is a ``tf.compat.v1`` loss scale and ``inner`` a Keras
@@ -89,5 +105,43 @@ def tf24_reference_step(model, inner, loss_scale, loss_of, *, count_skipped=Fals
 
         tf.cond(should_apply, apply, skip)
         return should_apply
+
+    return step
+
+
+def keras3_train_step(model, optimizer, loss_of=mse_loss):
+    """Keras 3's custom-loop step: ``scale_loss``, then ``apply`` on the scaled
+    gradients (passed through ``edit`` when given); returns the loss."""
+    import tensorflow as tf
+
+    def step(x, y, factor, edit=None):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y, factor)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        if edit is not None:
+            grads = edit(grads)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    return step
+
+
+def tf24_train_step(model, optimizer, loss_of=mse_loss):
+    """TensorFlow 2.4's custom-loop step: ``get_scaled_loss``,
+    ``get_unscaled_gradients`` (of the gradients passed through ``edit`` when
+    given), ``apply_gradients``; returns the loss."""
+    import tensorflow as tf
+
+    def step(x, y, factor, edit=None):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y, factor)
+            scaled = optimizer.get_scaled_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        if edit is not None:
+            grads = edit(grads)
+        grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
 
     return step

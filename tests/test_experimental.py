@@ -15,18 +15,13 @@ import tensorflow as tf
 import lossscale
 from lossscale import experimental
 from lossscale import loss_scale as ls_module
-from helpers import bits, mse_loss, tf24_reference_step, tf_dynamic
+from helpers import bits, mixed_mlp, tf24_reference_step, tf24_train_step, tf_dynamic
 
 INF = float("inf")
 
 
 def regression_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(16, activation="tanh", dtype="mixed_float16"),
-        keras.layers.Dense(1, dtype="float32"),
-    ])
+    return mixed_mlp(seed, hidden=16)
 
 
 def regression_data(steps, seed=0):
@@ -53,18 +48,9 @@ def test_old_custom_loop_trains_skips_and_follows_tensorflow():
     reference_inner = keras.optimizers.SGD(0.1)
     reference_inner.build(reference_model.trainable_variables)
 
-    @tf.function
-    def train_step(x, y, factor):
-        with tf.GradientTape() as tape:
-            loss = mse_loss(model, x, y, factor)
-            scaled_loss = opt.get_scaled_loss(loss)
-        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
-        grads = opt.get_unscaled_gradients(scaled_grads)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    reference_step = tf.function(tf24_reference_step(
-        reference_model, reference_inner, reference_scale, mse_loss))
+    train_step = tf.function(tf24_train_step(model, opt))
+    reference_step = tf.function(tf24_reference_step(reference_model, reference_inner,
+                                                     reference_scale))
 
     losses, skipped, moves = [], 0, set()
     for i, (x, y) in enumerate(regression_data(200)):

@@ -20,16 +20,22 @@ from tensorflow.python.util import deprecation
 import lossscale
 from lossscale import loss_scale as ls_module
 from lossscale import ops
-from helpers import bits, tf_dynamic as reference, tf_fixed as reference_fixed
+from helpers import tf_dynamic as reference, tf_fixed as reference_fixed
 from rule_model import tf24_step
 
-F32 = np.float32  # every loss scale is judged by its float32 bits
 INF = float("inf")
 NAN = float("nan")
 
 
+def bits(x):
+    """float32 bit pattern, so that inf == inf and -0.0 != 0.0 are judged exactly;
+    a plain int, so that the states of test_loss_scale_subprocess's children
+    travel through JSON."""
+    return int(np.asarray(x, dtype=np.float32).view(np.uint32))
+
+
 def state(obj):
-    return bits(obj().numpy(), F32), int(obj._num_good_steps.numpy())
+    return bits(obj().numpy()), int(obj._num_good_steps.numpy())
 
 
 # ------------------------------------------------------------ step sequences
@@ -237,8 +243,8 @@ def test_back_off_divides_in_every_mode(multiplier):
         ref.update([tf.constant(NAN)])
         eager.update([tf.constant(NAN)])
         step(tf.constant(NAN))
-        assert (bits(ref().numpy(), F32) == bits(eager().numpy(), F32)
-                == bits(in_graph().numpy(), F32) == bits(value, F32))
+        assert bits(ref().numpy()) == bits(eager().numpy()) == bits(in_graph().numpy()) == \
+            bits(value)
 
 
 @pytest.mark.parametrize("name,kwargs,rate,steps,bursty",
@@ -285,14 +291,14 @@ def test_trajectory_in_a_v1_graph_session():
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(init)
         s0 = sess.run(fetch)
-        assert bits(s0[0], F32) == bits(s0[1], F32)
+        assert bits(s0[0]) == bits(s0[1])
         for i in range(len(flags)):
             feed = {p32: m32[i], p16: m16[i], p64: m64[i]}
             a, b = sess.run([apply_ours, apply_ref], feed)
             sess.run([op_ours, op_ref], feed)  # an update runs only when its op runs
             assert a == b == flags[i]
             s_ours, s_ref, g_ours, g_ref = sess.run(fetch)
-            assert (bits(s_ours, F32), g_ours) == (bits(s_ref, F32), g_ref), i
+            assert (bits(s_ours), g_ours) == (bits(s_ref), g_ref), i
 
 
 def test_none_and_empty_gradients():
@@ -324,14 +330,14 @@ def test_fixed_loss_scale_matches_reference(value):
     ours, ref = lossscale.FixedLossScale(value), reference_fixed(value)
     assert ours().dtype == ref().dtype == tf.float32
     assert ours().shape == ()
-    assert bits(ours().numpy(), F32) == bits(ref().numpy(), F32)
+    assert bits(ours().numpy()) == bits(ref().numpy())
     assert ours.get_config() == ref.get_config()
     assert repr(ours) == repr(ref)
     for grads in ([tf.constant([INF])], [tf.constant([1.0])], []):
         op, apply = ours.update(grads)
         _, apply_ref = ref.update(grads)
         assert apply is True and apply_ref is True
-    assert bits(ours().numpy(), F32) == bits(ref().numpy(), F32)
+    assert bits(ours().numpy()) == bits(ref().numpy())
 
 
 def test_fixed_loss_scale_update_in_graph_is_a_no_op():
@@ -513,7 +519,7 @@ def test_get_matches_reference(identifier):
         return
     assert type(ours).__name__ == type(ref).__name__
     assert ours.get_config() == ref.get_config()
-    assert bits(ours().numpy(), F32) == bits(ref().numpy(), F32)
+    assert bits(ours().numpy()) == bits(ref().numpy())
 
 
 def test_get_returns_loss_scale_objects_unchanged():
@@ -527,11 +533,11 @@ def test_get_wraps_tensorflow_objects_sharing_state():
     ours = lossscale.get(ref)
     assert isinstance(ours, lossscale.DynamicLossScale)
     assert ours.get_config() == ref.get_config()
-    assert state(ours) == state(ref) == (bits(16.0, F32), 1)
+    assert state(ours) == state(ref) == (bits(16.0), 1)
     ours.update([tf.constant(1.0)])  # grows: period 2
-    assert state(ref) == (bits(32.0, F32), 0)
+    assert state(ref) == (bits(32.0), 0)
     ref.update([tf.constant(NAN)])
-    assert state(ours) == (bits(16.0, F32), 0)
+    assert state(ours) == (bits(16.0), 0)
     fixed = lossscale.get(reference_fixed(6))
     assert isinstance(fixed, lossscale.FixedLossScale) and fixed().numpy() == 6.0
 
@@ -566,7 +572,7 @@ def extension_model(kwargs, flags):
                           max_loss_scale=kwargs.get("max_loss_scale"),
                           hysteresis=kwargs.get("hysteresis", 1))
         scale, good, run, skipped = state
-        yield bits(scale, F32), good, run, skipped, bool(finite)
+        yield bits(scale), good, run, skipped, bool(finite)
 
 
 @pytest.mark.parametrize("extensions", EXTENSION_CASES,
@@ -589,7 +595,7 @@ def test_extensions_follow_their_documented_rule(extensions):
         assert state(ours) + (run, skipped, bool(apply)) == expected[i], i
     if "min_loss_scale" in extensions:
         floor = np.float32(extensions["min_loss_scale"])
-        assert any(e[0] == bits(floor, F32) for e in expected)  # the floor was reached
+        assert any(e[0] == bits(floor) for e in expected)  # the floor was reached
     assert (ours._overflow_run is not None) == (kwargs.get("hysteresis", 1) > 1)
     assert (ours.skipped_steps is not None) == kwargs.get("count_skipped_steps", False)
 
@@ -641,7 +647,7 @@ def _checkpoint_keys(prefix):
 def test_checkpoint_written_by_reference_restores_into_ours(tmp_path):
     ref = reference(2.0**10, 3, 2.0)
     _drive(ref, [1, 1, 1, 0, 1, 1])  # scale 1024, good_steps 2
-    assert state(ref) == (bits(1024.0, F32), 2)
+    assert state(ref) == (bits(1024.0), 2)
     prefix = tf.train.Checkpoint(loss_scale=ref).write(str(tmp_path / "ref"))
     assert _checkpoint_keys(prefix) == [
         ("loss_scale/current_loss_scale/.ATTRIBUTES/VARIABLE_VALUE", ()),
@@ -662,7 +668,7 @@ def test_checkpoint_written_by_ours_restores_into_reference(tmp_path):
     prefix = tf.train.Checkpoint(loss_scale=ours).write(str(tmp_path / "ours"))
     ref = reference(100.0, 4, 3.0)
     tf.train.Checkpoint(loss_scale=ref).read(prefix).assert_consumed()
-    assert state(ref) == state(ours) == (bits(np.float32(300.0) / np.float32(3.0), F32), 1)
+    assert state(ref) == state(ours) == (bits(np.float32(300.0) / np.float32(3.0)), 1)
     ref_prefix = tf.train.Checkpoint(loss_scale=reference()).write(str(tmp_path / "ref"))
     assert _checkpoint_keys(prefix) == _checkpoint_keys(ref_prefix)
 

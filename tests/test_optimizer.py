@@ -23,7 +23,7 @@ import lossscale
 from lossscale import ops
 from lossscale.loss_scale import DynamicLossScale, FixedLossScale
 from lossscale.optimizer import LossScaleOptimizer
-from helpers import bits, mse_loss, tf24_reference_step, tf_dynamic
+from helpers import bits, keras3_train_step, mixed_mlp, tf24_reference_step, tf_dynamic
 
 Stock = keras.optimizers.LossScaleOptimizer
 INF = float("inf")
@@ -72,17 +72,7 @@ def batches(steps, seed=0, batch=8, shape=(8, 8, 3)):
 
 def train_step_fn(model, optimizer):
     """A custom step: scale_loss, GradientTape, apply on the scaled gradients."""
-
-    @tf.function
-    def step(x, y, factor):
-        with tf.GradientTape() as tape:
-            loss = mse_loss(model, x, y, factor)
-            scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
-
-    return step
+    return tf.function(keras3_train_step(model, optimizer))
 
 
 def overflow_factor(i):
@@ -431,10 +421,7 @@ def test_keras_file_round_trip(tmp_path):
 # ------------------------------------------------- loss_scale= objects
 
 def dense_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((6,)),
-                             keras.layers.Dense(8, activation="tanh", dtype="mixed_float16"),
-                             keras.layers.Dense(1, dtype="float32")])
+    return mixed_mlp(seed, hidden=8)
 
 
 def test_dynamic_loss_scale_object_follows_tensorflow_reference():
@@ -442,7 +429,7 @@ def test_dynamic_loss_scale_object_follows_tensorflow_reference():
     reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
     inner_ref = keras.optimizers.SGD(0.05)
     inner_ref.build(model_ref.trainable_variables)
-    ref_step = tf.function(tf24_reference_step(model_ref, inner_ref, reference, mse_loss))
+    ref_step = tf.function(tf24_reference_step(model_ref, inner_ref, reference))
     ls = DynamicLossScale(2.0**10, 3, 2.0)
     ours = LossScaleOptimizer(keras.optimizers.SGD(0.05), loss_scale=ls)
     our_step = train_step_fn(model_ours, ours)

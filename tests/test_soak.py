@@ -33,7 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 import rule_model
-from helpers import bits, mse_loss, tf24_reference_step, tf_dynamic
+from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
+                     tf_dynamic)
 from lossscale import experimental
 from lossscale.loss_scale import DynamicLossScale
 from lossscale.optimizer import LossScaleOptimizer
@@ -196,12 +197,11 @@ def longest_run(flags):
 def keras_step_fn(model, optimizer, layout):
     """A Keras 3 custom step; returns the state after it (``layout.read``)."""
 
+    train = keras3_train_step(model, optimizer)
+
     @tf.function
     def step(x, y, factor, index, position, value):
-        with tf.GradientTape() as tape:
-            scaled = optimizer.scale_loss(mse_loss(model, x, y, factor))
-        grads = spoil(tape.gradient(scaled, model.trainable_variables), index, position, value)
-        optimizer.apply(grads, model.trainable_variables)
+        train(x, y, factor, edit=lambda grads: spoil(grads, index, position, value))
         return layout.read()
 
     return lambda step_: layout.split(step(*step_.args()))
@@ -285,16 +285,14 @@ def test_tensorflow_2_4_loop_soak_matches_tensorflow():
     loss_scale_state = {iterations, layout.index(ls._current_loss_scale),
                         layout.index(ls._num_good_steps)}
 
+    train = tf24_train_step(model, opt)
+
     @tf.function
     def our_step(x, y, factor, index, position, value):
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(mse_loss(model, x, y, factor))
-        grads = spoil(tape.gradient(scaled, model.trainable_variables), index, position, value)
-        grads = opt.get_unscaled_gradients(grads)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        train(x, y, factor, edit=lambda grads: spoil(grads, index, position, value))
         return layout.read()
 
-    reference_step = tf24_reference_step(model_ref, reference, reference_scale, mse_loss,
+    reference_step = tf24_reference_step(model_ref, reference, reference_scale,
                                          count_skipped=True)
 
     @tf.function
