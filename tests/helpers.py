@@ -1,15 +1,16 @@
-"""What several test modules need alike: exact bit comparison of values and
-TensorFlow 2.4's loss scaling as the oracle.
+"""What several test modules need alike: exact comparison of values,
+TensorFlow 2.4's loss scaling as an oracle, and the small model and custom
+training loops run side by side with it.
 
 ``bits`` turns a value into a comparable key of its raw bytes (NaN equals
 the same NaN, -0.0 differs from 0.0); ``bit_patterns`` gives the unsigned
-integer of each element, for element-wise comparisons.  ``tf_dynamic`` and
+integer of each element, and ``same_bits`` / ``assert_same_bits`` compare
+arrays bit for bit except that any NaN meets any NaN.  ``tf_dynamic`` and
 ``tf_fixed`` are TensorFlow's own ``tf.compat.v1.mixed_precision`` loss
 scales, and ``tf24_reference_step`` is TensorFlow 2.4's
 ``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
 scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
-(``keras3_train_step``, ``tf24_train_step``) are the small model and
-training loop the optimizer tests run side by side with their oracle.
+(``keras3_train_step``, ``tf24_train_step``) are that model and loop.
 TensorFlow and Keras are imported only by the functions that need them, so
 that the tests of the C core can use this module without them, and the
 child processes that configure TensorFlow before importing it can too.
@@ -30,6 +31,35 @@ def bits(x, dtype=None):
 def bit_patterns(a):
     """Each element of the array ``a`` as the unsigned integer of its bits."""
     return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
+
+
+def nan_blind_equal(a, b):
+    """Element by element, flattened: the same bits, or both NaN (NaN payloads
+    are free)."""
+    a, b = np.asarray(a), np.asarray(b)
+    both_nan = np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64))
+    return (bit_patterns(a).reshape(-1) == bit_patterns(b).reshape(-1)) | both_nan.reshape(-1)
+
+
+def same_bits(a, b):
+    """The same dtype, shape and bits, except that any NaN equals any NaN."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(nan_blind_equal(a, b).all())
+
+
+def assert_same_bits(got, want, what=""):
+    """``same_bits(got, want)``, or an error that shows the first differences."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    bad = np.flatnonzero(~nan_blind_equal(got, want))
+    if bad.size:
+        k = bad[:8]
+        g, w = got.reshape(-1), want.reshape(-1)
+        raise AssertionError(
+            f"{what}: {bad.size} of {got.size} differ; first at {k.tolist()}: "
+            f"got {g[k].tolist()} (bits {[hex(int(v)) for v in bit_patterns(g)[k]]}) "
+            f"want {w[k].tolist()} (bits {[hex(int(v)) for v in bit_patterns(w)[k]]})")
 
 
 def tf_dynamic(*args, **kwargs):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import UINT
+from helpers import same_bits
 from lossscale import core, ops
 from rule_model import F32, keras3_step, tf24_step
 
@@ -51,18 +51,6 @@ def run_threads(target, args_list, timeout=120):
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     if errors:
         raise errors[0]
-
-
-def same_bits(a, b):
-    """Bit-identical, except that any NaN equals any NaN (payloads are free)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    wide = np.float64 if a.dtype.itemsize == 8 else np.float32
-    nan = np.isnan(a.astype(wide)) & np.isnan(b.astype(wide))
-    ua = a.reshape(-1).view(UINT[a.dtype.itemsize])
-    ub = b.reshape(-1).view(UINT[b.dtype.itemsize])
-    return bool(((ua == ub) | nan.reshape(-1)).all())
 
 
 # ------------------------------------------------------------------ core

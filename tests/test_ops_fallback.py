@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import UINT
+from helpers import assert_same_bits
 from lossscale import _loader, ops
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -48,14 +48,6 @@ def finite_list():
     rng = np.random.default_rng(12)
     return [tf.constant(rng.standard_normal(n).astype(d.as_numpy_dtype) * 10)
             for n, d in zip([1000, 70_000, 5, 333], FLOATS)]
-
-
-def assert_same_bits(actual, expected):
-    a, e = np.asarray(actual.numpy()), np.asarray(expected.numpy())
-    assert a.dtype == e.dtype and a.shape == e.shape
-    both_nan = np.isnan(a.astype(np.float64)) & np.isnan(e.astype(np.float64))
-    same = (a.view(UINT[a.dtype.itemsize]) == e.view(UINT[e.dtype.itemsize])) | both_nan
-    assert same.all(), f"{(~same).sum()} of {a.size} values differ"
 
 
 def unscale_inputs(grads, scale):
