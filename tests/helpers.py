@@ -10,10 +10,11 @@ arrays bit for bit except that any NaN meets any NaN.  ``tf_dynamic`` and
 scales, and ``tf24_reference_step`` is TensorFlow 2.4's
 ``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
 scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
-(``keras3_train_step``, ``tf24_train_step``) are that model and loop.
-TensorFlow and Keras are imported only by the functions that need them, so
-that the tests of the C core can use this module without them, and the
-child processes that configure TensorFlow before importing it can too.
+(``keras3_train_step``, ``tf24_train_step``, both on ``scaled_gradients``)
+are that model and loop.  TensorFlow and Keras are imported only by the
+functions that need them, so that the tests of the C core can use this
+module without them, and the child processes that configure TensorFlow
+before importing it can too.
 """
 
 import numpy as np
@@ -100,28 +101,37 @@ def mse_loss(model, x, y, factor):
     return tf.reduce_mean(tf.square(pred - y)) * factor
 
 
+def scaled_gradients(model, loss_of, scale, x, y, factor, edit=None):
+    """``(loss, gradients of scale(loss))`` for ``loss_of(model, x, y,
+    factor)``; the gradients passed through ``edit`` when given (a test
+    spoiling one of them)."""
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        loss = loss_of(model, x, y, factor)
+        scaled = scale(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    return loss, (grads if edit is None else edit(grads))
+
+
 def tf24_reference_step(model, inner, loss_scale, loss_of=mse_loss, *, count_skipped=False):
     """TensorFlow 2.4's ``LossScaleOptimizer`` step with TensorFlow's ops.
 
     ``loss_scale`` is a ``tf.compat.v1`` loss scale and ``inner`` a Keras
     optimizer built for ``model``.  The returned ``step(x, y, factor,
-    edit=None)`` scales ``loss_of(model, x, y, factor)``, takes the gradients
-    (passed through ``edit`` when given), multiplies them by ``1 / scale`` in
-    their own dtype, updates the loss scale and applies them when they were
-    finite; ``count_skipped``: a skipped step still counts in
+    edit=None)`` takes the gradients of the scaled loss, multiplies them by
+    ``1 / scale`` in their own dtype, updates the loss scale and applies them
+    when they were finite; ``count_skipped``: a skipped step still counts in
     ``inner.iterations``, as TensorFlow 2.4's did.  It returns the
     should-apply flag, and runs in whatever context calls it (eager or a
     ``tf.function``).
     """
     import tensorflow as tf
 
+    def scale(loss):
+        return loss * tf.cast(loss_scale(), loss.dtype)
+
     def step(x, y, factor, edit=None):
-        with tf.GradientTape() as tape:
-            loss = loss_of(model, x, y, factor)
-            scaled = loss * tf.cast(loss_scale(), loss.dtype)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        if edit is not None:
-            grads = edit(grads)
+        _, grads = scaled_gradients(model, loss_of, scale, x, y, factor, edit)
         inv = 1.0 / loss_scale()
         grads = [g * tf.cast(inv, g.dtype) for g in grads]
         _, should_apply = loss_scale.update(grads)
@@ -141,16 +151,10 @@ def tf24_reference_step(model, inner, loss_scale, loss_of=mse_loss, *, count_ski
 
 def keras3_train_step(model, optimizer, loss_of=mse_loss):
     """Keras 3's custom-loop step: ``scale_loss``, then ``apply`` on the scaled
-    gradients (passed through ``edit`` when given); returns the loss."""
-    import tensorflow as tf
+    gradients; ``step(x, y, factor, edit=None)`` returns the loss."""
 
     def step(x, y, factor, edit=None):
-        with tf.GradientTape() as tape:
-            loss = loss_of(model, x, y, factor)
-            scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        if edit is not None:
-            grads = edit(grads)
+        loss, grads = scaled_gradients(model, loss_of, optimizer.scale_loss, x, y, factor, edit)
         optimizer.apply(grads, model.trainable_variables)
         return loss
 
@@ -159,17 +163,12 @@ def keras3_train_step(model, optimizer, loss_of=mse_loss):
 
 def tf24_train_step(model, optimizer, loss_of=mse_loss):
     """TensorFlow 2.4's custom-loop step: ``get_scaled_loss``,
-    ``get_unscaled_gradients`` (of the gradients passed through ``edit`` when
-    given), ``apply_gradients``; returns the loss."""
-    import tensorflow as tf
+    ``get_unscaled_gradients``, ``apply_gradients``; ``step(x, y, factor,
+    edit=None)`` returns the loss."""
 
     def step(x, y, factor, edit=None):
-        with tf.GradientTape() as tape:
-            loss = loss_of(model, x, y, factor)
-            scaled = optimizer.get_scaled_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        if edit is not None:
-            grads = edit(grads)
+        loss, grads = scaled_gradients(model, loss_of, optimizer.get_scaled_loss, x, y, factor,
+                                       edit)
         grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss

@@ -33,8 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 import rule_model
-from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
-                     tf_dynamic)
+from helpers import (bits, keras3_train_step, mse_loss, scaled_gradients, tf24_reference_step,
+                     tf24_train_step, tf_dynamic)
 from lossscale import experimental
 from lossscale.loss_scale import DynamicLossScale
 from lossscale.optimizer import LossScaleOptimizer
@@ -356,10 +356,8 @@ def test_extensions_soak_follow_the_documented_rule():
     @tf.function
     def ref_step(x, y, factor, index, position, value, scale):
         """Scale, unscale (times 1/scale, dtype kept), check, apply when finite."""
-        with tf.GradientTape() as tape:
-            scaled = mse_loss(model_ref, x, y, factor) * scale
-        grads = spoil(tape.gradient(scaled, model_ref.trainable_variables), index, position,
-                      value)
+        _, grads = scaled_gradients(model_ref, mse_loss, lambda loss: loss * scale, x, y, factor,
+                                    edit=lambda grads: spoil(grads, index, position, value))
         inv = 1.0 / scale
         grads = [g * tf.cast(inv, g.dtype) for g in grads]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
