@@ -11,14 +11,19 @@ scales, and ``tf24_reference_step`` is TensorFlow 2.4's
 ``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
 scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
 (``keras3_train_step``, ``tf24_train_step``, both on ``scaled_gradients``)
-are that model and loop.  TensorFlow and Keras are imported only by the
-functions that need them, so that the tests of the C core can use this
-module without them, and the child processes that configure TensorFlow
-before importing it can too.
+are that model and loop; ``child_env`` and ``two_cpu_replicas`` set up
+the child processes some tests start.  TensorFlow and Keras are imported
+only by the functions that need them, so that the tests of the C core can
+use this module without them, and the child processes that configure
+TensorFlow before importing it can too.
 """
+
+import os
 
 import numpy as np
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -174,3 +179,31 @@ def tf24_train_step(model, optimizer, loss_of=mse_loss):
         return loss
 
     return step
+
+
+# ------------------------------------------------------------ child processes
+
+def child_env(drop=(), **values):
+    """The environment of a test's child Python process: the source tree and
+    the tests first on PYTHONPATH, TensorFlow quiet and on the CPU unless
+    this environment says otherwise, the variables in ``drop`` removed, and
+    ``values`` set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    for name in drop:
+        env.pop(name, None)
+    env.update(values)
+    return env
+
+
+def two_cpu_replicas():
+    """A MirroredStrategy over two logical CPUs.  TensorFlow fixes its devices
+    when it initialises, so this is the first thing a fresh process does
+    with TensorFlow."""
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import same_bits
+from helpers import child_env, same_bits
 from lossscale import core, ops
 from rule_model import F32, keras3_step, tf24_step
 
@@ -239,8 +239,7 @@ def test_fork_while_the_pool_is_busy():
     """The atfork handler gives a child a fresh pool: a child forked while the
     parent's workers run (and the pool's lock is held) unscales correctly
     and does not deadlock."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "20"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "20"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "forks failed: 0" in proc.stdout
@@ -297,9 +296,8 @@ def available_levels():
 def test_first_use_from_many_threads_at_once(level):
     """In a fresh process, sixteen threads make the very first calls together,
     so the lazy choice of kernels and the pool's start race each other."""
-    env = dict(os.environ, LOSSSCALE_SIMD=level,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", FIRST_USE_SCRIPT], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FIRST_USE_SCRIPT], cwd=ROOT,
+                          env=child_env(LOSSSCALE_SIMD=level),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["level", level, "bad", "0"], proc.stdout + proc.stderr

@@ -43,6 +43,7 @@ import time
 import numpy as np
 import pytest
 
+import helpers
 import rule_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -225,9 +226,7 @@ def run_mirrored():
     """Two replicas on two logical CPUs of this process."""
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = helpers.two_cpu_replicas()
     models, optimizers, reference_scale = build_all(strategy)
     functions = step_functions(strategy, models, optimizers, reference_scale)
 
@@ -355,17 +354,15 @@ def mirrored_fit(strategy):
 
 # ------------------------------------------------------------- the test side
 
-def child_env(tf_config=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
-        env.pop(name, None)
-    # gRPC would send the loopback connections through a proxy.
-    for name in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy"):
-        env.pop(name, None)
-        env.pop(name.upper(), None)
+# gRPC would send the loopback connections through a proxy.
+PROXIES = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
+
+
+def worker_env(tf_config=None):
+    env = helpers.child_env(
+        drop=("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG")
+        + PROXIES + tuple(name.upper() for name in PROXIES),
+        TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return env
@@ -389,7 +386,7 @@ class Child:
         self.out, self.log = directory / f"{name}.out", directory / f"{name}.log"
         with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode],
-                                         cwd=ROOT, env=child_env(tf_config), stdout=stdout,
+                                         cwd=ROOT, env=worker_env(tf_config), stdout=stdout,
                                          stderr=stderr)
 
     def tail(self):

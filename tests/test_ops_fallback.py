@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import assert_same_bits
+from helpers import assert_same_bits, child_env
 from lossscale import _loader, ops
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -162,8 +162,7 @@ def test_forced_fallback_in_a_fresh_process():
             "s = ops.native_available()\n"
             "outs, f = ops.unscale_and_check([tf.constant([3.0, 6.0])], 3.0)\n"
             "print(bool(s), s.reason, outs[0].numpy().tolist(), bool(f))\n")
-    env = dict(os.environ, LOSSSCALE_FORCE_FALLBACK="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(LOSSSCALE_FORCE_FALLBACK="1", TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

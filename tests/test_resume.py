@@ -46,6 +46,8 @@ import time
 
 import numpy as np
 
+from helpers import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -231,13 +233,9 @@ class Trainer:
     """The training process, its progress lines read on a thread."""
 
     def __init__(self, directory, out, log, pause_at=None):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG",
-                     "TRAINER_PAUSE_AT"):
-            env.pop(name, None)
+        env = child_env(
+            drop=("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG", "TRAINER_PAUSE_AT"),
+            TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         if pause_at:
             env["TRAINER_PAUSE_AT"] = pause_at
         self.log = log
