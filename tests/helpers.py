@@ -27,10 +27,10 @@ ROOT = os.path.dirname(TESTS)
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def bits(x, dtype=None):
-    """The raw bytes of ``x`` (first converted to ``dtype`` when given), with
-    its dtype and shape: NaN equals the same NaN, -0.0 differs from 0.0."""
-    a = np.ascontiguousarray(np.asarray(x, dtype=dtype))
+def bits(x):
+    """The raw bytes of ``x`` with its dtype and shape, as one comparable key:
+    NaN equals the same NaN, -0.0 differs from 0.0."""
+    a = np.ascontiguousarray(np.asarray(x))
     return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
 
 
