@@ -287,7 +287,6 @@ static int unscale_bf16_neon(const void *src, void *dst, size_t n, double inv, u
 }
 
 const ls_kernel_set ls_kernels_neon = {
-    "neon",
     {check_f16_neon, check_bf16_neon, check_f32_neon, check_f64_neon},
     {unscale_f16_neon, unscale_bf16_neon, unscale_f32_neon, unscale_f64_neon},
 };
