@@ -39,6 +39,8 @@ typedef int (*ls_check_fn)(const void *src, size_t n);
 typedef int (*ls_unscale_fn)(const void *src, void *dst, size_t n, double inv,
                              unsigned flags);
 
+/* One set's kernels by dtype.  A NULL entry (a set written before a dtype
+ * was added, say) means the scalar set's kernel runs instead. */
 typedef struct ls_kernel_set {
     ls_check_fn check[LS_NUM_DTYPES];
     ls_unscale_fn unscale[LS_NUM_DTYPES];

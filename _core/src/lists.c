@@ -66,11 +66,16 @@ int ls_run_range(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
             continue;
         size_t bytes = ls_dtype_size(b->dtype) * lo;
         const void *src = (const char *)b->src + bytes;
+        /* a set without a kernel for a dtype leaves it to the scalar set */
         if (inv_by_dtype) {
             void *dst = (char *)b->dst + bytes;
-            finite &= k->unscale[b->dtype](src, dst, hi - lo, inv_by_dtype[b->dtype], flags);
+            ls_unscale_fn unscale = k->unscale[b->dtype] ? k->unscale[b->dtype]
+                                                         : ls_kernels_scalar.unscale[b->dtype];
+            finite &= unscale(src, dst, hi - lo, inv_by_dtype[b->dtype], flags);
         } else if (finite) {
-            finite = k->check[b->dtype](src, hi - lo);
+            ls_check_fn check = k->check[b->dtype] ? k->check[b->dtype]
+                                                   : ls_kernels_scalar.check[b->dtype];
+            finite = check(src, hi - lo);
         }
         /* a check-only pass may stop at the first non-finite value */
         if (!finite && !inv_by_dtype)
