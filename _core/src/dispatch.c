@@ -161,11 +161,11 @@ static void choose(void)
             if (strcmp(forced, impls[i].name) == 0)
                 level = i;
         if (level < 0) {
-            char names[128] = "";
-            for (int i = 0; i < NUM_IMPLS; i++) {
-                strcat(names, i ? ", " : "");
-                strcat(names, impls[i].name);
-            }
+            char names[128];
+            size_t used = 0;
+            for (int i = 0; i < NUM_IMPLS && used < sizeof names; i++)
+                used += (size_t)snprintf(names + used, sizeof names - used, "%s%s",
+                                         i ? ", " : "", impls[i].name);
             snprintf(simd_error, sizeof simd_error,
                      "LOSSSCALE_SIMD=%s is not a kernel set; use one of "
                      "%s (this CPU supports up to %s)",
