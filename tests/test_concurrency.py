@@ -282,17 +282,7 @@ FIRST_USE_SCRIPT = textwrap.dedent("""
     print("level", levels.pop(), "bad", bad)
 """)
 
-LEVELS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon"),
-          "arm64": ("scalar", "neon")}
-
-
-def available_levels():
-    order = LEVELS.get(os.uname().machine if hasattr(os, "uname") else "", ("scalar",))
-    best = core.simd_best()
-    return order[:order.index(best) + 1] if best in order else ("scalar",)
-
-
-@pytest.mark.parametrize("level", available_levels())
+@pytest.mark.parametrize("level", core.simd_levels())
 def test_first_use_from_many_threads_at_once(level):
     """In a fresh process, sixteen threads make the very first calls together,
     so the lazy choice of kernels and the pool's start race each other."""

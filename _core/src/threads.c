@@ -129,7 +129,7 @@ static void reset_after_fork(void)
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-static int run_job(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
+int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
                    const double *inv, unsigned flags)
 {
     size_t total = ls_total_length(bufs, count);
@@ -159,23 +159,4 @@ static int run_job(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
     pthread_mutex_unlock(&pool.lock);
     pthread_mutex_unlock(&pool.busy);
     return finite;
-}
-
-int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags)
-{
-    double inv[LS_NUM_DTYPES];
-    const ls_kernel_set *k;
-    int rc = ls_prepare(bufs, count, &inv_scale, flags, inv, &k);
-    if (rc != LS_OK)
-        return rc;
-    return run_job(k, bufs, count, inv, flags);
-}
-
-int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags)
-{
-    const ls_kernel_set *k;
-    int rc = ls_prepare(bufs, count, NULL, flags, NULL, &k);
-    if (rc != LS_OK)
-        return rc;
-    return run_job(k, bufs, count, NULL, flags);
 }
