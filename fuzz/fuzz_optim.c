@@ -67,7 +67,6 @@ typedef struct arena {
     size_t count;
 } arena;
 
-static size_t dtype_bytes(ls_dtype t) { return t == LS_FLOAT64 ? 8 : t == LS_FLOAT32 ? 4 : 2; }
 
 static char difference[160];
 
@@ -205,7 +204,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
         total += p->length;
         layout.bytes[i][0] = p->length * 4;
-        layout.bytes[i][1] = p->length * dtype_bytes(p->grad_dtype);
+        layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
     }
@@ -226,9 +225,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         ls_optim_run(&ls_optim_scalar, ref.params, ref.count, &c, flags, 0, total);
         check_guards(&ref);
         /* every kernel set this CPU runs */
-        for (int level = 1; level <= ls_simd_best(); level++) {
-            const ls_optim_kernels *k = ls_optim_kernels_for(level);
-            if (k == &ls_optim_scalar)
+        for (int level = 0; level < ls_simd_count(); level++) {
+            const ls_optim_kernels *k = ls_optim_kernels_at(level);
+            if (k == NULL || k == &ls_optim_scalar)
                 continue;
             arena_fill(&got, &layout, &in, at);
             ls_optim_run(k, got.params, got.count, &c, flags, 0, total);

@@ -23,10 +23,8 @@ PY=${PY:-.venv/bin/python}
 CC=gcc
 OUT=build/sanitize
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
-case $(uname -m) in
-aarch64 | arm64) LEVELS="scalar neon" ;;
-*) LEVELS="scalar avx2 avx512" ;;
-esac
+# every kernel set built for this architecture (_core/kernel_sets.py)
+LEVELS=$(python3 _core/kernel_sets.py sets)
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$OUT"
 
@@ -96,8 +94,7 @@ sys.exit(0 if lossscale.__file__.startswith('$PWD/$OUT/') else
 # the C drivers above ran at each)
 LEVELS=$("$PY" -c "
 from lossscale import core
-order = ['scalar', 'neon'] if core.simd_best() == 'neon' else ['scalar', 'avx2', 'avx512']
-print(' '.join(order[:order.index(core.simd_best())]))")
+print(' '.join(core.simd_levels()[1:]))")
 for level in $LEVELS; do
     echo "-- LOSSSCALE_SIMD=$level"
     LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider --capture=sys \

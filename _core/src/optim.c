@@ -11,24 +11,6 @@
 #include "internal.h"
 #include "optim.h"
 
-const ls_optim_kernels *ls_optim_kernels_for(int level)
-{
-    switch (level) {
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-    case LS_SIMD_AVX512:
-        return &ls_optim_avx512;
-    case LS_SIMD_AVX2:
-        return &ls_optim_avx2;
-#endif
-#if defined(__aarch64__)
-    case LS_SIMD_NEON:
-        return &ls_optim_neon;
-#endif
-    default:
-        return &ls_optim_scalar;
-    }
-}
-
 static int finite_f(float x) { return x - x == 0.0f; }
 
 static int slots_needed(const ls_optim_config *c)
@@ -73,7 +55,7 @@ static int check_param(const ls_param *p, int nslots)
         return LS_ERR_ARG;
     if (p->length == 0)
         return LS_OK;
-    const size_t gsize = p->grad_dtype == LS_FLOAT32 ? 4 : 2;
+    const size_t gsize = ls_dtype_size(p->grad_dtype);
     const void *bufs[5] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
     const size_t bytes[5] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
                              p->length * 4};
@@ -205,7 +187,23 @@ int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_con
         return LS_ERR_SIMD;
     if (begin > end || end > total_length(params, count))
         return LS_ERR_ARG;
-    ls_optim_run(ls_optim_kernels_for(level), params, count, config, flags, begin, end);
+    ls_optim_run(ls_optim_kernels_at(level), params, count, config, flags, begin, end);
+    return 1;
+}
+
+/* The update over one part of the list, for the library's threads. */
+typedef struct optim_job {
+    const ls_optim_kernels *kernels;
+    const ls_param *params;
+    size_t count;
+    const ls_optim_config *config;
+    unsigned flags;
+} optim_job;
+
+static int optim_range(const void *ctx, size_t begin, size_t end)
+{
+    const optim_job *j = (const optim_job *)ctx;
+    ls_optim_run(j->kernels, j->params, j->count, j->config, j->flags, begin, end);
     return 1;
 }
 
@@ -233,7 +231,6 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
-    ls_optim_run(ls_optim_kernels_for(level), params, count, config, flags, 0,
-              total_length(params, count));
-    return 1;
+    const optim_job job = {ls_optim_kernels_at(level), params, count, config, flags};
+    return ls_run_parallel(optim_range, &job, total_length(params, count));
 }

@@ -60,10 +60,10 @@ extern const ls_optim_kernels ls_optim_avx512;
 extern const ls_optim_kernels ls_optim_neon;
 #endif
 
-/* The kernels of a kernel level (ls_simd), scalar for a level without its
- * own; and a run of `k` over [begin, end) of validated arguments, on the
- * calling thread (the entry points, the fuzz target and the tests use it). */
-const ls_optim_kernels *ls_optim_kernels_for(int level);
+/* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
+ * cannot run it; and a run of `k` over [begin, end) of validated arguments,
+ * on the calling thread (the entry points and the fuzz target use it). */
+const ls_optim_kernels *ls_optim_kernels_at(int level);
 void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
                   const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
 
