@@ -28,7 +28,8 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["ScaleConfig", "RULES", "op_config", "dynamic_loss_scale_config",
-           "check_keras_rule_arguments", "keras_rule_config", "is_real_number", "FLOAT32_MAX", "INT64_MAX"]
+           "check_keras_rule_arguments", "keras_rule_config", "is_real_number",
+           "FLOAT32_MAX", "INT64_MAX"]
 
 RULES = ("tf24", "keras3")
 INT64_MAX = 2**63 - 1

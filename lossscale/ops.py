@@ -3,8 +3,8 @@ loss-scale update on resource variables.
 
 Each function runs one native op from the custom-op library
 (``_core/tf/*.cc``, calling the C core) for the whole gradient list, or —
-with identical results — plain TensorFlow ops (``lossscale._fallback``) when the native op cannot run
-here:
+with identical results — plain TensorFlow ops (``lossscale._fallback``) when
+the native op cannot run here:
 
 * the library is missing, was built for another TensorFlow, or the
   environment variable ``LOSSSCALE_FORCE_FALLBACK=1`` is set

@@ -33,7 +33,8 @@ With ``loss_scale=`` a ``LossScale`` (``FixedLossScale``, ``DynamicLossScale``
 with its extensions) the optimizer follows that object instead: its
 variables are the optimizer's loss-scale state, the gradients are unscaled
 as TensorFlow 2.4 did (times ``1 / scale``, dtype kept), checked after
-unscaling, and the object's rule advances the scale.
+unscaling, and the object's rule advances the scale.  Which of the two rules
+a step follows is one object the optimizer holds (``lossscale._step``).
 """
 
 import keras
@@ -249,7 +250,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
                 and replica_context.num_replicas_in_sync > 1):
             # No merge call (e.g. MultiWorkerMirroredStrategy): combine the
             # replicas' flags so that all of them skip or apply together.
-            total = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, _step.as_float_flag(finite))
+            total = replica_context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                               _step.as_float_flag(finite))
             finite = tf.equal(total, replica_context.num_replicas_in_sync)
         should_apply = self._rule.advance(finite, unscaled)
 
