@@ -14,7 +14,11 @@ ask which.  A step asks its rule, in order:
   gradients, as Keras 3 checks them) or not (the unscaled ones);
 * ``advance(finite, unscaled)`` -- step the scale from the flag of every
   replica combined, on every mirrored copy of its variables; returns
-  should_apply (a bool or a bool tensor).
+  should_apply (a bool or a bool tensor).  A rule the native update op
+  runs says so with ``scale_config()`` (its ``ScaleConfig``) and
+  ``update_variables()`` (``scale, counter, overflow_run, skipped``, None
+  where absent), which is all ``advance`` uses then: ``unscaled`` is read
+  only by a ``LossScale`` of the user's own, whose ``update`` takes them.
 
 Besides the rules: ``update_copies`` (a state step on every copy of
 mirrored variables), ``cond``, ``check_gradients`` and the other small
@@ -106,6 +110,11 @@ class _Rule:
         return grad
 
     def scale(self):
+        """The current loss scale, a float32 scalar tensor."""
+        raise NotImplementedError
+
+    def scale_loss(self, loss):
+        """``loss`` times the scale, as ``LossScaleOptimizer.scale_loss``."""
         raise NotImplementedError
 
     def unscale_and_check(self, grads):
@@ -113,14 +122,31 @@ class _Rule:
         return native_ops.unscale_and_check([self.prepare(g) for g in grads], self.scale(),
                                             check_inputs=self.check_scaled, divide=self.divide)
 
-    def advance(self, finite, unscaled):
+    def scale_config(self):
+        """The ``ScaleConfig`` the native update op steps by, or None when the
+        scale is not stepped by it."""
+        return None
+
+    def update_variables(self):
+        """``(scale, counter, overflow_run, skipped)`` for the update op."""
         raise NotImplementedError
+
+    def advance(self, finite, unscaled=None):
+        """Steps the scale by ``scale_config()``; returns should_apply."""
+        del unscaled
+        config = self.scale_config()
+
+        def step(is_finite, scale, counter, overflow_run=None, skipped=None):
+            return native_ops.update_with_config(config, is_finite, scale, counter,
+                                                 overflow_run=overflow_run, skipped=skipped)
+
+        return update_copies(step, finite, self.update_variables())
 
     def native_step_supported(self):
         """False when the stock optimizer must take the step instead."""
         return True
 
-    def state_variables(self):
+    def checkpointed_variables(self):
         """The variables the optimizer saves as its loss-scale state, or None
         when the stock ``build`` makes them."""
         return None
@@ -158,19 +184,16 @@ class KerasRule(_Rule):
     def scale_loss(self, loss):
         return keras.optimizers.LossScaleOptimizer.scale_loss(self._optimizer, loss)
 
-    def native_step_supported(self):
+    def scale_config(self):
         # Read at every step: the stock optimizer reads the attribute then too.
-        return keras_rule_config(self._optimizer.dynamic_growth_steps) is not None
+        return keras_rule_config(self._optimizer.dynamic_growth_steps)
 
-    def advance(self, finite, unscaled):
-        del unscaled
-        config = keras_rule_config(self._optimizer.dynamic_growth_steps)
+    def native_step_supported(self):
+        return self.scale_config() is not None
 
-        def step(is_finite, scale, counter):
-            return native_ops.update_with_config(config, is_finite, scale, counter)
-
-        return update_copies(step, finite, (tf_variable(self._optimizer.dynamic_scale),
-                                            tf_variable(self._optimizer.step_counter)))
+    def update_variables(self):
+        return (tf_variable(self._optimizer.dynamic_scale),
+                tf_variable(self._optimizer.step_counter), None, None)
 
 
 class LossScaleObjectRule(_Rule):
@@ -191,17 +214,26 @@ class LossScaleObjectRule(_Rule):
     def scale_loss(self, loss):
         return keras.ops.multiply(loss, self.loss_scale())
 
-    def advance(self, finite, unscaled):
-        ls = self.loss_scale
-        if isinstance(ls, loss_scale_module.FixedLossScale):
+    def scale_config(self):
+        if isinstance(self.loss_scale, loss_scale_module.DynamicLossScale):
+            return self.loss_scale.scale_config
+        return None
+
+    def update_variables(self):
+        if self.scale_config() is None:
+            raise NotImplementedError(f"{self.loss_scale!r} is not stepped by the update op")
+        return self.loss_scale.state_variables
+
+    def advance(self, finite, unscaled=None):
+        if self.scale_config() is not None:
+            return super().advance(finite)
+        if isinstance(self.loss_scale, loss_scale_module.FixedLossScale):
             return True
-        if isinstance(ls, loss_scale_module.DynamicLossScale):
-            return update_copies(ls.step_state, finite, ls.state_variables)
         # Any other LossScale: its own update, on the unscaled gradients.
-        _, should_apply = ls.update(unscaled)
+        _, should_apply = self.loss_scale.update(unscaled)
         return should_apply
 
-    def state_variables(self):
+    def checkpointed_variables(self):
         with tf.init_scope():
             return list(self.loss_scale.tracked_weights().values())
 

@@ -137,7 +137,9 @@ class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
         """``{name: variable}`` of the current graph, sorted by name: the
         variables a checkpoint saves, in the order it lists them."""
         graph_key = _compat.graph_key()
-        return {name: v for (name, g), v in sorted(self._weights.items(), key=lambda i: i[0][0])
+        # A subclass that never called LossScale.__init__ has no weights.
+        weights = getattr(self, "_weights", None) or {}
+        return {name: v for (name, g), v in sorted(weights.items(), key=lambda i: i[0][0])
                 if g == graph_key}
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -138,7 +138,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
 
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
-        state = self._rule.state_variables()
+        state = self._rule.checkpointed_variables()
         if state is None:
             super().build(var_list)
             return
