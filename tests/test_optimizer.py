@@ -350,12 +350,15 @@ def test_embedding_gradients_stay_sparse_and_match_stock():
     assert ours.inner_optimizer.seen[0] == "IndexedSlices"
 
 
-def test_unscale_is_one_native_op_for_the_list():
-    """The hot path: one unscale-and-check op and one update op per step."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_step_is_few_native_ops(fused):
+    """The hot path.  Fused (stock SGD): the finite check, one update op for
+    the scale and ONE op that unscales and updates every variable.  Not
+    fused: one unscale-and-check op and one update op, then the inner step."""
     if not ops.native_available():
         pytest.skip(f"native ops unavailable: {ops.native_available().reason}")
     model = cnn(0)
-    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), fused=fused)
     opt.build(model.trainable_variables)
 
     @tf.function
@@ -367,9 +370,18 @@ def test_unscale_is_one_native_op_for_the_list():
     names = [n.op for n in graph_def.node]
     for fn in graph_def.library.function:  # the cond branches
         names.extend(n.op for n in fn.node_def)
-    assert names.count("LossScaleUnscaleAndCheck") == 1
     assert names.count("LossScaleUpdate") == 1
     assert "IsFinite" not in names
+    if fused:
+        assert opt.step_path == "fused (SGD)"
+        assert names.count("LossScaleApplySgd") == 1
+        assert names.count("LossScaleUnscaleAndCheck") == 0
+        assert 1 <= names.count("LossScaleAllFinite") <= len(grads)
+        # iterations, and no per-variable update
+        assert names.count("AssignAddVariableOp") + names.count("AssignVariableOp") == 1
+    else:
+        assert opt.step_path == "stock: fused=False"
+        assert names.count("LossScaleUnscaleAndCheck") == 1
 
 
 # -------------------------------------------------------- config, saving

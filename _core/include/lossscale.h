@@ -275,7 +275,8 @@ typedef struct ls_param {
 typedef struct ls_optim_config {
     int optimizer;          /* ls_optimizer */
     int unscale;            /* ls_unscale_mode */
-    double scale;           /* the loss scale; finite and > 0 unless NONE */
+    double scale;           /* the loss scale: MULTIPLY: finite, > 0; DIVIDE: any
+                               (IEEE division, as Keras divides) */
     float learning_rate;    /* finite, >= 0 */
     float weight_decay;     /* for params with decay = 1; finite */
     float momentum;         /* SGD: 0 means no momentum slot */

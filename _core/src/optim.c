@@ -28,7 +28,10 @@ static int check_config(const ls_optim_config *c)
         return LS_ERR_ARG;
     if (c->unscale < LS_UNSCALE_NONE || c->unscale > LS_UNSCALE_MULTIPLY)
         return LS_ERR_ARG;
-    if (c->unscale != LS_UNSCALE_NONE && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
+    /* Keras 3 divides by whatever its scale has become (its rule has no
+     * floor: a scale flushed to 0 gives inf and NaN, in stock Keras too);
+     * TensorFlow 2.4's scale is finite and >= 1 by its rule. */
+    if (c->unscale == LS_UNSCALE_MULTIPLY && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
         return LS_ERR_ARG;
     if (!finite_f(c->learning_rate) || c->learning_rate < 0.0f || !finite_f(c->weight_decay))
         return LS_ERR_ARG;
