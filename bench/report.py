@@ -13,6 +13,7 @@ matplotlib; without it the report says so and is written without them.
 The raw JSON is rewritten without indentation (same content).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -64,6 +65,20 @@ RATIOS = {
 }
 
 
+# Ratios are ours ÷ peer (time).  Above SLOWER ours is slower: the cell is
+# bold and listed under "Where we lose"; from FASTER to SLOWER it is a tie.
+SLOWER = 1.05
+FASTER = 0.95
+# A first call (tracing) is a loss only when it is also this much longer in
+# seconds: a few milliseconds of tracing are noise, whatever their ratio.
+FIRST_CALL_SLACK_S = 0.05
+
+
+def percent(band):
+    """The band around 1 as a percentage: 1.05 -> '5%'."""
+    return f"{abs(band - 1) * 100:.0f}%"
+
+
 # ------------------------------------------------------------ reading
 
 
@@ -74,14 +89,23 @@ def ratio_line(layer, case, threads, ours, peer, r):
             f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
             f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
 
+@dataclasses.dataclass(frozen=True)
 class Stat:
-    def __init__(self, xs, rounds=None):
+    """The samples of one method on one workload (seconds per step)."""
+
+    samples: list
+    median: float
+    min: float
+    max: float
+    n: int
+    rounds: dict            # round index -> median of that round's samples
+    gross: "Stat" = None    # before the producer was subtracted, where it was
+
+    @classmethod
+    def of(cls, xs, by_round, gross=None):
         xs = sorted(xs)
-        self.samples = xs
-        self.median = statistics.median(xs)
-        self.min, self.max, self.n = xs[0], xs[-1], len(xs)
-        # round index -> median of that round's samples
-        self.rounds = rounds or {}
+        return cls(xs, statistics.median(xs), xs[0], xs[-1], len(xs),
+                   {r: statistics.median(x) for r, x in by_round.items()}, gross)
 
 
 def load(path):
@@ -112,12 +136,12 @@ def load(path):
         info[key] = e
         if "first_call_s" in e:
             first[key] = e["first_call_s"]
-    stats = {k: Stat(v, {r: statistics.median(x) for r, x in by_round[k].items()})
-             for k, v in samples.items() if len(k) == 4}
-    for k, st in stats.items():
-        if k + ("gross",) in samples:
-            st.gross = Stat(samples[k + ("gross",)],
-                            {r: statistics.median(x) for r, x in by_round[k + ("gross",)].items()})
+    stats = {}
+    for k, v in samples.items():
+        if len(k) == 4:
+            g = k + ("gross",)
+            gross = Stat.of(samples[g], by_round[g]) if g in samples else None
+            stats[k] = Stat.of(v, by_round[k], gross)
     meta = raw.get("lossscale", {})
     return raw, stats, info, first, meta.get("facts", {}), meta.get("records", {})
 
@@ -140,27 +164,27 @@ def cell(st):
     return f"{fmt_s(st.median)} <sub>{fmt_s(st.min)}–{fmt_s(st.max)}</sub>"
 
 
-class Ratio(float):
+@dataclasses.dataclass(frozen=True)
+class Ratio:
     """ours ÷ peer taken round by round (each round's medians, measured back
-    to back): the median of those ratios, and their range.  With one round,
-    the ratio of the medians."""
+    to back): ``value`` is the median of those ratios, ``lo`` and ``hi``
+    their range.  With one round, the ratio of the medians and no range."""
 
-    def __new__(cls, a, b):
-        per = [a.rounds[k] / b.rounds[k] for k in a.rounds
-               if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
-        if len(per) > 1:
-            r = super().__new__(cls, statistics.median(per))
-            r.lo, r.hi = min(per), max(per)
-        else:
-            r = super().__new__(cls, a.median / b.median)
-            r.lo = r.hi = None
-        return r
+    value: float
+    lo: float = None
+    hi: float = None
 
 
 def ratio(a, b):
+    """The ``Ratio`` of two ``Stat``s, or None where either is missing or not
+    positive."""
     if a is None or b is None or a.median <= 0 or b.median <= 0:
         return None
-    return Ratio(a, b)
+    per = [a.rounds[k] / b.rounds[k] for k in a.rounds
+           if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
+    if len(per) > 1:
+        return Ratio(statistics.median(per), min(per), max(per))
+    return Ratio(a.median / b.median)
 
 
 def _r(x):
@@ -170,9 +194,9 @@ def _r(x):
 def fmt_ratio(r, spread=True):
     if r is None:
         return "—"
-    s = _r(r)
-    s = f"**{s}**" if r > 1.05 else s
-    if spread and getattr(r, "lo", None) is not None:
+    s = _r(r.value)
+    s = f"**{s}**" if r.value > SLOWER else s
+    if spread and r.lo is not None:
         s += f" <sub>{_r(r.lo)}–{_r(r.hi)}</sub>"
     return s
 
@@ -241,7 +265,7 @@ class Report:
                "Every implementation below ran in one `make bench` run, side by side on the "
                "same data at the same thread count, interleaved round by round.  Times are "
                "medians with <sub>min–max</sub> over every sample; ratios are **ours ÷ peer** "
-               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower), taken "
+               f"(time: below 1 ours is faster; above {SLOWER:g} in bold, ours is slower), taken "
                "round by round from that round's medians: the median of the rounds' ratios "
                "with <sub>their range</sub>.", "")
         if f:
@@ -318,8 +342,9 @@ class Report:
         self.headline_rows = rows
         self.w("## Headline", "", "| | ours ÷ peer (time) | |", "|---|---:|---|")
         for what, r in rows:
-            verdict = (f"{1 / r:.1f}× faster" if r < 0.95 else
-                       "tie (within 5%)" if r <= 1.05 else f"{r:.2f}× slower")
+            verdict = (f"{1 / r.value:.1f}× faster" if r.value < FASTER else
+                       f"tie (within {percent(SLOWER)})" if r.value <= SLOWER
+                       else f"{r.value:.2f}× slower")
             self.w(f"| {what} | {fmt_ratio(r)} | {verdict} |")
         mem = self.records.get("memory")
         if mem:
@@ -359,17 +384,17 @@ class Report:
             rs = []
             if gross:
                 a, b = (self.get(layer, case, p, threads) for p in gross[:2])
-                g = ratio(getattr(a, "gross", a), getattr(b, "gross", b))
+                g = ratio(a.gross or a if a else None, b.gross or b if b else None)
                 gross_cell = fmt_ratio(g)
             for ours, peer, label in rcols:
                 r = ratio(self.get(layer, case, ours, threads),
                           self.get(layer, case, peer, threads))
                 rs.append(fmt_ratio(r))
                 if r is not None and peer != "roofline":
-                    entry = (layer, case, threads or self.threads, ours, peer, r)
-                    if r > 1.05:
+                    entry = (layer, case, threads or self.threads, ours, peer, r.value)
+                    if r.value > SLOWER:
                         self.losses.append(entry)
-                    elif r >= 0.95:
+                    elif r.value >= FASTER:
                         self.ties.append(entry)
             if gross:
                 rs.append(gross_cell)
@@ -419,9 +444,9 @@ class Report:
                         continue
                     for t in (core_threads if part == "core" else [self.threads]):
                         r = ratio(self.get(part, case, ours, t), self.get(part, case, peer, t))
-                        if r is not None and r > 1.05:
+                        if r is not None and r.value > SLOWER:
                             self.sweep_losses.setdefault((part, t, ours, peer), []).append(
-                                (size, r))
+                                (size, r.value))
             self.w("")
 
     def first_calls(self):
@@ -449,8 +474,8 @@ class Report:
         for layer, case, cells in rows:
             for ours, peer in (("ours", "stock"), ("ours", "composite"),
                                ("ours_eager", "stock_eager"), ("ours_eager", "composite_eager")):
-                if ours in cells and peer in cells and cells[ours] > 1.05 * cells[peer] \
-                        and cells[ours] - cells[peer] > 0.05:
+                if ours in cells and peer in cells and cells[ours] > SLOWER * cells[peer] \
+                        and cells[ours] - cells[peer] > FIRST_CALL_SLACK_S:
                     self.first_losses.append((layer, case, ours, peer, cells[ours], cells[peer]))
 
             def c(*names):
@@ -530,9 +555,11 @@ class Report:
     def where_we_lose(self):
         self.w("## Where we lose", "")
         if not self.losses and not self.sweep_losses and not self.first_losses:
-            self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
+            self.w(f"Nowhere in this run is ours more than {percent(SLOWER)} slower than a "
+                   "peer.", "")
         else:
-            self.w("Every cell above where ours is more than 5% slower than a peer:", "")
+            self.w(f"Every cell above where ours is more than {percent(SLOWER)} slower than "
+                   "a peer:", "")
             for row in self.losses:
                 self.w(ratio_line(*row))
             for layer, case, ours, peer, a, b in self.first_losses:
@@ -547,7 +574,7 @@ class Report:
                        + ", ".join(f"{r:.2f} at {workloads.size_label(n)}" for n, r in pts))
             self.w("")
         if self.ties:
-            self.w("Ties, where ours is within 5% of a peer:", "")
+            self.w(f"Ties, where ours is within {percent(SLOWER)} of a peer:", "")
             for row in self.ties:
                 self.w(ratio_line(*row))
             self.w("")
@@ -832,7 +859,7 @@ def main(argv=None):
     for line in rep.records.get("skipped", []):
         print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
-        print(f"  {what}: {r:.2f}")
+        print(f"  {what}: {r.value:.2f}")
     return 0
 
 
