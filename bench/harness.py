@@ -112,6 +112,13 @@ def pin_threads(threads):
     torch, _ = optional("torch")
     if torch is not None:
         torch.set_num_threads(threads)
+        if torch.get_num_interop_threads() != threads:
+            try:
+                torch.set_num_interop_threads(threads)
+            except RuntimeError:
+                # Settable once, before torch's first inter-op work; the
+                # first call of this function comes before any.
+                pass
 
 
 # ------------------------------------------------------------ machine facts
@@ -200,6 +207,7 @@ def machine_facts():
         "quick": Settings.quick,
         "rounds": Settings.rounds,
         "samples_per_round": Settings.samples,
+        "min_sample_s": Settings.min_sample_s,
         "settle_s": SETTLE_S,
         "loadavg_start": load_average(),
     }

@@ -72,6 +72,9 @@ FASTER = 0.95
 # A first call (tracing) is a loss only when it is also this much longer in
 # seconds: a few milliseconds of tracing are noise, whatever their ratio.
 FIRST_CALL_SLACK_S = 0.05
+# torch's pass at more threads this many times slower than at one is its
+# threading, not the work (see why_torch_threads).
+TORCH_THREADS_ABSURD = 5.0
 
 
 def percent(band):
@@ -285,8 +288,10 @@ class Report:
                    f"pytest-benchmark {self.raw.get('version')}",
                    f"- method: per workload, {f.get('rounds')} rounds; in each round every "
                    f"method (order rotated) is warmed up, then timed "
-                   f"{f.get('samples_per_round')} times, each sample at least 2 ms of "
-                   f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
+                   f"{f.get('samples_per_round')} times, each sample "
+                   + (f"at least {f['min_sample_s'] * 1e3:g} ms of " if "min_sample_s" in f
+                      else "")
+                   + f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
                    "OpenMP workers spin after a parallel region and would otherwise steal the "
                    "next method's cores)",
                    f"- load average {f.get('loadavg_start')} at the start, "
@@ -578,43 +583,133 @@ class Report:
             for row in self.ties:
                 self.w(ratio_line(*row))
             self.w("")
-        self.w(
-            "Why, where it is understood:", "",
-            "- **Memory-bound float32 lists.** A list larger than the cache is one read and "
-            "one write of every byte whoever does it: ours, torch and the in-place multiply "
-            "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
-            "numpy's roofline is single-threaded, so at more threads ours can go below it.",
-            "- **16-bit lists against the roofline.** The roofline for float16 and bfloat16 "
-            "is a float32 multiply over the same bytes; ours converts every value to float32 "
-            "and back, and on one thread sits at that roofline or a few percent above it, "
-            "while it is well ahead of numpy and torch.",
-            "- **Differences of big graph runs.** For BERT-base the loss-scale work (10–30 ms) "
-            "is the difference of two graph runs of 60–90 ms; its round-by-round range is "
-            "wide, and a single ratio there (against torch, say) is soft.",
-            "- **Tracing the Keras optimizer.** Tracing `apply` over thousands of variables "
-            "takes longer with ours than with the stock optimizer (the first-call table); it "
-            "is paid once per function.",
-            "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, calling a "
-            "`tf.function` or an eager op costs tens of microseconds whatever the kernel "
-            "does; both TensorFlow methods are call overhead there, and torch's direct C++ "
-            "call wins by an order of magnitude.  The same overhead is why torch can beat the "
-            "TensorFlow op on 2,000 tiny tensors.",
+        self.w("Why, where it is understood:", "", *self.why(), "")
+
+    # -------------------------------------------------------- measured prose
+
+    def _medians(self, layer, cases, peers, threads=None, gross=False):
+        out = []
+        for case in cases:
+            for peer in peers:
+                st = self.get(layer, case, peer, threads)
+                if st is not None and gross:
+                    st = st.gross
+                if st is not None and st.median > 0:
+                    out.append(st.median)
+        return out
+
+    def _ratios(self, layer, cases, ours, peer, threads=None):
+        rs = (ratio(self.get(layer, c, ours, threads), self.get(layer, c, peer, threads))
+              for c in cases)
+        return [r.value for r in rs if r is not None]
+
+    @staticmethod
+    def _span(xs, fmt):
+        lo, hi = fmt(min(xs)), fmt(max(xs))
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    def why(self):
+        """The explanations under "Where we lose"; every figure in them is
+        read from this run."""
+        out = ["- **Memory-bound float32 lists.** A list larger than the cache is one read and "
+               "one write of every byte whoever does it: ours, torch and the in-place multiply "
+               "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
+               "numpy's roofline is single-threaded, so at more threads ours can go below it."]
+        # The lists larger than the cache: 2,000 tiny tensors are numpy's call
+        # overhead, not a roofline.
+        lists16 = [c for c in self.cases("core", 1) if c.split("/")[1] != "float32"
+                   and not c.startswith(("tiny_", workloads.BIG))]
+        roof = self._ratios("core", lists16, "ours", "roofline", 1)
+        if roof:
+            ahead = [r for peer in ("numpy", "torch")
+                     for r in self._ratios("core", lists16, "ours", peer, 1)]
+            out.append(
+                "- **16-bit lists against the roofline.** The roofline for float16 and bfloat16 "
+                "is a float32 multiply over the same bytes; ours converts every value to "
+                "float32 and back, and on one thread its ours ÷ roofline is "
+                f"{self._span(roof, _r)}"
+                + (f", while ours ÷ numpy and ours ÷ torch are at most {_r(max(ahead))}."
+                   if ahead else "."))
+        bert = [c for c in self.cases("tf_op") if c.startswith("bert_base/")]
+        net = self._medians("tf_op", bert, ("ours", "composite"))
+        gross = self._medians("tf_op", bert, ("ours", "composite"), gross=True)
+        if net and gross:
+            out.append(
+                f"- **Differences of big graph runs.** For BERT-base the loss-scale work "
+                f"({self._span(net, fmt_s)}) is the difference of two graph runs of "
+                f"{self._span(gross, fmt_s)}; its round-by-round range is wide, and a single "
+                "ratio there (against torch, say) is soft.")
+        tiny = [c for c in self.cases("optimizer") if c.startswith("tiny_2000x64/")]
+        firsts = [(self.first.get(("optimizer", c, self.threads, "ours")),
+                   self.first.get(("optimizer", c, self.threads, "stock"))) for c in tiny]
+        firsts = [(a, b) for a, b in firsts if a is not None and b is not None]
+        if firsts:
+            a, b = firsts[0]
+            out.append(
+                "- **Tracing the Keras optimizer.** Tracing `apply` over thousands of variables "
+                + ("takes longer with ours than with the stock optimizer" if a > b else
+                   "takes no longer with ours than with the stock optimizer")
+                + f" ({fmt_s(a)} against {fmt_s(b)}, the first-call table); it is paid once "
+                "per function.")
+        sweep = self.cases("tf_op", sweep=True)
+        if sweep:
+            smallest = min(sweep, key=lambda c: int(c.split("/")[0][6:]))
+            tf_calls = self._medians("tf_op", [smallest],
+                                     ("ours", "composite", "ours_eager", "composite_eager"))
+            torch_call = self._medians("tf_op", [smallest], ("torch",))
+            if tf_calls:
+                size = workloads.size_label(int(smallest.split("/")[0][6:]))
+                out.append(
+                    f"- **Small single tensors under TensorFlow.** For one tensor of {size}, "
+                    f"calling a `tf.function` or an eager op costs {self._span(tf_calls, fmt_s)} "
+                    "whatever the kernel does; both TensorFlow methods are call overhead there"
+                    + (f", and torch's direct C++ call ({fmt_s(torch_call[0])}) is "
+                       f"{min(tf_calls) / torch_call[0]:.0f}× faster.  The same overhead is "
+                       "why torch can beat the TensorFlow op on 2,000 tiny tensors."
+                       if torch_call else "."))
+        out.append(
             "- **The TF composite in a graph overlaps with the producer.** Its per-tensor ops "
             "run as soon as each gradient exists, while it is in cache, and in parallel with "
             "making the next one; the one fused op waits for the whole list and streams it "
-            "back from memory.",
+            "back from memory.")
+        out.append(
             "- **Keras `apply`.** Both optimizers hand the unscaled gradients to the same "
             "inner SGD, whose update is the larger part of `apply` (the *inner SGD alone* "
-            "column): the most any loss scaling can save is stock minus SGD alone.",
-            "- **A whole `fit` step of a small model.** The optimizer's share of the step is "
-            "small; the two agree within the step time's scatter.",
+            "column): the most any loss scaling can save is stock minus SGD alone.")
+        digits = self._ratios("fit", ["digits_cnn/mixed_float16"], "ours", "stock")
+        if digits:
+            out.append(
+                "- **A whole `fit` step of a small model.** The optimizer's share of the step "
+                "is small; "
+                + ("the two agree within the step time's scatter." if FASTER <= digits[0] <= SLOWER
+                   else f"ours ÷ stock is {_r(digits[0])}."))
+        out.extend(self.why_torch_threads())
+        return out
+
+    def why_torch_threads(self):
+        """Single tensors where torch's pass at more threads took longer than
+        at one thread: its OpenMP barrier, not the work."""
+        core_threads = self.facts.get("core_threads") or [self.threads]
+        many = max(core_threads)
+        if 1 not in core_threads or many == 1:
+            return []
+        slow = []
+        for case in self.cases("core", many, sweep=True):
+            a, b = self.get("core", case, "torch", many), self.get("core", case, "torch", 1)
+            if a is not None and b is not None and a.median > TORCH_THREADS_ABSURD * b.median:
+                slow.append((int(case.split("/")[0][6:]), a.median, b.median))
+        if not slow:
+            return []
+        where = ", ".join(f"{workloads.size_label(n)} ({fmt_s(a)} against {fmt_s(b)})"
+                          for n, a, b in sorted(slow))
+        return [
             "- **torch at more than one thread.** Its OpenMP workers meet at a barrier; when "
-            "another process holds a core a parallel region can wait a scheduler tick, and on "
-            "single tensors of 1–4 MiB its two-thread pass takes milliseconds in this suite "
-            "even when this run was the only load (the cause is not pinned down).  Its "
-            "one-thread rows and panel show torch without it; its times from 16 MiB up are "
-            "normal.  Where a torch cell looks absurd, read it as the peer's threading on "
-            "this machine, not as the work.", "")
+            "another process holds a core a parallel region can wait a scheduler tick.  On "
+            f"single tensors its {many}-thread pass took over {TORCH_THREADS_ABSURD:g} times "
+            f"as long as its one-thread pass in this run at {where} (the cause is not pinned "
+            "down).  Its one-thread rows and "
+            "panel show torch without it.  Where a torch cell looks absurd, read it as the "
+            "peer's threading on this machine, not as the work."]
 
     def reading(self):
         self.w("## How to read the TensorFlow numbers", "",
@@ -636,8 +731,7 @@ class Report:
     def reproduce(self):
         self.w("## Reproduce", "", "```sh",
                "make bench            # this report: bench/results/REPORT.md, raw.json, *.png",
-               "make bench QUICK=1    # a small subset in under two minutes: "
-               "bench/results/quick/",
+               "make bench QUICK=1    # the small subset CI runs: bench/results/quick/",
                "```", "",
                "`make bench` creates `.venv`, installs the requirements (and the optional "
                "peers in `requirements-bench.txt`: torch CPU, matplotlib), builds in place, "
