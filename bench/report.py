@@ -8,7 +8,11 @@ the calls (and, for ``fit``, the steps) it covered; the report gives their
 median with the minimum and maximum.  Methods that make their gradients
 inside a ``tf.function`` have the time of making them alone (the
 ``producer``, timed just before each sample) taken off that sample.  Ratios
-are times, ours divided by the peer: below 1 ours is faster.  Plots need
+are times, ours divided by the peer: below 1 ours is faster.  The report
+opens with the speed goals set for the step (met or not, each with its measured
+ratio) and the step a user times -- the optimizer step against its roofline,
+stock Keras and torch, a parameter-heavy ``fit`` step, tracing, the finite
+check alone -- and keeps the isolated ops below.  Plots need
 matplotlib; without it the report says so and is written without them.
 The raw JSON is rewritten without indentation (same content).
 """
@@ -31,6 +35,8 @@ LAYER_TITLES = {
     "loss_scale": "`LossScale.update` (TensorFlow 2.4 API)",
     "optimizer": "Keras `LossScaleOptimizer.apply`, `tf.function`",
     "fit": "a whole `fit` step",
+    "step": "optimizer step: check + unscale + update, `apply` in `tf.function`",
+    "check": "finite check alone, `tf.function`",
 }
 PEER_LABELS = {
     ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
@@ -45,10 +51,16 @@ PEER_LABELS = {
     ("optimizer", "sgd"): "inner SGD alone",
     ("fit", "ours"): "mixed, ours", ("fit", "stock"): "mixed, stock Keras",
     ("fit", "float32"): "float32, no loss scaling",
+    ("fit", "ours_unfused"): "mixed, ours fused=False",
+    ("step", "ours"): "ours", ("step", "ours_unfused"): "ours, fused=False",
+    ("step", "stock"): "stock Keras", ("step", "torch_fused"): "torch fused",
+    ("step", "torch_foreach"): "torch foreach",
+    ("check", "composite"): "stock composite", ("check", "ours_per_tensor"): "ours per tensor",
+    ("check", "ours_list"): "ours, one op", ("check", "ours_grouped"): "ours grouped",
 }
 # Layers whose graph methods make their gradients in the graph; the
 # producer's time, measured before each sample, comes off.
-NET = ("tf_op", "loss_scale", "optimizer")
+NET = ("tf_op", "loss_scale", "optimizer", "step", "check")
 for _layer in NET:
     PEER_LABELS[(_layer, "producer")] = "making the gradients (subtracted)"
 # (layer, ours, peer, label) -> the ratio columns of each layer's table.
@@ -80,6 +92,25 @@ TORCH_THREADS_ABSURD = 5.0
 def percent(band):
     """The band around 1 as a percentage: 1.05 -> '5%'."""
     return f"{abs(band - 1) * 100:.0f}%"
+
+
+# Bytes per parameter the fused step must move: a read-only finite check of
+# the gradient (4 B), then the update -- SGD-momentum reads the gradient, the
+# variable and the momentum and writes the last two (20 B); Adam reads the
+# gradient, the variable and two moments and writes the last three (28 B).
+STEP_BYTES_PER_PARAM = {"sgdm": 4 + 20, "adam": 4 + 28}
+OPTIMIZER_LABELS = {"sgdm": "SGD-momentum", "adam": "Adam"}
+
+# The speed goals set for the step.  Step, per optimizer: the most ours ÷ roofline,
+# the least stock ÷ ours, the torch peers ours must not be slower than
+# (ours ÷ the faster of them at most NOT_SLOWER).
+STEP_GOALS = {"adam": (1.15, 3.0, ("torch_fused", "torch_foreach")),
+              "sgdm": (1.15, 2.5, ("torch_fused",))}
+STEP_GOAL_WORKLOADS = ("resnet50", "bert_base")
+FIT_GOAL = ("mlp_4096x3/mixed_float16", 1.3)          # least stock ÷ ours
+TRACING_GOAL_WORKLOAD = "tiny_2000x64"              # first call: ours ÷ stock ≤ NOT_SLOWER
+CHECK_GOALS = {"resnet50/float32": 1.25, "tiny_2000x64/float32": 5.0}  # least composite ÷ ours
+NOT_SLOWER = SLOWER
 
 
 # ------------------------------------------------------------ reading
@@ -190,6 +221,36 @@ def ratio(a, b):
     return Ratio(a.median / b.median)
 
 
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """One speed goal against this run: ``value`` is the
+    measured ratio (None where this run did not measure it), ``limit`` the
+    bound, ``at_least`` whether the ratio must reach it or stay under it."""
+
+    what: str
+    value: float
+    limit: float
+    at_least: bool
+
+    @property
+    def met(self):
+        if self.value is None:
+            return None
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
+
+
+def speedup(ours, peer):
+    """How many times faster ours is: 1 ÷ (ours ÷ peer), so that it reads the
+    same ratio as every other cell of the report; None where not measured."""
+    r = ratio(ours, peer)
+    return None if r is None else 1 / r.value
+
+
+def scaled(st, k):
+    """``st`` with every time multiplied by ``k``."""
+    return Stat.of([x * k for x in st.samples], {r: [m * k] for r, m in st.rounds.items()})
+
+
 def _r(x):
     return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
 
@@ -205,12 +266,13 @@ def fmt_ratio(r, spread=True):
 
 
 def case_label(case):
-    name, dtype = case.split("/")
+    name, dtype, *variant = case.split("/")
     if name.startswith("sweep_"):
         return f"1 tensor, {workloads.size_label(int(name[6:]))}"
     pretty = {"resnet50": "ResNet-50", "bert_base": "BERT-base", "tiny_2000x64": "2,000 × 64",
-              workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN"}.get(name, name)
-    return f"{pretty} {dtype}"
+              workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN",
+              "mlp_4096x3": "MLP 3 × 4096"}.get(name, name)
+    return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 
 def is_sweep(case):
@@ -258,6 +320,223 @@ class Report:
 
     def w(self, *lines):
         self.lines.extend(lines)
+
+    # -------------------------------------------------------- the step a user times
+
+    def step_roofline(self, case):
+        """The fused step's bytes at the bandwidth of the in-place multiply
+        over 1 GiB in this run, as a ``Stat``; None without either."""
+        bw = (self.get("core", f"{workloads.BIG}/float32", "roofline")
+              or self.get("core", f"{workloads.BIG}/float32", "roofline", 1))
+        info = next((e for k, e in self.info.items() if k[:3] == ("step", case, self.threads)),
+                    None)
+        if bw is None or info is None:
+            return None
+        optimizer = case.split("/")[2]
+        return scaled(bw, STEP_BYTES_PER_PARAM[optimizer] * info["values"] / (2 * workloads.GIB))
+
+    def step_get(self, case, peer):
+        return self.step_roofline(case) if peer == "roofline" else self.get("step", case, peer)
+
+    def best_check(self):
+        """The lossscale check the goals judge: grouped where the run has it."""
+        peers = self.peers("check")
+        return "ours_grouped" if "ours_grouped" in peers else "ours_list"
+
+    def first_ratio(self, layer, case, ours, peer):
+        a = self.first.get((layer, case, self.threads, ours))
+        b = self.first.get((layer, case, self.threads, peer))
+        return Ratio(a / b) if a and b else None
+
+    def torch_best(self, case, peers):
+        found = [(st.median, p) for p in peers for st in [self.get("step", case, p)] if st]
+        return min(found)[1] if found else None
+
+    def goals(self):
+        out = []
+        for case in self.cases("step"):
+            name, _dtype, optimizer = case.split("/")
+            if name not in STEP_GOAL_WORKLOADS or optimizer not in STEP_GOALS:
+                continue
+            roof_max, stock_min, torch_peers = STEP_GOALS[optimizer]
+            label = f"step, {case_label(case)}"
+            r = ratio(self.step_get(case, "ours"), self.step_get(case, "roofline"))
+            out.append(Goal(f"{label}: ours ÷ roofline", r and r.value, roof_max, False))
+            out.append(Goal(f"{label}: stock ÷ ours",
+                            speedup(self.step_get(case, "ours"), self.step_get(case, "stock")),
+                            stock_min, True))
+            best = self.torch_best(case, torch_peers)
+            r = ratio(self.step_get(case, "ours"), self.step_get(case, best)) if best else None
+            names = " or ".join(PEER_LABELS[("step", p)] for p in torch_peers)
+            out.append(Goal(f"{label}: ours ÷ the faster of {names}"
+                            + (f" ({PEER_LABELS[('step', best)]})" if best else ""),
+                            r and r.value, NOT_SLOWER, False))
+        case, least = FIT_GOAL
+        out.append(Goal(f"`fit` step, {case_label(case)}, Adam: stock ÷ ours",
+                        speedup(self.get("fit", case, "ours"), self.get("fit", case, "stock")),
+                        least, True))
+        for case in self.cases("step"):
+            if case.startswith(TRACING_GOAL_WORKLOAD + "/"):
+                r = self.first_ratio("step", case, "ours", "stock")
+                out.append(Goal(f"tracing (first call of `apply`), {case_label(case)}: "
+                                "ours ÷ stock", r and r.value, NOT_SLOWER, False))
+        ours = self.best_check()
+        for case, least in CHECK_GOALS.items():
+            out.append(Goal(f"finite check alone, {case_label(case)}: stock composite ÷ "
+                            f"{PEER_LABELS[('check', ours)]}",
+                            speedup(self.get("check", case, ours),
+                                    self.get("check", case, "composite")), least, True))
+        return out
+
+    def goals_section(self):
+        if not self.cases("step") and not self.cases("check"):
+            return
+        self.goal_rows = self.goals()
+        self.w("## Goals", "",
+               "The speed goals set for the step, against this run.  \"Not slower\" allows the tie band "
+               f"of this report (ours ÷ peer up to {NOT_SLOWER:g}).", "",
+               "| goal | measured | bound | |", "|---|---:|---:|---|")
+        for g in self.goal_rows:
+            bound = f"≥ {g.limit:g}" if g.at_least else f"≤ {g.limit:g}"
+            verdict = {True: "met", False: "**not met**", None: "not measured"}[g.met]
+            value = "—" if g.value is None else _r(g.value)
+            self.w(f"| {g.what} | {value} | {bound} | {verdict} |")
+        self.w("")
+
+    def lead_rows(self):
+        """Headline rows for the step a user times, ahead of the isolated ops."""
+        rows = []
+        for case in self.cases("step"):
+            for peer in ("stock", "torch_fused", "torch_foreach", "roofline"):
+                r = ratio(self.step_get(case, "ours"), self.step_get(case, peer))
+                if r is not None and not (case.startswith(TRACING_GOAL_WORKLOAD + "/")
+                                          and peer == "roofline"):
+                    rows.append((f"optimizer step, {case_label(case)}: ours ÷ "
+                                 f"{PEER_LABELS.get(('step', peer), 'roofline')}", r))
+        for case in self.cases("fit"):
+            if case != "digits_cnn/mixed_float16":
+                r = ratio(self.get("fit", case, "ours"), self.get("fit", case, "stock"))
+                if r is not None:
+                    rows.append((f"`fit` step, {case_label(case)}: ours ÷ stock Keras", r))
+        for case in self.cases("step"):
+            if case.startswith(TRACING_GOAL_WORKLOAD + "/"):
+                r = self.first_ratio("step", case, "ours", "stock")
+                if r is not None:
+                    rows.append((f"tracing `apply`, {case_label(case)}: ours ÷ stock Keras", r))
+        ours = self.best_check()
+        for case in self.cases("check"):
+            r = ratio(self.get("check", case, ours), self.get("check", case, "composite"))
+            if r is not None:
+                rows.append((f"finite check alone, {case_label(case)}: "
+                             f"{PEER_LABELS[('check', ours)]} ÷ stock composite", r))
+        return rows
+
+    def times_table(self, layer, cases, peers, ratios, get, extra=None):
+        """Times of ``peers`` on ``cases``, then ``ratios``: (label, a, b) for
+        a ÷ b; ``extra``: (label, case -> cell) columns at the end."""
+        extra = extra or []
+        self.w("| workload | " + " | ".join(PEER_LABELS.get((layer, p), p) for p in peers)
+               + "".join(f" | {label}" for label, _a, _b in ratios)
+               + "".join(f" | {label}" for label, _f in extra) + " |",
+               "|---|" + "---:|" * (len(peers) + len(ratios)) + "---|" * len(extra))
+        for case in cases:
+            cells = [cell(get(case, p)) for p in peers]
+            for _label, a, b in ratios:
+                r = ratio(get(case, a), get(case, b))
+                cells.append(fmt_ratio(r))
+                if r is not None and a.startswith("ours") and b != "roofline":
+                    entry = (layer, case, self.threads, a, b, r.value)
+                    if r.value > SLOWER:
+                        self.losses.append(entry)
+                    elif r.value >= FASTER:
+                        self.ties.append(entry)
+            cells += [f(case) for _label, f in extra]
+            self.w(f"| {case_label(case)} | " + " | ".join(cells) + " |")
+        self.w("")
+
+    def user_step(self):
+        """Table 1 and its companions: what a user of the optimizer times."""
+        cases = self.cases("step")
+        if cases:
+            peers = [p for p in self.peers("step") if p != "producer"]
+            paths = {case: sorted({e.get("step_path", "") for k, e in self.info.items()
+                                   if k[:3] == ("step", case, self.threads)
+                                   and k[3].startswith("ours")}) for case in cases}
+            self.w("## The step a user times", "",
+                   f"### 1. {LAYER_TITLES['step']}", "",
+                   "Scaled float32 gradients in, the variables updated.  Keras methods make "
+                   "their gradients in the graph and torch copies them into `.grad`; making "
+                   "them alone is timed before every sample and taken off.  torch is stepped "
+                   "by `GradScaler` as a training loop does.  The roofline is the bytes the "
+                   "fused step must move ("
+                   + ", ".join(f"{OPTIMIZER_LABELS[o]} {b} B" for o, b in
+                               STEP_BYTES_PER_PARAM.items())
+                   + " per parameter, a read-only check of the gradients included) at the "
+                   "bandwidth of the in-place multiply over 1 GiB in this run.", "")
+            self.times_table(
+                "step", cases, peers + ["roofline"],
+                [("ours ÷ roofline", "ours", "roofline"), ("ours ÷ stock", "ours", "stock"),
+                 ("ours ÷ torch fused", "ours", "torch_fused"),
+                 ("ours ÷ torch foreach", "ours", "torch_foreach")],
+                self.step_get, [("our path", lambda c: ", ".join(paths[c]))])
+            speedups = []
+            for case in cases:
+                x = speedup(self.get("step", case, "ours"), self.get("step", case, "stock"))
+                if x is not None:
+                    speedups.append(f"{case_label(case)} {_r(x)}")
+            if speedups:
+                self.w("stock ÷ ours (how many times faster ours is): "
+                       + "; ".join(speedups) + ".", "")
+        mlp = [c for c in self.cases("fit") if c != "digits_cnn/mixed_float16"]
+        if mlp:
+            ident = self.records.get("fit_mlp", {})
+            peers = [p for p in self.peers("fit") if p in ("ours", "ours_unfused", "stock")]
+            self.w(f"### 2. {LAYER_TITLES['fit']} of a parameter-heavy model", "",
+                   "A mixed_float16 MLP"
+                   + (f" of {ident['params']:,} parameters, batch {ident['batch']}"
+                      if ident else "")
+                   + ", Adam: time per `train_on_batch`.", "")
+            self.times_table("fit", mlp, peers,
+                             [("ours ÷ stock", "ours", "stock")],
+                             lambda c, p: self.get("fit", c, p))
+            if ident:
+                same = ", ".join(f"{PEER_LABELS[('fit', p)]}: "
+                                 f"**{'bit-identical' if v else 'DIFFERENT'}**"
+                                 for p, v in ident["identical"].items())
+                self.w(f"Weights after {ident['steps']} steps from the same weights on the "
+                       f"same batch, against stock Keras: {same}.", "")
+        tiny = [c for c in cases if c.startswith(TRACING_GOAL_WORKLOAD + "/")]
+        if tiny:
+            peers = [p for p in self.peers("step") if p != "producer"]
+            self.w("### 3. Tracing: the first call of the step", "",
+                   "The first call of each method before any timing: for Keras, tracing "
+                   "`apply` and optimizing the graph (the gradients' producer included alike).",
+                   "", "| workload | " + " | ".join(PEER_LABELS[("step", p)] for p in peers)
+                   + " | ours ÷ stock |", "|---|" + "---:|" * (len(peers) + 1))
+            for case in tiny:
+                cells = [fmt_s(self.first[k]) if k in self.first else "—"
+                         for k in (("step", case, self.threads, p) for p in peers)]
+                r = self.first_ratio("step", case, "ours", "stock")
+                self.w(f"| {case_label(case)} | " + " | ".join(cells)
+                       + f" | {fmt_ratio(r)} |")
+                a = self.first.get(("step", case, self.threads, "ours"))
+                b = self.first.get(("step", case, self.threads, "stock"))
+                if r is not None and a > SLOWER * b and a - b > FIRST_CALL_SLACK_S:
+                    self.first_losses.append(("step", case, "ours", "stock", a, b))
+            self.w("")
+        checks = self.cases("check")
+        if checks:
+            peers = [p for p in self.peers("check") if p != "producer"]
+            ours = [p for p in peers if p.startswith("ours")]
+            self.w(f"### 4. {LAYER_TITLES['check']}", "",
+                   "Gradients made in the graph, their producer's time taken off: stock Keras' "
+                   "`is_finite` + `reduce_all` per tensor against `lossscale.ops.all_finite` "
+                   "per tensor, over the whole list, and grouped where the package has "
+                   "`all_finite_grouped`.", "")
+            self.times_table("check", checks, peers,
+                             [(f"{PEER_LABELS[('check', p)]} ÷ composite", p, "composite")
+                              for p in ours],
+                             lambda c, p: self.get("check", c, p))
 
     # -------------------------------------------------------- sections
 
@@ -311,6 +590,8 @@ class Report:
             r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
             if r is not None:
                 rows.append((what, r))
+
+        rows.extend(self.lead_rows())
 
         add("numpy layer, ResNet-50 float32, 1 thread: ours ÷ roofline", "core",
             "resnet50/float32", "ours", "roofline", 1)
@@ -744,7 +1025,9 @@ class Report:
     def write(self):
         self.plots = make_plots(self)
         self.header()
+        self.goals_section()
         self.headline()
+        self.user_step()
         if self.plots.get("throughput"):
             self.w(f"![throughput against tensor size]({self.plots['throughput']})", "")
         if self.plots.get("step_time"):
@@ -858,7 +1141,7 @@ def plot_steps(rep, plt, path):
     """One row per workload, one marker per implementation at its median with
     a min-max whisker, on a log axis (bars would start at an arbitrary
     floor there and mislead)."""
-    layers = [la for la in ("core", "tf_op", "loss_scale", "optimizer", "fit")
+    layers = [la for la in ("step", "check", "core", "tf_op", "loss_scale", "optimizer", "fit")
               if rep.cases(la)]
     if not layers:
         return False
@@ -954,6 +1237,10 @@ def main(argv=None):
         print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
         print(f"  {what}: {r.value:.2f}")
+    for g in getattr(rep, "goal_rows", []):
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[g.met]
+        value = "—" if g.value is None else f"{g.value:.2f}"
+        print(f"  goal: {g.what}: {value} ({'≥' if g.at_least else '≤'} {g.limit:g}) {verdict}")
     return 0
 
 

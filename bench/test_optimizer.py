@@ -17,6 +17,7 @@ import numpy as np
 
 import harness
 import workloads
+from tfgraph import GraphCase
 
 LAYER = "optimizer"
 PEERS = ["ours", "stock", "sgd"]
@@ -32,14 +33,8 @@ def items(settings):
     return [(c, p) for c in cases(settings) for p in PEERS]
 
 
-class Data(harness.CaseData):
+class Data(GraphCase):
     layer = LAYER
-
-    def __init__(self, case):
-        from tfgraph import GraphGradients
-
-        super().__init__(case)
-        self.graph = GraphGradients(self.arrays)
 
     def _make(self, peer):
         import keras
