@@ -200,6 +200,8 @@ def machine_facts():
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "torch": torch.__version__ if torch is not None else None,
+        "torch_threads": ([torch.get_num_threads(), torch.get_num_interop_threads()]
+                          if torch is not None else None),
         "torch_missing": torch_why,
         "matplotlib": mpl.__version__ if mpl is not None else None,
         "matplotlib_missing": mpl_why,

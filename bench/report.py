@@ -36,7 +36,7 @@ LAYER_TITLES = {
     "optimizer": "Keras `LossScaleOptimizer.apply`, `tf.function`",
     "fit": "a whole `fit` step",
     "step": "optimizer step: check + unscale + update, `apply` in `tf.function`",
-    "check": "finite check alone, `tf.function`",
+    "check": "finite check alone: gradients made in the graph, `tf.function`",
 }
 PEER_LABELS = {
     ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
@@ -558,7 +558,10 @@ class Report:
                    f"- lossscale kernel set chosen: `{f.get('simd_level')}` (best on this CPU: "
                    f"`{f.get('simd_best')}`); TensorFlow op library: {f.get('native_op')}",
                    f"- threads pinned: **{f.get('threads')}** for TensorFlow's intra- and "
-                   f"inter-op pools, `lossscale.core` and torch; the numpy layer is also run at "
+                   f"inter-op pools, `lossscale.core` and torch"
+                   + (" (torch intra-/inter-op: {}/{})".format(*f["torch_threads"])
+                      if f.get("torch_threads") else "")
+                   + "; the numpy layer is also run at "
                    f"{', '.join(map(str, f.get('core_threads', [])))} "
                    "(numpy itself is single-threaded whatever the setting)",
                    f"- versions: Python {f.get('python')}, numpy {f.get('numpy')}, TensorFlow "
