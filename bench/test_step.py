@@ -87,7 +87,8 @@ def torch_optimizer(torch, optimizer, params, **kind):
 
 class Method:
     """A peer's step, the part of it that is not measured (``baseline``),
-    which path it runs and how to tell that its steps were applied."""
+    which path it ran (``step_path()``, asked after its first call: the
+    optimizer decides when it traces) and how many steps it applied."""
 
     def __init__(self, step, baseline, step_path, applied):
         self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
@@ -129,8 +130,10 @@ class Data(GraphCase):
             # gradients would stop a native op from writing over them.
             return [v.value for v in variables], None
 
-        return Method(self.graph.wrap(step), self.graph.producer,
-                      getattr(opt, "step_path", "unfused") if peer != "stock" else "stock",
+        def path():
+            return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
+
+        return Method(self.graph.wrap(step), self.graph.producer, path,
                       lambda: int(opt.iterations.numpy()))
 
     def _torch(self, peer):
@@ -159,10 +162,10 @@ class Data(GraphCase):
             state = opt.state[params[0]]
             return int(state["step"]) if "step" in state else int("momentum_buffer" in state)
 
-        return Method(step, produce, peer, applied)
+        return Method(step, produce, lambda: peer, applied)
 
-    def info(self, peer, rnd, method):
-        return super().info(peer, rnd, optimizer=self.optimizer, step_path=method.step_path,
+    def info(self, peer, rnd):
+        return super().info(peer, rnd, optimizer=self.optimizer,
                             gradients="made in the graph" if not peer.startswith("torch")
                             else "copied into .grad")
 
@@ -170,8 +173,9 @@ class Data(GraphCase):
 def test_step(benchmark, case, peer, rnd):
     data = harness.live(LAYER, case, lambda: Data(case))
     m = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), m.step, data.info(peer, rnd, m),
+    harness.timed(benchmark, (LAYER, case, peer), m.step, data.info(peer, rnd),
                   baseline=m.baseline)
+    benchmark.extra_info["step_path"] = m.step_path()
     if rnd == 0:
         assert m.applied() > 0, f"{peer} skipped its steps on finite gradients"
 
