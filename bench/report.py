@@ -397,11 +397,15 @@ class Report:
                f"of this report (ours ÷ peer up to {NOT_SLOWER:g}).", "",
                "| goal | measured | bound | |", "|---|---:|---:|---|")
         for g in self.goal_rows:
-            bound = f"≥ {g.limit:g}" if g.at_least else f"≤ {g.limit:g}"
-            verdict = {True: "met", False: "**not met**", None: "not measured"}[g.met]
-            value = "—" if g.value is None else _r(g.value)
-            self.w(f"| {g.what} | {value} | {bound} | {verdict} |")
+            if g.met is not None:
+                bound = f"≥ {g.limit:g}" if g.at_least else f"≤ {g.limit:g}"
+                self.w(f"| {g.what} | {_r(g.value)} | {bound} | "
+                       f"{'met' if g.met else '**not met**'} |")
+        missing = [g.what for g in self.goal_rows if g.met is None]
         self.w("")
+        if missing:
+            self.w("Not measured in this run (its case was not run): "
+                   + "; ".join(missing) + ".", "")
 
     def lead_rows(self):
         """Headline rows for the step a user times, ahead of the isolated ops."""
