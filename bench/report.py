@@ -393,8 +393,8 @@ class Report:
             return
         self.goal_rows = self.goals()
         self.w("## Goals", "",
-               "The speed goals set for the step, against this run.  \"Not slower\" allows the tie band "
-               f"of this report (ours ÷ peer up to {NOT_SLOWER:g}).", "",
+               "The speed goals set for the step, against this run.  \"Not slower\" allows "
+               f"the tie band of this report (ours ÷ peer up to {NOT_SLOWER:g}).", "",
                "| goal | measured | bound | |", "|---|---:|---:|---|")
         for g in self.goal_rows:
             if g.met is not None:
