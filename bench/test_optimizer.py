@@ -6,8 +6,10 @@ Both wrap the same inner optimizer (SGD) over float32 variables of the
 workload's shapes, with the scale fixed (growth period 10**9) so that every
 call does the same work; the gradients are made inside the step
 (``tfgraph.py``), as a backward pass hands them over.  Also timed: the inner
-SGD alone (``sgd``), the part both share -- what even a loss-scaling step
-that cost nothing would take.  Making the gradients alone (the
+SGD alone (``sgd``), the part an unfused step shares with stock -- what even
+a loss-scaling step that cost nothing would take, unless the SGD update is
+fused into it (``extra_info["step_path"]`` says which path ours took).
+Making the gradients alone (the
 ``producer``) is timed before every sample and subtracted by the report.
 Mixed-precision Keras keeps float32 variables and so float32 gradients:
 the 16-bit gradient lists of the other layers do not arise here.
@@ -36,6 +38,10 @@ def items(settings):
 class Data(GraphCase):
     layer = LAYER
 
+    def __init__(self, case):
+        super().__init__(case)
+        self.optimizers = {}
+
     def _make(self, peer):
         import keras
 
@@ -58,6 +64,7 @@ class Data(GraphCase):
             # gradients would stop the native op from writing over them.
             return [v.value for v in variables], None
 
+        self.optimizers[peer] = opt
         return self.graph.wrap(step)
 
 
@@ -66,3 +73,6 @@ def test_optimizer_apply(benchmark, case, peer, rnd):
     fn = data.method(peer)
     harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd),
                   baseline=data.graph.producer)
+    if peer == "ours":
+        opt = data.optimizers[peer]
+        benchmark.extra_info["step_path"] = getattr(opt, "step_path", "unfused")
