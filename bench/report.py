@@ -778,7 +778,9 @@ class Report:
                         return fmt_s(cells[n])
                 return "—"
             short = {"tf_op": "TF op", "loss_scale": "`LossScale.update`",
-                     "optimizer": "`LossScaleOptimizer.apply`", "fit": "`fit` epoch"}[layer]
+                     "optimizer": "`LossScaleOptimizer.apply`",
+                     "fit": "`fit` epoch" if case.startswith("digits_cnn/")
+                     else "`train_on_batch`"}[layer]
             self.w(f"| {short} | "
                    f"{case_label(case)} | {c('ours')} | {c('stock', 'composite')} | "
                    f"{c('ours_eager')} | {c('stock_eager', 'composite_eager')} |")
