@@ -8,9 +8,23 @@ same ``scale_loss``, config and ``iterations``, and its ``apply`` takes
 *scaled* gradients as the stock one does.  With the same arguments it leaves
 every variable, the scale, the counter and ``iterations`` bit-identical to
 the stock optimizer, step for step, overflow steps included.  What differs is
-the cost of a step: the finite check and the unscale of the whole gradient
-list are one native op, and the scale update is another, instead of three ops
-per gradient and a graph of ``cond``s.
+the cost of a step.
+
+For a stock ``SGD``, ``Adam`` or ``AdamW`` inner optimizer the step is
+fused (``lossscale._fused_step``): a read-only finite check of the scaled
+gradients (one small native op per large gradient, inside the graph that
+makes them, so each gradient is read while still in cache), the scale
+update (one native op), then ONE native op that unscales every gradient on
+the fly and applies the inner optimizer's update to every variable and
+slot, in one pass over memory: no unscaled copy of the gradients, no op per
+variable.  Its arithmetic is Keras' float32 op by op, in Keras' order, so
+variables and slots come out bit-identical.  ``step_path`` says which path a
+step took and why; ``fused=False`` turns it off.  Anything the fused path
+does not do (clipping, EMA, gradient accumulation, constraints, sparse
+gradients, several replicas, a non-CPU device, XLA...) takes the path
+below: the finite check and the unscale of the whole gradient list are one
+native op, and the scale update is another, instead of three ops per
+gradient and a graph of ``cond``s; then the inner optimizer's own step.
 
 Exactness notes, each checked against the stock optimizer in the tests:
 
@@ -86,11 +100,14 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         must stay at their defaults.  Create it (or this optimizer) under the
         ``tf.distribute`` strategy's scope, as its variables are made with
         it.
+      fused: Keyword-only.  Whether steps may take the fused native path
+        (default True); ``step_path`` says which path a step took.
 
     Besides the stock attributes: ``loss_scale`` (the current scale, a
-    float32 tensor), ``loss_scale_object`` (the ``LossScale``, or None) and
+    float32 tensor), ``loss_scale_object`` (the ``LossScale``, or None),
     ``skipped_steps`` (a counter variable when the ``LossScale`` keeps one,
-    else None).
+    else None) and ``step_path`` (``"fused (Adam)"``, or ``"stock: <why
+    not>"``).
 
     Unlike the stock optimizer, bad arguments fail at once: an
     ``inner_optimizer`` that is not a Keras optimizer (TypeError), an
