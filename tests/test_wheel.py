@@ -85,7 +85,12 @@ class Release:
 
 @pytest.fixture(scope="module")
 def release_build(tmp_path_factory):
-    return Release(tmp_path_factory.mktemp("release"))
+    build = Release(tmp_path_factory.mktemp("release"))
+    yield build
+    if build.proc.poll() is None:   # no test needed the artefacts after all
+        build.proc.kill()
+        build.proc.wait()
+    build.log.close()
 
 
 @pytest.fixture(scope="module")
