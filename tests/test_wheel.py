@@ -94,7 +94,8 @@ def release_build(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def release(release_build):
+def release(release_build, tf_venv):
+    # tf_venv first: it installs while the release builds.
     return release_build.artefacts()
 
 
