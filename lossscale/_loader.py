@@ -85,17 +85,19 @@ def fix_command(reason):
     ``reason`` of ``load()``: rebuild lossscale against the TensorFlow
     installed here, from wherever it came from (this checkout, or the
     directory or sdist pip installed it from); for a wheel built for another
-    TensorFlow, install the TensorFlow it was built for."""
+    TensorFlow (or with none importable), install the TensorFlow it was
+    built for."""
     if reason.startswith("forced by"):
         return f"unset {FORCE_FALLBACK_ENV}"
     python = shlex.quote(sys.executable)
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.exists(os.path.join(checkout, "setup.py")):
+    checkout = _checkout()
+    if checkout is not None:
         return (f"cd {shlex.quote(checkout)} && "
                 f"{python} setup.py --quiet build_ext --inplace")
     source = _installed_from()
     built_for = _recorded_tf_version()
-    if built_for and (source is None or source.endswith(".whl")):
+    wrong_tensorflow = reason.startswith(("built for", "TensorFlow cannot be imported"))
+    if built_for and wrong_tensorflow and (source is None or source.endswith(".whl")):
         major, minor = (int(p) for p in built_for.split(".")[:2])
         return (f"{python} -m pip install "
                 f"'tensorflow>={major}.{minor},<{major}.{minor + 1}'")
@@ -105,6 +107,12 @@ def fix_command(reason):
         source = shlex.quote(source)
     # --no-cache-dir: pip would otherwise reuse the wheel it built before.
     return f"{python} -m pip install --force-reinstall --no-deps --no-cache-dir {source}"
+
+
+def _checkout():
+    """The source checkout lossscale is imported from (built in place), or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.exists(os.path.join(root, "setup.py")) else None
 
 
 def _installed_from():

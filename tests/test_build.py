@@ -139,3 +139,31 @@ def test_fix_command_for_a_checkout(monkeypatch):
         assert _loader.fix_command(reason) == (
             f"cd {shlex.quote(ROOT)} && {shlex.quote(sys.executable)} "
             "setup.py --quiet build_ext --inplace")
+
+
+WHEEL = "/dist/lossscale-0.1.0-cp311-cp311-manylinux_2_35_x86_64.whl"
+
+
+@pytest.mark.parametrize("source,reason,fix", [
+    # A wheel for another TensorFlow: install the TensorFlow it was built for.
+    (WHEEL, "built for TensorFlow 2.21.0, running 2.20.0", "-m pip install 'tensorflow>=2.21,<2.22'"),
+    (None, "built for TensorFlow 2.21.0, running 2.22.1", "-m pip install 'tensorflow>=2.21,<2.22'"),
+    (WHEEL, "TensorFlow cannot be imported (x)", "-m pip install 'tensorflow>=2.21,<2.22'"),
+    # Built from a directory or an sdist: rebuild from it, not from pip's cache.
+    ("/src/lossscale", "built for TensorFlow 2.21.0, running 2.20.0",
+     "-m pip install --force-reinstall --no-deps --no-cache-dir /src/lossscale"),
+    ("/dl/lossscale 0.1.0.tar.gz", "load error: x",
+     "-m pip install --force-reinstall --no-deps --no-cache-dir '/dl/lossscale 0.1.0.tar.gz'"),
+    # A wheel whose library cannot be used at all: build from source.
+    (WHEEL, "load error: x",
+     "-m pip install --force-reinstall --no-deps --no-cache-dir --no-binary lossscale lossscale"),
+])
+def test_fix_command_for_an_installed_package(monkeypatch, source, reason, fix):
+    import shlex
+
+    from lossscale import _loader
+
+    monkeypatch.setattr(_loader, "_checkout", lambda: None)
+    monkeypatch.setattr(_loader, "_installed_from", lambda: source)
+    monkeypatch.setattr(_loader, "_recorded_tf_version", lambda: "2.21.0")
+    assert _loader.fix_command(reason) == f"{shlex.quote(sys.executable)} {fix}"
