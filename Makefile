@@ -5,6 +5,7 @@
 #   make sanitize  the core and lossscale.core under ASan+UBSan (+LSan, TSan
 #                  in C), built apart in build/sanitize/, core tests run there
 #   make fuzz   the libFuzzer target for FUZZ_SECONDS (default 60)
+#   make wheel  the release artefacts: sdist + repaired wheel -> dist/
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -54,8 +55,10 @@ FUZZ_SECONDS ?= 60
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) sh tools/fuzz.sh
 
-wheel: build
-	$(PY) -m pip wheel --quiet --no-build-isolation --no-deps -w dist .
+# dist/: the sdist and a manylinux wheel built from it (auditwheel-repaired,
+# TensorFlow's shared libraries excluded) against .venv's TensorFlow.
+wheel: $(DEPS)
+	PY=$(PY) sh tools/wheel.sh dist
 
 clean:
 	rm -rf build dist *.egg-info lossscale/*.so lossscale/_native.c lossscale/_build_info.py

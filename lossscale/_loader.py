@@ -1,19 +1,25 @@
 """Finds and loads the TensorFlow op library (``_lossscale_ops.so``) on first use.
 
 The library sits next to this file and is compiled against one TensorFlow
-release (recorded by ``setup.py`` in ``lossscale._build_info.TF_VERSION``);
-custom-op libraries have no stable ABI, so one built for another release is
-never loaded.  Whatever goes wrong — no library, no build record, another
-TensorFlow, a load error — ``load()`` answers ``(None, reason)``, warns once,
-and the callers in ``lossscale.ops`` use plain TensorFlow ops instead.  The
-environment variable ``LOSSSCALE_FORCE_FALLBACK=1`` asks for that fallback
-explicitly (read at every call, no warning).
+minor (recorded by ``setup.py`` in ``lossscale._build_info.TF_VERSION``, and
+pinned by the wheel's ``tensorflow`` extra); custom-op libraries have no
+stable ABI across minors, so one built for another minor is never loaded.
+Whatever goes wrong — no library, no build record, another TensorFlow, a
+load error — ``load()`` answers ``(None, reason)``, warns once with the
+command that fixes it (``fix_command``), and the callers in
+``lossscale.ops`` use plain TensorFlow ops instead.  The environment
+variable ``LOSSSCALE_FORCE_FALLBACK=1`` asks for that fallback explicitly
+(read at every call, no warning).
 """
 
 import importlib
+import json
 import os
+import shlex
+import sys
 import threading
 import warnings
+from urllib.parse import unquote, urlparse
 
 FORCE_FALLBACK_ENV = "LOSSSCALE_FORCE_FALLBACK"
 LIBRARY_NAME = "_lossscale_ops.so"
@@ -68,10 +74,57 @@ def _warn_once(reason):
     warnings.warn(
         f"lossscale: the TensorFlow op library is not used ({reason}); "
         "falling back to plain TensorFlow ops (same results, slower). "
-        "Rebuild lossscale against the installed TensorFlow to get the native ops.",
+        f"To use the native ops: {fix_command(reason)}",
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def fix_command(reason):
+    """The shell command that makes the op library usable here, for a
+    ``reason`` of ``load()``: rebuild lossscale against the TensorFlow
+    installed here, from wherever it came from (this checkout, or the
+    directory or sdist pip installed it from); for a wheel built for another
+    TensorFlow (or with none importable), install the TensorFlow it was
+    built for."""
+    if reason.startswith("forced by"):
+        return f"unset {FORCE_FALLBACK_ENV}"
+    python = shlex.quote(sys.executable)
+    checkout = _checkout()
+    if checkout is not None:
+        return (f"cd {shlex.quote(checkout)} && "
+                f"{python} setup.py --quiet build_ext --inplace")
+    source = _installed_from()
+    built_for = _recorded_tf_version()
+    wrong_tensorflow = reason.startswith(("built for", "TensorFlow cannot be imported"))
+    if built_for and wrong_tensorflow and (source is None or source.endswith(".whl")):
+        major, minor = (int(p) for p in built_for.split(".")[:2])
+        return (f"{python} -m pip install "
+                f"'tensorflow>={major}.{minor},<{major}.{minor + 1}'")
+    if source is None or source.endswith(".whl"):
+        source = "--no-binary lossscale lossscale"
+    else:
+        source = shlex.quote(source)
+    # --no-cache-dir: pip would otherwise reuse the wheel it built before.
+    return f"{python} -m pip install --force-reinstall --no-deps --no-cache-dir {source}"
+
+
+def _checkout():
+    """The source checkout lossscale is imported from (built in place), or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.exists(os.path.join(root, "setup.py")) else None
+
+
+def _installed_from():
+    """The local directory or archive pip installed lossscale from (PEP 610), or None."""
+    try:
+        from importlib.metadata import distribution
+
+        url = json.loads(distribution("lossscale").read_text("direct_url.json") or "{}")
+    except Exception:
+        return None
+    parsed = urlparse(url.get("url", ""))
+    return unquote(parsed.path) if parsed.scheme == "file" else None
 
 
 def _recorded_tf_version():
@@ -80,6 +133,10 @@ def _recorded_tf_version():
     except Exception:
         return None
     return getattr(info, "TF_VERSION", None)
+
+
+def _minor(version):
+    return tuple(version.split(".")[:2])
 
 
 def _try_load():
@@ -93,7 +150,7 @@ def _try_load():
         import tensorflow as tf
     except Exception as exc:  # pragma: no cover - TensorFlow is a dependency here
         return None, f"TensorFlow cannot be imported ({exc})"
-    if built_for != tf.__version__:
+    if _minor(built_for) != _minor(tf.__version__):
         return None, f"built for TensorFlow {built_for}, running {tf.__version__}"
     try:
         module = _modules.get(path)
