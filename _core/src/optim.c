@@ -177,20 +177,33 @@ static size_t total_length(const ls_param *params, size_t count)
     return total;
 }
 
+/* The checks every entry point makes first; the kernels to run, or NULL
+ * with the error in *rc. */
+static const ls_optim_kernels *prepare(const ls_param *params, size_t count,
+                                       const ls_optim_config *config, unsigned flags, int *rc)
+{
+    *rc = flags & ~(unsigned)LS_FLUSH_DENORMALS ? LS_ERR_ARG
+                                                 : ls_optim_validate(params, count, config);
+    if (*rc != LS_OK)
+        return NULL;
+    const int level = ls_simd_level();
+    if (level < 0) {
+        *rc = LS_ERR_SIMD;
+        return NULL;
+    }
+    return ls_optim_kernels_at(level);
+}
+
 int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_config *config,
                         unsigned flags, size_t begin, size_t end)
 {
-    if (flags & ~(unsigned)LS_FLUSH_DENORMALS)
-        return LS_ERR_ARG;
-    int rc = ls_optim_validate(params, count, config);
-    if (rc != LS_OK)
+    int rc;
+    const ls_optim_kernels *k = prepare(params, count, config, flags, &rc);
+    if (k == NULL)
         return rc;
-    const int level = ls_simd_level();
-    if (level < 0)
-        return LS_ERR_SIMD;
     if (begin > end || end > total_length(params, count))
         return LS_ERR_ARG;
-    ls_optim_run(ls_optim_kernels_at(level), params, count, config, flags, begin, end);
+    ls_optim_run(k, params, count, config, flags, begin, end);
     return 1;
 }
 
@@ -213,14 +226,10 @@ static int optim_range(const void *ctx, size_t begin, size_t end)
 int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
                   unsigned flags)
 {
-    if (flags & ~(unsigned)LS_FLUSH_DENORMALS)
-        return LS_ERR_ARG;
-    int rc = ls_optim_validate(params, count, config);
-    if (rc != LS_OK)
+    int rc;
+    const ls_optim_kernels *k = prepare(params, count, config, flags, &rc);
+    if (k == NULL)
         return rc;
-    const int level = ls_simd_level();
-    if (level < 0)
-        return LS_ERR_SIMD;
     /* The read-only check, over the gradients as they are stored. */
     enum { CHUNK = 256 };
     ls_buffer grads[CHUNK];
@@ -234,6 +243,6 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
-    const optim_job job = {ls_optim_kernels_at(level), params, count, config, flags};
+    const optim_job job = {k, params, count, config, flags};
     return ls_run_parallel(optim_range, &job, total_length(params, count));
 }

@@ -35,9 +35,17 @@ using tf::shape_inference::InferenceContext;
 // enough that the per-range argument checks of the core are noise.
 constexpr size_t kStepElementsPerBlock = size_t{1} << 17;
 
-tf::Status ScalarInputs(InferenceContext* c, int first, int count) {
+// Shape function of both ops: `apply` and the trailing `scalars` inputs are
+// scalars.  Before the scalars: `apply`, the variables, `lists` more lists
+// of num_variables resources, `optional` (an attr) resources, the gradients.
+tf::Status ScalarShapes(InferenceContext* c, int lists, const char* optional, int scalars) {
+    int n = 0, k = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
+    TF_RETURN_IF_ERROR(c->GetAttr(optional, &k));
     tf::shape_inference::ShapeHandle unused;
-    for (int i = first; i < first + count; ++i)
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+    const int first = 1 + (1 + lists) * n + k + n;
+    for (int i = first; i < first + scalars; ++i)
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     return tf::OkStatus();
 }
@@ -58,14 +66,7 @@ REGISTER_OP("LossScaleApplySgd")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-        int n = 0;
-        TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
-        int k = 0;
-        TF_RETURN_IF_ERROR(c->GetAttr("num_momentums", &k));
-        TF_RETURN_IF_ERROR(ScalarInputs(c, 0, 1));
-        return ScalarInputs(c, 1 + n + k + n, 3);
-    })
+    .SetShapeFn([](InferenceContext* c) { return ScalarShapes(c, 0, "num_momentums", 3); })
     .Doc(R"doc(
 When `apply`, one Keras SGD step of every variable (with momentum and
 Nesterov as Keras computes them, weight decay as `decay` says: 0 none,
@@ -94,14 +95,7 @@ REGISTER_OP("LossScaleApplyAdam")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-        int n = 0;
-        TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
-        int k = 0;
-        TF_RETURN_IF_ERROR(c->GetAttr("num_v_hat", &k));
-        TF_RETURN_IF_ERROR(ScalarInputs(c, 0, 1));
-        return ScalarInputs(c, 1 + 3 * n + k + n, 4);
-    })
+    .SetShapeFn([](InferenceContext* c) { return ScalarShapes(c, 2, "num_v_hat", 4); })
     .Doc(R"doc(
 When `apply`, one Keras Adam step (AdamW with weight decay where `decay`
 says, amsgrad with `v_hat`) of every variable, its gradient first unscaled
