@@ -25,7 +25,7 @@ __all__ = [
     "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
     "overwrites_with_gradient", "optimizer_iterations", "optimizer_slots",
-    "uses_weight_decay",
+    "uses_weight_decay", "check_variables_are_known",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -167,3 +167,9 @@ def uses_weight_decay(optimizer, variable):
     """Whether Keras applies ``weight_decay`` to ``variable`` (not excluded
     by ``exclude_from_weight_decay``)."""
     return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+def check_variables_are_known(optimizer, variables):
+    """Raises Keras' own ValueError (naming the variable) when ``optimizer``
+    was not built with every one of ``variables``, as its ``apply`` does."""
+    optimizer._check_variables_are_known(variables)  # pylint: disable=protected-access

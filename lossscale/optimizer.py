@@ -235,6 +235,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         (as they come, inside the graph that makes them, a few small ones
         per op), the rule, then one native pass that unscales and updates
         every variable and slot."""
+        # Mistakes fail before any state moves, with the stock step's message.
+        _compat.check_variables_are_known(self.inner_optimizer, trainable_variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
         scalars = _fused_step.Scalars(self.inner_optimizer)

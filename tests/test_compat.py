@@ -5,6 +5,7 @@ One test per trick; a failure names the trick and the private name that
 moved, so a TensorFlow or Keras upgrade that breaks one says which.
 """
 
+import pytest
 import keras
 import tensorflow as tf
 
@@ -208,3 +209,15 @@ def test_uses_weight_decay():
     assert _compat.uses_weight_decay(opt, kept) is True
     assert _compat.uses_weight_decay(opt, excluded) is False, (
         "uses_weight_decay: keras Optimizer._use_weight_decay moved")
+
+
+def test_check_variables_are_known():
+    import numpy as np
+
+    known = keras.Variable(np.zeros(2, np.float32), name="known")
+    stranger = keras.Variable(np.zeros(2, np.float32), name="stranger")
+    opt = keras.optimizers.SGD(0.1)
+    opt.build([known])
+    _compat.check_variables_are_known(opt, [known])
+    with pytest.raises(ValueError, match="stranger"):
+        _compat.check_variables_are_known(opt, [stranger])
