@@ -263,3 +263,179 @@ def test_scalar_level_matches_keras_model(level_results):
                                  f"Keras model {want[i]:#010x}")
         checked += 1
     assert checked > 0
+
+
+# ------------------------------------------------------------- bad input
+
+
+def adam_setup():
+    """Two variables of Adam (amsgrad) state and float16 gradients."""
+    rng = np.random.default_rng(21)
+    shapes = [(5,), (2, 3)]
+    variables, slots = make_state(rng, CONFIGS["adam_amsgrad"], shapes)
+    grads = make_grads(rng, shapes, np.dtype(np.float16), 1000.0)
+    return variables, grads, slots
+
+
+def call_adam(variables, grads, slots, **overrides):
+    kw = dict(learning_rate=0.001, alpha=0.001, scale=1000.0)
+    kw.update(overrides)
+    return core.adam_step_(variables, grads, slots["m"], slots["v"], slots["v_hat"], **kw)
+
+
+def call_sgd(variables, grads, slots, **overrides):
+    kw = dict(learning_rate=0.01, momentum=0.9, scale=1000.0)
+    kw.update(overrides)
+    return core.sgd_step_(variables, grads, slots["m"], **kw)
+
+
+def read_only(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def overlapping(first, second):
+    """``first[0]`` and ``second[0]`` become views that share one element."""
+    base = np.zeros(first[0].size + second[0].size - 1, np.float32)
+    first[0] = base[:first[0].size]
+    second[0] = base[first[0].size - 1:]
+
+
+def strided(a):
+    """The same values, every other element of a twice-as-long buffer."""
+    b = np.empty((a.size * 2,), a.dtype)
+    b[::2] = a.reshape(-1)
+    return b[::2].reshape(a.shape)
+
+
+# (id, what to break: f(variables, grads, slots) -> keyword overrides or None,
+#  exception, pattern the message must match)
+BAD_CASES = [
+    ("grad_shape", lambda V, G, S: G.__setitem__(1, np.zeros((3, 2), np.float16)),
+     ValueError, r"grads\[1\].*shape"),
+    ("grad_dtype_float64", lambda V, G, S: G.__setitem__(1, G[1].astype(np.float64)),
+     TypeError, r"grads\[1\].*float64"),
+    ("grad_dtype_int", lambda V, G, S: G.__setitem__(0, np.zeros(5, np.int32)),
+     TypeError, r"grads\[0\].*int32"),
+    ("grad_not_array", lambda V, G, S: G.__setitem__(0, [0.0] * 5),
+     TypeError, r"grads\[0\]"),
+    ("grad_byteswapped", lambda V, G, S: G.__setitem__(1, G[1].astype(">f2")),
+     TypeError, r"grads\[1\].*byte order"),
+    ("grad_strided", lambda V, G, S: G.__setitem__(1, strided(G[1])),
+     ValueError, r"grads\[1\].*contiguous"),
+    ("var_dtype", lambda V, G, S: V.__setitem__(1, V[1].astype(np.float64)),
+     TypeError, r"variables\[1\].*float32"),
+    ("var_float16", lambda V, G, S: V.__setitem__(1, V[1].astype(np.float16)),
+     TypeError, r"variables\[1\].*float32"),
+    ("var_read_only", lambda V, G, S: V.__setitem__(1, read_only(V[1])),
+     ValueError, r"variables\[1\].*read-only"),
+    ("var_strided", lambda V, G, S: V.__setitem__(1, strided(V[1])),
+     ValueError, r"variables\[1\].*contiguous"),
+    ("var_fortran", lambda V, G, S: V.__setitem__(1, np.asfortranarray(V[1])),
+     ValueError, r"variables\[1\].*contiguous"),
+    ("slot_shape", lambda V, G, S: S["v"].__setitem__(1, np.zeros((6,), np.float32)),
+     ValueError, r"v\[1\].*shape"),
+    ("slot_dtype", lambda V, G, S: S["m"].__setitem__(1, S["m"][1].astype(np.float16)),
+     TypeError, r"m\[1\].*float32"),
+    ("slot_read_only", lambda V, G, S: S["v_hat"].__setitem__(1, read_only(S["v_hat"][1])),
+     ValueError, r"v_hat\[1\].*read-only"),
+    ("slot_strided", lambda V, G, S: S["m"].__setitem__(1, strided(S["m"][1])),
+     ValueError, r"m\[1\].*contiguous"),
+    ("too_few_grads", lambda V, G, S: G.__delitem__(1),
+     ValueError, r"1 grads for 2 variables"),
+    ("too_many_grads", lambda V, G, S: G.append(G[0].copy()),
+     ValueError, r"3 grads for 2 variables"),
+    ("too_few_slots", lambda V, G, S: S["v"].__delitem__(1),
+     ValueError, r"1 v for 2 variables"),
+    ("grads_not_list", lambda V, G, S: {"grads_array": True},
+     TypeError, r"grads must be a list"),
+    ("same_slot_twice", lambda V, G, S: S.__setitem__("v_hat", S["v"]),
+     ValueError, r"share memory"),
+    ("slot_is_variable", lambda V, G, S: S["m"].__setitem__(0, V[0]),
+     ValueError, r"share memory"),
+    ("grad_is_variable", lambda V, G, S: G.__setitem__(1, V[1]),
+     ValueError, r"share memory"),
+    ("slot_views_variable", lambda V, G, S: S["m"].__setitem__(0, V[1].reshape(-1)[:5]),
+     ValueError, r"share memory"),
+    ("slots_overlap_by_one", lambda V, G, S: overlapping(S["m"], S["v"]),
+     ValueError, r"share memory"),
+    ("lr_nan", lambda V, G, S: {"learning_rate": float("nan")},
+     ValueError, r"learning_rate.*finite"),
+    ("lr_inf", lambda V, G, S: {"learning_rate": float("inf")},
+     ValueError, r"learning_rate.*finite"),
+    ("lr_negative", lambda V, G, S: {"learning_rate": -1.0},
+     ValueError, r"learning_rate.*>= 0"),
+    ("lr_overflows_float32", lambda V, G, S: {"learning_rate": 1e39},
+     ValueError, r"learning_rate"),
+    ("lr_string", lambda V, G, S: {"learning_rate": "0.1"},
+     TypeError, r"learning_rate"),
+    ("scale_nan", lambda V, G, S: {"scale": float("nan")},
+     ValueError, r"scale.*finite"),
+    ("scale_inf", lambda V, G, S: {"scale": float("inf")},
+     ValueError, r"scale.*finite"),
+    ("scale_zero", lambda V, G, S: {"scale": 0.0},
+     ValueError, r"scale.*positive"),
+    ("scale_negative", lambda V, G, S: {"scale": -2.0},
+     ValueError, r"scale.*positive"),
+    ("unscale_typo", lambda V, G, S: {"unscale": "divde"},
+     ValueError, r"unscale.*divde"),
+    ("weight_decay_nan", lambda V, G, S: {"weight_decay": float("nan")},
+     ValueError, r"weight_decay"),
+    ("decay_mask_length", lambda V, G, S: {"weight_decay": 0.01, "decay": [True]},
+     ValueError, r"decay"),
+]
+
+
+def _break(case):
+    variables, grads, slots = adam_setup()
+    overrides = case[1](variables, grads, slots) or {}
+    if overrides.pop("grads_array", False):
+        grads = np.stack([np.zeros(5, np.float16)] * 2)
+    return variables, grads, slots, overrides
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_adam_bad_input_raises_and_writes_nothing(case):
+    variables, grads, slots, overrides = _break(case)
+    before = snapshot(variables, slots)
+    with pytest.raises(case[2], match=case[3]):
+        call_adam(variables, grads, slots, **overrides)
+    assert_unchanged(before, variables, slots)
+
+
+# SGD keeps one slot (``m`` here is its momentums); cases about v, v_hat are Adam's.
+SGD_BAD = [c for c in BAD_CASES if c[0] not in ("slot_shape", "too_few_slots",
+                                                 "same_slot_twice", "slot_read_only",
+                                                 "slots_overlap_by_one")]
+
+
+@pytest.mark.parametrize("case", SGD_BAD, ids=[c[0] for c in SGD_BAD])
+def test_sgd_bad_input_raises_and_writes_nothing(case):
+    variables, grads, slots, overrides = _break(case)
+    before = snapshot(variables, slots)
+    with pytest.raises(case[2], match=case[3].replace(r"m\[", r"momentums\[")):
+        call_sgd(variables, grads, slots, **overrides)
+    assert_unchanged(before, variables, slots)
+
+
+def test_sgd_momentum_slots_must_match_momentum():
+    variables, grads, slots = adam_setup()
+    before = snapshot(variables, slots)
+    with pytest.raises(ValueError, match="momentums"):
+        core.sgd_step_(variables, grads, learning_rate=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        core.sgd_step_(variables, grads, slots["m"], learning_rate=0.1)
+    with pytest.raises(TypeError, match="momentums"):
+        core.sgd_step_(variables, grads, slots["m"][0], learning_rate=0.1, momentum=0.9)
+    assert_unchanged(before, variables, slots)
+
+
+def test_bad_input_with_a_non_finite_gradient_still_raises():
+    """Validation comes before the finite check: a bad call never returns False."""
+    variables, grads, slots = adam_setup()
+    grads[0][0] = np.inf
+    before = snapshot(variables, slots)
+    with pytest.raises(ValueError, match="learning_rate"):
+        call_adam(variables, grads, slots, learning_rate=float("nan"))
+    assert_unchanged(before, variables, slots)
