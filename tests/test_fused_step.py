@@ -379,7 +379,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras
 sys.path.insert(0, sys.argv[1])
 import lossscale
-from test_fused_step import INNERS, batches, build_model, factor
+from test_fused_step import INNERS, batches, build_model, factor, step_fn
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 report = {"replicas": strategy.num_replicas_in_sync, "mismatch": {}, "paths": {},
@@ -394,15 +394,11 @@ def copies_state(model, opt):
     return out
 
 
-def step_fn(model, opt):
+def replicated_step_fn(model, opt):
+    replica = step_fn(model, opt, eager=True)
+
     @tf.function
     def step(x, y, f):
-        def replica(x, y, f):
-            with tf.GradientTape() as tape:
-                pred = tf.cast(model(x, training=True), tf.float32)
-                loss = opt.scale_loss(tf.reduce_mean(tf.square(pred - y)) * f)
-            opt.apply(tape.gradient(loss, model.trainable_variables),
-                      model.trainable_variables)
         strategy.run(replica, args=(x, y, f))
     return step
 
@@ -415,7 +411,7 @@ for name in ("sgd_momentum", "adam_amsgrad_schedule", "adamw_exclude"):
             opt = cls(INNERS[name](), dynamic_growth_steps=5)
             opt.build(model.trainable_variables)
         pairs.append((model, opt))
-    steps = [step_fn(m, o) for m, o in pairs]
+    steps = [replicated_step_fn(m, o) for m, o in pairs]
     bad = []
     for i, (x, y) in enumerate(batches(40, seed=2)):
         f = tf.constant(factor(i, "mixed_float16"))
