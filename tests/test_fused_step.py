@@ -177,10 +177,15 @@ def make_pair(name, models, **kw):
 # ----------------------------------------------------- lockstep with stock
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+# Eagerly on one policy only: what eager changes (the ops' dispatch) does
+# not depend on the gradients' dtype, and the file's run time stays short.
+RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
+
+
 @pytest.mark.parametrize("name", list(INNERS))
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_bit_identical_to_stock_every_step(policy, name, eager):
+@pytest.mark.parametrize("policy,eager", RUNS,
+                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+def test_bit_identical_to_stock_every_step(policy, eager, name):
     models = twin_models(policy)
     opts = make_pair(name, models, dynamic_growth_steps=10)
     steps = 40 if eager else 320
@@ -263,7 +268,7 @@ def bad_setup(make_inner):
     opt = Ours(make_inner(), dynamic_growth_steps=10)
     opt.build(model.trainable_variables)
     # A few good steps first, so slots, iterations and the counter are not zero.
-    step = step_fn(model, opt)
+    step = step_fn(model, opt, eager=True)
     for x, y in batches(3, seed=4):
         step(x, y, tf.constant(1.0))
     with tf.GradientTape() as tape:
