@@ -441,7 +441,7 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].grad = cnp.PyArray_DATA(grad)
             params[i].length = <size_t>cnp.PyArray_SIZE(var)
             params[i].grad_dtype = <ls_dtype>code
-            params[i].decay = 1 if decay[i] else 0
+            params[i].decay = decay[i]
             params[i].slot[0] = NULL
             params[i].slot[1] = NULL
             params[i].slot[2] = NULL
@@ -494,8 +494,15 @@ cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale,
         if decay is None:
             decay = [True] * n
         elif not isinstance(decay, (list, tuple)) or len(decay) != n:
-            raise ValueError(f"{what}: decay must be a list of {n} booleans, one per variable")
-    return variables, grads, list(decay)
+            raise ValueError(f"{what}: decay must be a list of {n} entries, one per variable")
+    forms = []
+    for i, d in enumerate(decay):
+        if d is True or d is False or d in (0, 1, 2):
+            forms.append(int(d))
+        else:
+            raise ValueError(f"{what}: decay[{i}] must be False/0 (none), True/1 "
+                             f"(var - (var * wd) * lr) or 2 (var - var * (wd * lr)), got {d!r}")
+    return variables, grads, forms
 
 
 def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,

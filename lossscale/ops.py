@@ -49,13 +49,14 @@ import tensorflow as tf
 
 from lossscale import _loader
 
-__all__ = ["native_available", "unscale_and_check", "all_finite", "update_loss_scale"]
+__all__ = ["native_available", "unscale_and_check", "all_finite", "all_finite_grouped",
+           "update_loss_scale"]
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _RULES = ("tf24", "keras3")
 _INT64_MAX = 2**63 - 1
 _OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
-             "LossScaleDebugBufferAddress")
+             "LossScaleDebugBufferAddress", "LossScaleApplySgd", "LossScaleApplyAdam")
 
 for _name in _OP_NAMES:
     try:
@@ -282,6 +283,41 @@ def all_finite(grads):
         if module is not None:
             return module.loss_scale_all_finite(values)
         return _all_finite_tf(values)
+
+
+# Gradients up to this size are checked together with their neighbours in
+# the list; larger ones get an op each.  Measured on ResNet-50 gradients made
+# in the same graph: an op per tensor reads each gradient while it is still
+# in cache right after its producer, and one op over the whole list waits
+# for all of them and streams them back from memory (slower than the stock
+# per-tensor check); thousands of tiny tensors still want few ops.
+GROUP_BYTES = 1 << 16
+
+
+@tf.autograph.experimental.do_not_convert
+def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
+    """`all_finite` as a step should run it inside the graph that makes the
+    gradients: one op per large gradient, small neighbours grouped up to
+    ``group_bytes``, the flags combined.  Same result as `all_finite`."""
+    grads = _gradient_list(grads, "all_finite_grouped")
+    with tf.name_scope("all_finite_grouped"):
+        values, devices, _ = _dense_values(grads, "all_finite_grouped")
+        if not values:
+            return tf.constant(True)
+        module = _native_library(devices)
+        if module is None:
+            return _all_finite_tf(values)
+        flags, group, size = [], [], 0
+        for v in values:
+            nbytes = v.shape.num_elements()
+            nbytes = None if nbytes is None else nbytes * v.dtype.size
+            if group and (nbytes is None or size + nbytes > group_bytes):
+                flags.append(module.loss_scale_all_finite(group))
+                group, size = [], 0
+            group.append(v)
+            size += nbytes or 0
+        flags.append(module.loss_scale_all_finite(group))
+        return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
 
 
 def _all_finite_tf(values):

@@ -42,6 +42,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
+from lossscale import _fused_step
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 
@@ -235,8 +236,10 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
 
     def __init__(self, inner_optimizer, initial_scale=_DEFAULT_INITIAL_SCALE,
                  dynamic_growth_steps=_DEFAULT_GROWTH_STEPS, name=None, *,
-                 loss_scale=None, **kwargs):
+                 loss_scale=None, fused=True, **kwargs):
         _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_steps)
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be True or False, got {fused!r}.")
         if loss_scale is not None:
             loss_scale = loss_scale_module.get(loss_scale)
             if not isinstance(loss_scale, loss_scale_module.LossScale):
@@ -249,6 +252,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         self._loss_scale_object = loss_scale
+        self._fused = fused
+        self._step_path = None
         if loss_scale is not None:
             # Reported as TensorFlow 2.4's optimizer reported them.
             dynamic = isinstance(loss_scale, loss_scale_module.DynamicLossScale)
@@ -295,6 +300,73 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def skipped_steps(self):
         """The variable counting skipped steps, when the ``LossScale`` keeps one."""
         return getattr(self._loss_scale_object, "skipped_steps", None)
+
+    @property
+    def fused(self):
+        """Whether steps may take the fused native path (the ``fused`` argument)."""
+        return self._fused
+
+    @property
+    def step_path(self):
+        """Which path the optimizer step takes, and why: ``"fused (Adam)"``, or
+        ``"stock: <reason>"`` for what the fused path does not do.  Set by the
+        last step traced or run; before any step, what the configuration
+        alone decides."""
+        if self._step_path is not None:
+            return self._step_path
+        return self._describe_path(self._rule_reason() or _fused_step.static_reason(
+            self.inner_optimizer))
+
+    def _describe_path(self, reason):
+        if reason is None:
+            return f"fused ({type(self.inner_optimizer).__name__})"
+        return f"stock: {reason}"
+
+    def _rule_reason(self):
+        """Why the loss-scale rule keeps steps off the fused path, or None."""
+        if not self._fused:
+            return "fused=False"
+        ls = self._loss_scale_object
+        if ls is None:
+            return None if self._keras_rule_supported() else "a growth period the native rule does not take"
+        if isinstance(ls, loss_scale_module.FixedLossScale):
+            return None
+        if isinstance(ls, loss_scale_module.DynamicLossScale):
+            # The fused check reads the scaled gradients; TensorFlow 2.4
+            # checks the unscaled ones.  The same verdict while the scale
+            # cannot drop below 1 (then g / scale cannot overflow).
+            if ls.min_loss_scale >= 1.0:
+                return None
+            return "a DynamicLossScale whose min_loss_scale is below 1"
+        return f"a custom LossScale ({type(ls).__name__})"
+
+    def _fused_reason(self, grads, trainable_variables):
+        reason = self._rule_reason() or _fused_step.step_reason(
+            self.inner_optimizer, grads, trainable_variables)
+        self._step_path = self._describe_path(reason)
+        return reason
+
+    def _fused_apply(self, grads, trainable_variables, unscale=None):
+        """The step on the fused path: the read-only check of the gradients
+        (as they come, in the graph beside their producers), the rule, then
+        one native update pass that unscales on the fly."""
+        ls = self._loss_scale_object
+        if unscale is None:
+            unscale = "divide" if ls is None else "multiply"
+        # The scale the gradients were made with: read before the rule moves it.
+        scale = tf.convert_to_tensor(
+            _tf_variable(self.dynamic_scale) if ls is None else ls(), tf.float32)
+        scalars = _fused_step.Scalars(self.inner_optimizer)
+        finite = native_ops.all_finite_grouped([g for g in grads if g is not None])
+        # A bad learning rate fails before the loss scale moves.
+        with tf.control_dependencies(scalars.checks):
+            finite = tf.identity(finite)
+        should_apply = self._advance_scale(finite, None)
+        if isinstance(should_apply, bool):
+            should_apply = tf.constant(should_apply)
+        _fused_step.apply(self.inner_optimizer, grads, trainable_variables, scalars,
+                          scale=scale, unscale=unscale, should_apply=should_apply,
+                          advance_iterations_always=self._skipped_steps_advance_iterations)
 
     @_plain_python
     def scale_loss(self, loss):
@@ -434,6 +506,10 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def _tf_apply(self, grads, trainable_variables=None):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        variables = list(trainable_variables or self._trainable_variables)
+        if self._fused_reason(grads, variables) is None:
+            self._fused_apply(list(grads), variables)
+            return
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             self._common_apply(grads, trainable_variables=trainable_variables)
             return
@@ -471,6 +547,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
 
     def get_config(self):
         config = super().get_config()
+        if not self._fused:
+            config["fused"] = False
         if self._loss_scale_object is not None:
             del config["initial_scale"]
             del config["dynamic_growth_steps"]

@@ -194,7 +194,8 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
  * slots come out bit-identical to the stock optimizer's:
  *
  *   g  = unscale(grad)                     (see ls_unscale_mode)
- *   w  = var;  if decay: w = w - (w * weight_decay) * learning_rate
+ *   w  = var;  decay 1: w = w - (w * weight_decay) * learning_rate
+ *              decay 2: w = w - w * (weight_decay * learning_rate)
  *   SGD, no momentum:  w = w - g * lr
  *   SGD, momentum mu:  m = m * mu - g * lr;   w = w + m
  *            Nesterov: m = m * mu - g * lr;   w = w + (m * mu - g * lr)
@@ -210,6 +211,17 @@ typedef enum ls_optimizer {
     LS_OPTIM_SGD = 0,
     LS_OPTIM_ADAM = 1
 } ls_optimizer;
+
+/* Keras applies weight decay as `var - var * wd * lr`.  Run op by op (eager)
+ * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
+ * (Grappler's arithmetic optimizer, which reorders chains of multiplies to
+ * minimise broadcasts) turns it into var * (wd * lr) for any variable of
+ * more than one element.  The caller says which one the stock step computes. */
+typedef enum ls_decay {
+    LS_DECAY_NONE = 0,
+    LS_DECAY_OP_BY_OP = 1,   /* var - (var * wd) * lr */
+    LS_DECAY_REASSOCIATED = 2 /* var - var * (wd * lr) */
+} ls_decay;
 
 typedef enum ls_unscale_mode {
     /* The gradients are already unscaled. */
@@ -234,7 +246,7 @@ typedef struct ls_param {
     float *slot[3];
     size_t length;
     ls_dtype grad_dtype;
-    int decay; /* 1: weight decay applies to this variable */
+    int decay; /* ls_decay: whether and how weight decay applies */
 } ls_param;
 
 typedef struct ls_optim_config {

@@ -69,6 +69,8 @@ static int check_param(const ls_param *p, int nslots)
     if (p->grad_dtype != LS_FLOAT16 && p->grad_dtype != LS_BFLOAT16 &&
         p->grad_dtype != LS_FLOAT32)
         return LS_ERR_DTYPE;
+    if (p->decay < LS_DECAY_NONE || p->decay > LS_DECAY_REASSOCIATED)
+        return LS_ERR_ARG;
     if (p->length == 0)
         return LS_OK;
     const size_t gsize = p->grad_dtype == LS_FLOAT32 ? 4 : 2;
@@ -122,6 +124,7 @@ static void resolve(const ls_optim_config *c, ls_optim_args args[LS_NUM_DTYPES])
     memset(&a, 0, sizeof a);
     a.lr = c->learning_rate;
     a.wd = c->weight_decay;
+    a.wd_lr = c->weight_decay * c->learning_rate;
     a.momentum = c->momentum;
     a.use_momentum = c->momentum != 0.0f;
     a.nesterov = c->nesterov != 0;
@@ -173,7 +176,7 @@ static void run_range(const ls_optim_kernels *k, const ls_param *params, size_t 
         if (lo >= hi)
             continue;
         ls_optim_args *a = &args[p->grad_dtype];
-        a->decay = p->decay != 0;
+        a->decay = p->decay;
         if (c->optimizer == LS_OPTIM_SGD)
             k->sgd[p->grad_dtype](p, lo, hi, a);
         else

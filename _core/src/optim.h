@@ -34,7 +34,8 @@ typedef struct ls_optim_args {
     float factor;    /* divisor or multiplier of the gradient */
     float lr;        /* learning rate */
     float wd;        /* weight decay */
-    int decay;       /* apply weight decay to this variable */
+    float wd_lr;     /* wd * lr, rounded to float32 */
+    int decay;       /* ls_decay of this variable */
     float momentum;  /* SGD */
     int use_momentum;
     int nesterov;
@@ -96,7 +97,11 @@ static inline float ls_optim_max(float a, float b) { return a > b ? a : b; }
 
 static inline float ls_optim_decay1(float w, const ls_optim_args *a)
 {
-    return a->decay ? w - (w * a->wd) * a->lr : w;
+    if (a->decay == LS_DECAY_OP_BY_OP)
+        return w - (w * a->wd) * a->lr;
+    if (a->decay == LS_DECAY_REASSOCIATED)
+        return w - w * a->wd_lr;
+    return w;
 }
 
 static inline void ls_sgd1(const ls_param *p, size_t i, float g, const ls_optim_args *a)

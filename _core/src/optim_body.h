@@ -39,6 +39,16 @@ LS_OPTIM_FN(grad)(const ls_param *p, size_t i, ls_dtype dt, int mode, LS_V facto
     return g;
 }
 
+static inline __attribute__((always_inline)) LS_V
+LS_OPTIM_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
+{
+    if (decay == LS_DECAY_OP_BY_OP)
+        return v_sub(w, v_mul(v_mul(w, wd), lr));
+    if (decay == LS_DECAY_REASSOCIATED)
+        return v_sub(w, v_mul(w, wd_lr));
+    return w;
+}
+
 /* The vector loop's reach: none when a rounded 16-bit multiply is asked. */
 static inline size_t LS_OPTIM_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
                                              const ls_optim_args *a)
@@ -53,15 +63,14 @@ LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_arg
                      ls_dtype dt)
 {
     const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
-               mu = v_set1(a->momentum);
+               wd_lr = v_set1(a->wd_lr), mu = v_set1(a->momentum);
     const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
     float *var = p->var, *mom = p->slot[0];
     size_t i = lo;
     for (; i < end; i += LS_VW) {
         LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
         LS_V w = v_load(var + i);
-        if (a->decay)
-            w = v_sub(w, v_mul(v_mul(w, wd), lr));
+        w = LS_OPTIM_FN(decay)(w, a->decay, wd, lr, wd_lr);
         if (a->use_momentum) {
             LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
             v_store(mom + i, m);
@@ -79,7 +88,7 @@ LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_ar
                       ls_dtype dt)
 {
     const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
-               c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
+               wd_lr = v_set1(a->wd_lr), c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
                eps = v_set1(a->epsilon);
     const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
     float *var = p->var, *ms = p->slot[0], *vs = p->slot[1], *vhs = p->slot[2];
@@ -87,8 +96,7 @@ LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_ar
     for (; i < end; i += LS_VW) {
         LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
         LS_V w = v_load(var + i);
-        if (a->decay)
-            w = v_sub(w, v_mul(v_mul(w, wd), lr));
+        w = LS_OPTIM_FN(decay)(w, a->decay, wd, lr, wd_lr);
         LS_V m = v_load(ms + i), v = v_load(vs + i);
         m = v_add(m, v_mul(v_sub(g, m), c1));
         v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));

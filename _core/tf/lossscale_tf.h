@@ -57,15 +57,16 @@ inline tf::Status CoreError(int rc, const char* what) {
 // results as the core's entry points do: the AND of the finite flags, or the
 // first negative status.  Returns 1, 0 or a negative ls_status.
 inline int RunOverRange(tf::OpKernelContext* ctx, size_t total,
-                        const std::function<int(size_t, size_t)>& range) {
-    const size_t blocks = (total + kElementsPerBlock - 1) / kElementsPerBlock;
+                        const std::function<int(size_t, size_t)>& range,
+                        size_t block = kElementsPerBlock) {
+    const size_t blocks = (total + block - 1) / block;
     if (blocks <= 1)
         return range(0, total);
     std::atomic<int> finite{1};
     std::atomic<int> error{0};
     auto work = [&](int64_t first_block, int64_t last_block) {
-        size_t begin = static_cast<size_t>(first_block) * kElementsPerBlock;
-        size_t end = static_cast<size_t>(last_block) * kElementsPerBlock;
+        size_t begin = static_cast<size_t>(first_block) * block;
+        size_t end = static_cast<size_t>(last_block) * block;
         if (end > total)
             end = total;
         int rc = range(begin, end);
@@ -80,7 +81,7 @@ inline int RunOverRange(tf::OpKernelContext* ctx, size_t total,
     // Cost of one block, in the units Shard compares against (about one per
     // element): always worth parallelising once there are two blocks.
     tf::Shard(pool->num_threads, pool->workers, static_cast<int64_t>(blocks),
-              static_cast<int64_t>(kElementsPerBlock), work);
+              static_cast<int64_t>(block), work);
     int err = error.load();
     return err < 0 ? err : finite.load();
 }
