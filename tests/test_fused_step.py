@@ -226,6 +226,73 @@ def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     assert_fused(loaded[1].optimizer)
 
 
+# ------------------------------------- TensorFlow 2.4's loop, experimental
+
+
+@pytest.mark.parametrize("name", list(INNERS))
+def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
+    """``experimental.LossScaleOptimizer.apply_gradients`` on unscaled
+    gradients against TensorFlow 2.4's arithmetic: TensorFlow's own
+    ``DynamicLossScale`` checks the unscaled gradients, the stock inner
+    optimizer applies them, and a skipped step still advances ``iterations``."""
+    from tensorflow.python.util import deprecation
+
+    from lossscale import experimental
+
+    models = twin_models("mixed_float16")
+    opt = experimental.LossScaleOptimizer(INNERS[name](), experimental.DynamicLossScale(
+        2.0**10, 5))
+    with deprecation.silence():
+        reference_scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+            initial_loss_scale=2.0**10, increment_period=5)
+    reference_inner = INNERS[name]()
+    reference_inner.build(models[0].trainable_variables)
+
+    @tf.function
+    def reference_step(x, y, f):
+        model = models[0]
+        with tf.GradientTape() as tape:
+            pred = tf.cast(model(x, training=True), tf.float32)
+            scaled = tf.reduce_mean(tf.square(pred - y)) * f * reference_scale()
+        grads = tape.gradient(scaled, model.trainable_variables)
+        inv = 1.0 / reference_scale()
+        grads = [g * tf.cast(inv, g.dtype) for g in grads]
+        _, should_apply = reference_scale.update(grads)
+        def apply():
+            reference_inner.apply(grads, model.trainable_variables)
+
+        def skip():
+            reference_inner.iterations.assign_add(1)
+
+        tf.cond(should_apply, apply, skip)
+
+    @tf.function
+    def step(x, y, f):
+        model = models[1]
+        with tf.GradientTape() as tape:
+            pred = tf.cast(model(x, training=True), tf.float32)
+            scaled = opt.get_scaled_loss(tf.reduce_mean(tf.square(pred - y)) * f)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    def slots(inner):
+        return [v for v in inner.variables if v is not inner.iterations]
+
+    for i, (x, y) in enumerate(batches(100, seed=6)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        where = f"step {i}"
+        assert as_bits(opt.loss_scale.numpy()) == as_bits(reference_scale().numpy()), where
+        assert int(opt.dynamic_counter.numpy()) == int(reference_scale._num_good_steps.numpy())
+        assert int(opt.iterations.numpy()) == int(reference_inner.iterations.numpy()) == i + 1
+        assert_same_state(
+            [(v.path, as_bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
+            [(v.path, as_bits(v.numpy()))
+             for v in models[1].variables + slots(opt.inner_optimizer)], where)
+    assert_fused(opt)
+
+
 # ------------------------------------------------------- the stock path
 
 
