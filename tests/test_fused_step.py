@@ -15,11 +15,7 @@ of the wrong shape or dtype, a variable list that does not match, a
 non-finite or negative learning rate) must raise and change nothing.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -28,6 +24,7 @@ import tensorflow as tf
 
 import lossscale
 from test_optimizer import as_bits
+from test_optimizer_distributed import run_worker
 
 if not hasattr(lossscale.LossScaleOptimizer(keras.optimizers.SGD()), "step_path"):
     pytest.skip("LossScaleOptimizer has no step_path yet (the fused step is not wired in)",
@@ -36,7 +33,6 @@ if not hasattr(lossscale.LossScaleOptimizer(keras.optimizers.SGD()), "step_path"
 Stock = keras.optimizers.LossScaleOptimizer
 Ours = lossscale.LossScaleOptimizer
 INF, NAN = float("inf"), float("nan")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------ the path taken
@@ -450,7 +446,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras
-sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, "tests")  # the worker runs in the repository root
 import lossscale
 from test_fused_step import INNERS, batches, build_model, factor, step_fn
 
@@ -501,16 +497,7 @@ json.dump(report, sys.stdout)
 
 @pytest.fixture(scope="module")
 def mirrored_report():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                                                  else []))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", WORKER, os.path.join(ROOT, "tests")],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER)
 
 
 def test_mirrored_strategy_two_cpus_bit_identical_to_stock(mirrored_report):
