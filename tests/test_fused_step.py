@@ -10,7 +10,9 @@ ours.  After every step every model variable, every slot (``momentum``,
 weight decay), Adam (amsgrad off and on) and AdamW with an exclusion, with
 constant and scheduled learning rates, in ``tf.function`` and eagerly, under
 ``MirroredStrategy`` over two logical CPUs, across a ``.keras`` save and
-load, and with a scale whose reciprocal is inexact.  Bad input (a gradient
+load, and with a scale whose reciprocal is inexact.  The TensorFlow 2.4 loop
+of ``experimental.LossScaleOptimizer`` is checked against TensorFlow's own
+``DynamicLossScale`` driving the stock inner optimizer.  Bad input (a gradient
 of the wrong shape or dtype, a variable list that does not match, a
 non-finite or negative learning rate) must raise and change nothing.
 """
