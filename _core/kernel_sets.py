@@ -25,12 +25,14 @@ COMMON_CFLAGS = ["-O3", "-std=c11", "-fvisibility=hidden", "-fno-strict-aliasing
 _X86 = ("x86_64", "amd64", "i686", "i386")
 _ARM64 = ("aarch64", "arm64")
 
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mf16c", "-mfma"]
+
 # (set, machines it is built on (None: all), its files' flags), by priority.
 KERNEL_SETS = [
     ("scalar", None, []),
     ("avx2", _X86, ["-mavx2", "-mf16c", "-mfma"]),
-    ("avx512", _X86, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                      "-mavx512bf16", "-mavx2", "-mf16c", "-mfma"]),
+    ("avx512", _X86, _AVX512),
+    ("avx512bf16", _X86, _AVX512 + ["-mavx512bf16"]),
     ("neon", _ARM64, []),
 ]
 

@@ -23,15 +23,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-_LAYER_ORDER = ["core", "tf_op", "loss_scale", "optimizer", "fit", "memory", "training"]
+_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "fit", "memory",
+                "training"]
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("lossscale benchmarks")
     group.addoption("--quick", action="store_true",
                     default=os.environ.get("LOSSSCALE_BENCH_QUICK", "") not in ("", "0"),
-                    help="a small subset that runs in under two minutes "
-                         "(also LOSSSCALE_BENCH_QUICK=1)")
+                    help="a small subset, the one CI runs (also LOSSSCALE_BENCH_QUICK=1)")
     group.addoption("--threads", type=int, default=0,
                     help="threads for every implementation (default: the cores available)")
     group.addoption("--rounds", type=int, default=0,

@@ -112,6 +112,13 @@ def pin_threads(threads):
     torch, _ = optional("torch")
     if torch is not None:
         torch.set_num_threads(threads)
+        if torch.get_num_interop_threads() != threads:
+            try:
+                torch.set_num_interop_threads(threads)
+            except RuntimeError:
+                # Settable once, before torch's first inter-op work; the
+                # first call of this function comes before any.
+                pass
 
 
 # ------------------------------------------------------------ machine facts
@@ -193,6 +200,8 @@ def machine_facts():
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "torch": torch.__version__ if torch is not None else None,
+        "torch_threads": ([torch.get_num_threads(), torch.get_num_interop_threads()]
+                          if torch is not None else None),
         "torch_missing": torch_why,
         "matplotlib": mpl.__version__ if mpl is not None else None,
         "matplotlib_missing": mpl_why,
@@ -200,6 +209,7 @@ def machine_facts():
         "quick": Settings.quick,
         "rounds": Settings.rounds,
         "samples_per_round": Settings.samples,
+        "min_sample_s": Settings.min_sample_s,
         "settle_s": SETTLE_S,
         "loadavg_start": load_average(),
     }

@@ -8,11 +8,16 @@ the calls (and, for ``fit``, the steps) it covered; the report gives their
 median with the minimum and maximum.  Methods that make their gradients
 inside a ``tf.function`` have the time of making them alone (the
 ``producer``, timed just before each sample) taken off that sample.  Ratios
-are times, ours divided by the peer: below 1 ours is faster.  Plots need
+are times, ours divided by the peer: below 1 ours is faster.  The report
+opens with the speed goals set for the step (met or not, each with its measured
+ratio) and the step a user times -- the optimizer step against its roofline,
+stock Keras and torch, a parameter-heavy ``fit`` step, tracing, the finite
+check alone -- and keeps the isolated ops below.  Plots need
 matplotlib; without it the report says so and is written without them.
 The raw JSON is rewritten without indentation (same content).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -30,6 +35,8 @@ LAYER_TITLES = {
     "loss_scale": "`LossScale.update` (TensorFlow 2.4 API)",
     "optimizer": "Keras `LossScaleOptimizer.apply`, `tf.function`",
     "fit": "a whole `fit` step",
+    "step": "optimizer step: check + unscale + update, `apply` in `tf.function`",
+    "check": "finite check alone: gradients made in the graph, `tf.function`",
 }
 PEER_LABELS = {
     ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
@@ -42,12 +49,18 @@ PEER_LABELS = {
     ("loss_scale", "ours_eager"): "ours eager", ("loss_scale", "stock_eager"): "tf.compat.v1 eager",
     ("optimizer", "ours"): "ours", ("optimizer", "stock"): "stock Keras",
     ("optimizer", "sgd"): "inner SGD alone",
-    ("fit", "ours"): "mixed, ours", ("fit", "stock"): "mixed, stock Keras",
+    ("fit", "ours"): "mixed, ours", ("fit", "ours_unfused"): "mixed, ours fused=False",
+    ("fit", "stock"): "mixed, stock Keras",
     ("fit", "float32"): "float32, no loss scaling",
+    ("step", "ours"): "ours", ("step", "ours_unfused"): "ours, fused=False",
+    ("step", "stock"): "stock Keras", ("step", "torch_fused"): "torch fused",
+    ("step", "torch_foreach"): "torch foreach",
+    ("check", "composite"): "stock composite", ("check", "ours_per_tensor"): "ours per tensor",
+    ("check", "ours_list"): "ours, one op", ("check", "ours_grouped"): "ours grouped",
 }
 # Layers whose graph methods make their gradients in the graph; the
 # producer's time, measured before each sample, comes off.
-NET = ("tf_op", "loss_scale", "optimizer")
+NET = ("tf_op", "loss_scale", "optimizer", "step", "check")
 for _layer in NET:
     PEER_LABELS[(_layer, "producer")] = "making the gradients (subtracted)"
 # (layer, ours, peer, label) -> the ratio columns of each layer's table.
@@ -64,6 +77,42 @@ RATIOS = {
 }
 
 
+# Ratios are ours ÷ peer (time).  Above SLOWER ours is slower: the cell is
+# bold and listed under "Where we lose"; from FASTER to SLOWER it is a tie.
+SLOWER = 1.05
+FASTER = 0.95
+# A first call (tracing) is a loss only when it is also this much longer in
+# seconds: a few milliseconds of tracing are noise, whatever their ratio.
+FIRST_CALL_SLACK_S = 0.05
+# torch's pass at more threads this many times slower than at one is its
+# threading, not the work (see why_torch_threads).
+TORCH_THREADS_ABSURD = 5.0
+
+
+def percent(band):
+    """The band around 1 as a percentage: 1.05 -> '5%'."""
+    return f"{abs(band - 1) * 100:.0f}%"
+
+
+# Bytes per parameter the fused step must move: a read-only finite check of
+# the gradient (4 B), then the update -- SGD-momentum reads the gradient, the
+# variable and the momentum and writes the last two (20 B); Adam reads the
+# gradient, the variable and two moments and writes the last three (28 B).
+STEP_BYTES_PER_PARAM = {"sgdm": 4 + 20, "adam": 4 + 28}
+OPTIMIZER_LABELS = {"sgdm": "SGD-momentum", "adam": "Adam"}
+
+# The speed goals set for the step.  Step, per optimizer: the most ours ÷ roofline,
+# the least stock ÷ ours, the torch peers ours must not be slower than
+# (ours ÷ the faster of them at most NOT_SLOWER).
+STEP_GOALS = {"adam": (1.15, 3.0, ("torch_fused", "torch_foreach")),
+              "sgdm": (1.15, 2.5, ("torch_fused",))}
+STEP_GOAL_WORKLOADS = ("resnet50", "bert_base")
+FIT_GOAL = ("mlp_4096x3/mixed_float16", 1.3)          # least stock ÷ ours
+TRACING_GOAL_WORKLOAD = "tiny_2000x64"              # first call: ours ÷ stock ≤ NOT_SLOWER
+CHECK_GOALS = {"resnet50/float32": 1.25, "tiny_2000x64/float32": 5.0}  # least composite ÷ ours
+NOT_SLOWER = SLOWER
+
+
 # ------------------------------------------------------------ reading
 
 
@@ -74,14 +123,23 @@ def ratio_line(layer, case, threads, ours, peer, r):
             f"{PEER_LABELS.get((layer, ours), ours)} ÷ "
             f"{PEER_LABELS.get((layer, peer), peer)} = {r:.2f}")
 
+@dataclasses.dataclass(frozen=True)
 class Stat:
-    def __init__(self, xs, rounds=None):
+    """The samples of one method on one workload (seconds per step)."""
+
+    samples: list
+    median: float
+    min: float
+    max: float
+    n: int
+    rounds: dict            # round index -> median of that round's samples
+    gross: "Stat" = None    # before the producer was subtracted, where it was
+
+    @classmethod
+    def of(cls, xs, by_round, gross=None):
         xs = sorted(xs)
-        self.samples = xs
-        self.median = statistics.median(xs)
-        self.min, self.max, self.n = xs[0], xs[-1], len(xs)
-        # round index -> median of that round's samples
-        self.rounds = rounds or {}
+        return cls(xs, statistics.median(xs), xs[0], xs[-1], len(xs),
+                   {r: statistics.median(x) for r, x in by_round.items()}, gross)
 
 
 def load(path):
@@ -112,12 +170,12 @@ def load(path):
         info[key] = e
         if "first_call_s" in e:
             first[key] = e["first_call_s"]
-    stats = {k: Stat(v, {r: statistics.median(x) for r, x in by_round[k].items()})
-             for k, v in samples.items() if len(k) == 4}
-    for k, st in stats.items():
-        if k + ("gross",) in samples:
-            st.gross = Stat(samples[k + ("gross",)],
-                            {r: statistics.median(x) for r, x in by_round[k + ("gross",)].items()})
+    stats = {}
+    for k, v in samples.items():
+        if len(k) == 4:
+            g = k + ("gross",)
+            gross = Stat.of(samples[g], by_round[g]) if g in samples else None
+            stats[k] = Stat.of(v, by_round[k], gross)
     meta = raw.get("lossscale", {})
     return raw, stats, info, first, meta.get("facts", {}), meta.get("records", {})
 
@@ -140,27 +198,57 @@ def cell(st):
     return f"{fmt_s(st.median)} <sub>{fmt_s(st.min)}–{fmt_s(st.max)}</sub>"
 
 
-class Ratio(float):
+@dataclasses.dataclass(frozen=True)
+class Ratio:
     """ours ÷ peer taken round by round (each round's medians, measured back
-    to back): the median of those ratios, and their range.  With one round,
-    the ratio of the medians."""
+    to back): ``value`` is the median of those ratios, ``lo`` and ``hi``
+    their range.  With one round, the ratio of the medians and no range."""
 
-    def __new__(cls, a, b):
-        per = [a.rounds[k] / b.rounds[k] for k in a.rounds
-               if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
-        if len(per) > 1:
-            r = super().__new__(cls, statistics.median(per))
-            r.lo, r.hi = min(per), max(per)
-        else:
-            r = super().__new__(cls, a.median / b.median)
-            r.lo = r.hi = None
-        return r
+    value: float
+    lo: float = None
+    hi: float = None
 
 
 def ratio(a, b):
+    """The ``Ratio`` of two ``Stat``s, or None where either is missing or not
+    positive."""
     if a is None or b is None or a.median <= 0 or b.median <= 0:
         return None
-    return Ratio(a, b)
+    per = [a.rounds[k] / b.rounds[k] for k in a.rounds
+           if k in b.rounds and a.rounds[k] > 0 and b.rounds[k] > 0]
+    if len(per) > 1:
+        return Ratio(statistics.median(per), min(per), max(per))
+    return Ratio(a.median / b.median)
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """One speed goal against this run: ``value`` is the
+    measured ratio (None where this run did not measure it), ``limit`` the
+    bound, ``at_least`` whether the ratio must reach it or stay under it."""
+
+    what: str
+    value: float
+    limit: float
+    at_least: bool
+
+    @property
+    def met(self):
+        if self.value is None:
+            return None
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
+
+
+def speedup(ours, peer):
+    """How many times faster ours is: 1 ÷ (ours ÷ peer), so that it reads the
+    same ratio as every other cell of the report; None where not measured."""
+    r = ratio(ours, peer)
+    return None if r is None else 1 / r.value
+
+
+def scaled(st, k):
+    """``st`` with every time multiplied by ``k``."""
+    return Stat.of([x * k for x in st.samples], {r: [m * k] for r, m in st.rounds.items()})
 
 
 def _r(x):
@@ -170,20 +258,21 @@ def _r(x):
 def fmt_ratio(r, spread=True):
     if r is None:
         return "—"
-    s = _r(r)
-    s = f"**{s}**" if r > 1.05 else s
-    if spread and getattr(r, "lo", None) is not None:
+    s = _r(r.value)
+    s = f"**{s}**" if r.value > SLOWER else s
+    if spread and r.lo is not None:
         s += f" <sub>{_r(r.lo)}–{_r(r.hi)}</sub>"
     return s
 
 
 def case_label(case):
-    name, dtype = case.split("/")
+    name, dtype, *variant = case.split("/")
     if name.startswith("sweep_"):
         return f"1 tensor, {workloads.size_label(int(name[6:]))}"
     pretty = {"resnet50": "ResNet-50", "bert_base": "BERT-base", "tiny_2000x64": "2,000 × 64",
-              workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN"}.get(name, name)
-    return f"{pretty} {dtype}"
+              workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN",
+              "mlp_4096x3": "MLP 3 × 4096"}.get(name, name)
+    return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 
 def is_sweep(case):
@@ -232,6 +321,228 @@ class Report:
     def w(self, *lines):
         self.lines.extend(lines)
 
+    # -------------------------------------------------------- the step a user times
+
+    def step_roofline(self, case):
+        """The fused step's bytes at the bandwidth of the in-place multiply
+        over 1 GiB in this run, as a ``Stat``; None without either."""
+        bw = (self.get("core", f"{workloads.BIG}/float32", "roofline")
+              or self.get("core", f"{workloads.BIG}/float32", "roofline", 1))
+        info = next((e for k, e in self.info.items() if k[:3] == ("step", case, self.threads)),
+                    None)
+        if bw is None or info is None:
+            return None
+        optimizer = case.split("/")[2]
+        return scaled(bw, STEP_BYTES_PER_PARAM[optimizer] * info["values"] / (2 * workloads.GIB))
+
+    def step_get(self, case, peer):
+        return self.step_roofline(case) if peer == "roofline" else self.get("step", case, peer)
+
+    def best_check(self):
+        """The lossscale check the goals judge: grouped where the run has it."""
+        peers = self.peers("check")
+        return "ours_grouped" if "ours_grouped" in peers else "ours_list"
+
+    def first_ratio(self, layer, case, ours, peer):
+        a = self.first.get((layer, case, self.threads, ours))
+        b = self.first.get((layer, case, self.threads, peer))
+        return Ratio(a / b) if a and b else None
+
+    def torch_best(self, case, peers):
+        found = [(st.median, p) for p in peers for st in [self.get("step", case, p)] if st]
+        return min(found)[1] if found else None
+
+    def goals(self):
+        out = []
+        for optimizer, name in ((o, w) for o in STEP_GOALS for w in STEP_GOAL_WORKLOADS):
+            case = f"{name}/float32/{optimizer}"
+            roof_max, stock_min, torch_peers = STEP_GOALS[optimizer]
+            label = f"step, {case_label(case)}"
+            r = ratio(self.step_get(case, "ours"), self.step_get(case, "roofline"))
+            out.append(Goal(f"{label}: ours ÷ roofline", r and r.value, roof_max, False))
+            out.append(Goal(f"{label}: stock ÷ ours",
+                            speedup(self.step_get(case, "ours"), self.step_get(case, "stock")),
+                            stock_min, True))
+            best = self.torch_best(case, torch_peers)
+            r = ratio(self.step_get(case, "ours"), self.step_get(case, best)) if best else None
+            names = " or ".join(PEER_LABELS[("step", p)] for p in torch_peers)
+            out.append(Goal(f"{label}: ours ÷ "
+                            + (names if len(torch_peers) == 1 else
+                               f"the faster of {names}"
+                               + (f" ({PEER_LABELS[('step', best)]})" if best else "")),
+                            r and r.value, NOT_SLOWER, False))
+        case, least = FIT_GOAL
+        out.append(Goal(f"`fit` step, {case_label(case)}, Adam: stock ÷ ours",
+                        speedup(self.get("fit", case, "ours"), self.get("fit", case, "stock")),
+                        least, True))
+        for optimizer in STEP_GOALS:
+            case = f"{TRACING_GOAL_WORKLOAD}/float32/{optimizer}"
+            r = self.first_ratio("step", case, "ours", "stock")
+            out.append(Goal(f"tracing (first call of `apply`), {case_label(case)}: "
+                            "ours ÷ stock", r and r.value, NOT_SLOWER, False))
+        ours = self.best_check()
+        for case, least in CHECK_GOALS.items():
+            out.append(Goal(f"finite check alone, {case_label(case)}: stock composite ÷ "
+                            f"{PEER_LABELS[('check', ours)]}",
+                            speedup(self.get("check", case, ours),
+                                    self.get("check", case, "composite")), least, True))
+        return out
+
+    def goals_section(self):
+        if not self.cases("step") and not self.cases("check"):
+            return
+        self.goal_rows = self.goals()
+        self.w("## Goals", "",
+               "The speed goals set for the step, against this run.  \"Not slower\" allows "
+               f"the tie band of this report (ours ÷ peer up to {NOT_SLOWER:g}).", "",
+               "| goal | measured | bound | |", "|---|---:|---:|---|")
+        for g in self.goal_rows:
+            if g.met is not None:
+                bound = f"≥ {g.limit:g}" if g.at_least else f"≤ {g.limit:g}"
+                self.w(f"| {g.what} | {_r(g.value)} | {bound} | "
+                       f"{'met' if g.met else '**not met**'} |")
+        missing = [g.what for g in self.goal_rows if g.met is None]
+        self.w("")
+        if missing:
+            self.w("Not measured in this run (its case was not run): "
+                   + "; ".join(missing) + ".", "")
+
+    def lead_rows(self):
+        """Headline rows for the step a user times, ahead of the isolated ops."""
+        rows = []
+        for case in self.cases("step"):
+            for peer in ("stock", "torch_fused", "torch_foreach", "roofline"):
+                r = ratio(self.step_get(case, "ours"), self.step_get(case, peer))
+                if r is not None and not (case.startswith(TRACING_GOAL_WORKLOAD + "/")
+                                          and peer == "roofline"):
+                    rows.append((f"optimizer step, {case_label(case)}: ours ÷ "
+                                 f"{PEER_LABELS.get(('step', peer), 'roofline')}", r))
+        for case in self.cases("fit"):
+            if case != "digits_cnn/mixed_float16":
+                r = ratio(self.get("fit", case, "ours"), self.get("fit", case, "stock"))
+                if r is not None:
+                    rows.append((f"`fit` step, {case_label(case)}: ours ÷ stock Keras", r))
+        for case in self.cases("step"):
+            if case.startswith(TRACING_GOAL_WORKLOAD + "/"):
+                r = self.first_ratio("step", case, "ours", "stock")
+                if r is not None:
+                    rows.append((f"tracing `apply`, {case_label(case)}: ours ÷ stock Keras", r))
+        ours = self.best_check()
+        for case in self.cases("check"):
+            r = ratio(self.get("check", case, ours), self.get("check", case, "composite"))
+            if r is not None:
+                rows.append((f"finite check alone, {case_label(case)}: "
+                             f"{PEER_LABELS[('check', ours)]} ÷ stock composite", r))
+        return rows
+
+    def times_table(self, layer, cases, peers, ratios, get, extra=None):
+        """Times of ``peers`` on ``cases``, then ``ratios``: (label, a, b) for
+        a ÷ b; ``extra``: (label, case -> cell) columns at the end."""
+        extra = extra or []
+        self.w("| workload | " + " | ".join(PEER_LABELS.get((layer, p), p) for p in peers)
+               + "".join(f" | {label}" for label, _a, _b in ratios)
+               + "".join(f" | {label}" for label, _f in extra) + " |",
+               "|---|" + "---:|" * (len(peers) + len(ratios)) + "---|" * len(extra))
+        for case in cases:
+            cells = [cell(get(case, p)) for p in peers]
+            for _label, a, b in ratios:
+                r = ratio(get(case, a), get(case, b))
+                cells.append(fmt_ratio(r))
+                if r is not None and a.startswith("ours") and b != "roofline":
+                    entry = (layer, case, self.threads, a, b, r.value)
+                    if r.value > SLOWER:
+                        self.losses.append(entry)
+                    elif r.value >= FASTER:
+                        self.ties.append(entry)
+            cells += [f(case) for _label, f in extra]
+            self.w(f"| {case_label(case)} | " + " | ".join(cells) + " |")
+        self.w("")
+
+    def user_step(self):
+        """Table 1 and its companions: what a user of the optimizer times."""
+        cases = self.cases("step")
+        if cases:
+            peers = [p for p in self.peers("step") if p != "producer"]
+            paths = {case: "; ".join(
+                f"{PEER_LABELS[('step', p)]}: {e['step_path']}" for p in ("ours", "ours_unfused")
+                for e in [self.info.get(("step", case, self.threads, p))]
+                if e and "step_path" in e) for case in cases}
+            self.w("## The step a user times", "",
+                   f"### 1. {LAYER_TITLES['step']}", "",
+                   "Scaled float32 gradients in, the variables updated.  Keras methods make "
+                   "their gradients in the graph and torch copies them into `.grad`; making "
+                   "them alone is timed before every sample and taken off.  torch is stepped "
+                   "by `GradScaler` as a training loop does.  The roofline is the bytes the "
+                   "fused step must move ("
+                   + ", ".join(f"{OPTIMIZER_LABELS[o]} {b} B" for o, b in
+                               STEP_BYTES_PER_PARAM.items())
+                   + " per parameter, a read-only check of the gradients included) at the "
+                   "bandwidth of the in-place multiply over 1 GiB in this run.", "")
+            self.times_table(
+                "step", cases, peers + ["roofline"],
+                [("ours ÷ roofline", "ours", "roofline"), ("ours ÷ stock", "ours", "stock"),
+                 ("ours ÷ torch fused", "ours", "torch_fused"),
+                 ("ours ÷ torch foreach", "ours", "torch_foreach")],
+                self.step_get, [("path taken", lambda c: paths[c])])
+            speedups = []
+            for case in cases:
+                x = speedup(self.get("step", case, "ours"), self.get("step", case, "stock"))
+                if x is not None:
+                    speedups.append(f"{case_label(case)} {_r(x)}")
+            if speedups:
+                self.w("stock ÷ ours (how many times faster ours is): "
+                       + "; ".join(speedups) + ".", "")
+        mlp = [c for c in self.cases("fit") if c != "digits_cnn/mixed_float16"]
+        if mlp:
+            ident = self.records.get("fit_mlp", {})
+            peers = [p for p in self.peers("fit") if p in ("ours", "ours_unfused", "stock")]
+            self.w(f"### 2. {LAYER_TITLES['fit']} of a parameter-heavy model", "",
+                   "A mixed_float16 MLP"
+                   + (f" of {ident['params']:,} parameters, batch {ident['batch']}"
+                      if ident else "")
+                   + ", Adam: time per `train_on_batch`.", "")
+            self.times_table("fit", mlp, peers,
+                             [("ours ÷ stock", "ours", "stock")],
+                             lambda c, p: self.get("fit", c, p))
+            if ident:
+                same = ", ".join(f"{PEER_LABELS[('fit', p)]}: "
+                                 f"**{'bit-identical' if v else 'DIFFERENT'}**"
+                                 for p, v in ident["identical"].items())
+                self.w(f"Weights after {ident['steps']} steps from the same weights on the "
+                       f"same batch, against stock Keras: {same}.", "")
+        tiny = [c for c in cases if c.startswith(TRACING_GOAL_WORKLOAD + "/")]
+        if tiny:
+            peers = [p for p in self.peers("step") if p != "producer"]
+            self.w("### 3. Tracing: the first call of the step", "",
+                   "The first call of each method before any timing: for Keras, tracing "
+                   "`apply` and optimizing the graph (the gradients' producer included alike).",
+                   "", "| workload | " + " | ".join(PEER_LABELS[("step", p)] for p in peers)
+                   + " | ours ÷ stock |", "|---|" + "---:|" * (len(peers) + 1))
+            for case in tiny:
+                cells = [fmt_s(self.first[k]) if k in self.first else "—"
+                         for k in (("step", case, self.threads, p) for p in peers)]
+                r = self.first_ratio("step", case, "ours", "stock")
+                self.w(f"| {case_label(case)} | " + " | ".join(cells)
+                       + f" | {fmt_ratio(r)} |")
+                a = self.first.get(("step", case, self.threads, "ours"))
+                b = self.first.get(("step", case, self.threads, "stock"))
+                if r is not None and a > SLOWER * b and a - b > FIRST_CALL_SLACK_S:
+                    self.first_losses.append(("step", case, "ours", "stock", a, b))
+            self.w("")
+        checks = self.cases("check")
+        if checks:
+            peers = [p for p in self.peers("check") if p != "producer"]
+            ours = [p for p in peers if p.startswith("ours")]
+            self.w(f"### 4. {LAYER_TITLES['check']}", "",
+                   "Gradients made in the graph, their producer's time taken off: stock Keras' "
+                   "`is_finite` + `reduce_all` per tensor against `lossscale.ops.all_finite` "
+                   "per tensor, over the whole list, and grouped where the package has "
+                   "`all_finite_grouped`.", "")
+            self.times_table("check", checks, peers,
+                             [(f"{PEER_LABELS[('check', p)]} ÷ composite", p, "composite")
+                              for p in ours],
+                             lambda c, p: self.get("check", c, p))
+
     # -------------------------------------------------------- sections
 
     def header(self):
@@ -241,7 +552,7 @@ class Report:
                "Every implementation below ran in one `make bench` run, side by side on the "
                "same data at the same thread count, interleaved round by round.  Times are "
                "medians with <sub>min–max</sub> over every sample; ratios are **ours ÷ peer** "
-               "(time: below 1 ours is faster; above 1.05 in bold, ours is slower), taken "
+               f"(time: below 1 ours is faster; above {SLOWER:g} in bold, ours is slower), taken "
                "round by round from that round's medians: the median of the rounds' ratios "
                "with <sub>their range</sub>.", "")
         if f:
@@ -252,7 +563,10 @@ class Report:
                    f"- lossscale kernel set chosen: `{f.get('simd_level')}` (best on this CPU: "
                    f"`{f.get('simd_best')}`); TensorFlow op library: {f.get('native_op')}",
                    f"- threads pinned: **{f.get('threads')}** for TensorFlow's intra- and "
-                   f"inter-op pools, `lossscale.core` and torch; the numpy layer is also run at "
+                   f"inter-op pools, `lossscale.core` and torch"
+                   + (" (torch intra-/inter-op: {}/{})".format(*f["torch_threads"])
+                      if f.get("torch_threads") else "")
+                   + "; the numpy layer is also run at "
                    f"{', '.join(map(str, f.get('core_threads', [])))} "
                    "(numpy itself is single-threaded whatever the setting)",
                    f"- versions: Python {f.get('python')}, numpy {f.get('numpy')}, TensorFlow "
@@ -261,8 +575,10 @@ class Report:
                    f"pytest-benchmark {self.raw.get('version')}",
                    f"- method: per workload, {f.get('rounds')} rounds; in each round every "
                    f"method (order rotated) is warmed up, then timed "
-                   f"{f.get('samples_per_round')} times, each sample at least 2 ms of "
-                   f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
+                   f"{f.get('samples_per_round')} times, each sample "
+                   + (f"at least {f['min_sample_s'] * 1e3:g} ms of " if "min_sample_s" in f
+                      else "")
+                   + f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
                    "OpenMP workers spin after a parallel region and would otherwise steal the "
                    "next method's cores)",
                    f"- load average {f.get('loadavg_start')} at the start, "
@@ -282,6 +598,8 @@ class Report:
             r = ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
             if r is not None:
                 rows.append((what, r))
+
+        rows.extend(self.lead_rows())
 
         add("numpy layer, ResNet-50 float32, 1 thread: ours ÷ roofline", "core",
             "resnet50/float32", "ours", "roofline", 1)
@@ -318,8 +636,9 @@ class Report:
         self.headline_rows = rows
         self.w("## Headline", "", "| | ours ÷ peer (time) | |", "|---|---:|---|")
         for what, r in rows:
-            verdict = (f"{1 / r:.1f}× faster" if r < 0.95 else
-                       "tie (within 5%)" if r <= 1.05 else f"{r:.2f}× slower")
+            verdict = (f"{1 / r.value:.1f}× faster" if r.value < FASTER else
+                       f"tie (within {percent(SLOWER)})" if r.value <= SLOWER
+                       else f"{r.value:.2f}× slower")
             self.w(f"| {what} | {fmt_ratio(r)} | {verdict} |")
         mem = self.records.get("memory")
         if mem:
@@ -359,17 +678,17 @@ class Report:
             rs = []
             if gross:
                 a, b = (self.get(layer, case, p, threads) for p in gross[:2])
-                g = ratio(getattr(a, "gross", a), getattr(b, "gross", b))
+                g = ratio(a.gross or a if a else None, b.gross or b if b else None)
                 gross_cell = fmt_ratio(g)
             for ours, peer, label in rcols:
                 r = ratio(self.get(layer, case, ours, threads),
                           self.get(layer, case, peer, threads))
                 rs.append(fmt_ratio(r))
                 if r is not None and peer != "roofline":
-                    entry = (layer, case, threads or self.threads, ours, peer, r)
-                    if r > 1.05:
+                    entry = (layer, case, threads or self.threads, ours, peer, r.value)
+                    if r.value > SLOWER:
                         self.losses.append(entry)
-                    elif r >= 0.95:
+                    elif r.value >= FASTER:
                         self.ties.append(entry)
             if gross:
                 rs.append(gross_cell)
@@ -419,9 +738,9 @@ class Report:
                         continue
                     for t in (core_threads if part == "core" else [self.threads]):
                         r = ratio(self.get(part, case, ours, t), self.get(part, case, peer, t))
-                        if r is not None and r > 1.05:
+                        if r is not None and r.value > SLOWER:
                             self.sweep_losses.setdefault((part, t, ours, peer), []).append(
-                                (size, r))
+                                (size, r.value))
             self.w("")
 
     def first_calls(self):
@@ -449,8 +768,8 @@ class Report:
         for layer, case, cells in rows:
             for ours, peer in (("ours", "stock"), ("ours", "composite"),
                                ("ours_eager", "stock_eager"), ("ours_eager", "composite_eager")):
-                if ours in cells and peer in cells and cells[ours] > 1.05 * cells[peer] \
-                        and cells[ours] - cells[peer] > 0.05:
+                if ours in cells and peer in cells and cells[ours] > SLOWER * cells[peer] \
+                        and cells[ours] - cells[peer] > FIRST_CALL_SLACK_S:
                     self.first_losses.append((layer, case, ours, peer, cells[ours], cells[peer]))
 
             def c(*names):
@@ -459,7 +778,9 @@ class Report:
                         return fmt_s(cells[n])
                 return "—"
             short = {"tf_op": "TF op", "loss_scale": "`LossScale.update`",
-                     "optimizer": "`LossScaleOptimizer.apply`", "fit": "`fit` epoch"}[layer]
+                     "optimizer": "`LossScaleOptimizer.apply`",
+                     "fit": "`fit` epoch" if case.startswith("digits_cnn/")
+                     else "`train_on_batch`"}[layer]
             self.w(f"| {short} | "
                    f"{case_label(case)} | {c('ours')} | {c('stock', 'composite')} | "
                    f"{c('ours_eager')} | {c('stock_eager', 'composite_eager')} |")
@@ -530,9 +851,11 @@ class Report:
     def where_we_lose(self):
         self.w("## Where we lose", "")
         if not self.losses and not self.sweep_losses and not self.first_losses:
-            self.w("Nowhere in this run is ours more than 5% slower than a peer.", "")
+            self.w(f"Nowhere in this run is ours more than {percent(SLOWER)} slower than a "
+                   "peer.", "")
         else:
-            self.w("Every cell above where ours is more than 5% slower than a peer:", "")
+            self.w(f"Every cell above where ours is more than {percent(SLOWER)} slower than "
+                   "a peer:", "")
             for row in self.losses:
                 self.w(ratio_line(*row))
             for layer, case, ours, peer, a, b in self.first_losses:
@@ -547,47 +870,148 @@ class Report:
                        + ", ".join(f"{r:.2f} at {workloads.size_label(n)}" for n, r in pts))
             self.w("")
         if self.ties:
-            self.w("Ties, where ours is within 5% of a peer:", "")
+            self.w(f"Ties, where ours is within {percent(SLOWER)} of a peer:", "")
             for row in self.ties:
                 self.w(ratio_line(*row))
             self.w("")
-        self.w(
-            "Why, where it is understood:", "",
-            "- **Memory-bound float32 lists.** A list larger than the cache is one read and "
-            "one write of every byte whoever does it: ours, torch and the in-place multiply "
-            "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
-            "numpy's roofline is single-threaded, so at more threads ours can go below it.",
-            "- **16-bit lists against the roofline.** The roofline for float16 and bfloat16 "
-            "is a float32 multiply over the same bytes; ours converts every value to float32 "
-            "and back, and on one thread sits at that roofline or a few percent above it, "
-            "while it is well ahead of numpy and torch.",
-            "- **Differences of big graph runs.** For BERT-base the loss-scale work (10–30 ms) "
-            "is the difference of two graph runs of 60–90 ms; its round-by-round range is "
-            "wide, and a single ratio there (against torch, say) is soft.",
-            "- **Tracing the Keras optimizer.** Tracing `apply` over thousands of variables "
-            "takes longer with ours than with the stock optimizer (the first-call table); it "
-            "is paid once per function.",
-            "- **Small single tensors under TensorFlow.** For one tensor of a few KiB, calling a "
-            "`tf.function` or an eager op costs tens of microseconds whatever the kernel "
-            "does; both TensorFlow methods are call overhead there, and torch's direct C++ "
-            "call wins by an order of magnitude.  The same overhead is why torch can beat the "
-            "TensorFlow op on 2,000 tiny tensors.",
+        self.w("Why, where it is understood:", "", *self.why(), "")
+
+    # -------------------------------------------------------- measured prose
+
+    def _medians(self, layer, cases, peers, threads=None, gross=False):
+        out = []
+        for case in cases:
+            for peer in peers:
+                st = self.get(layer, case, peer, threads)
+                if st is not None and gross:
+                    st = st.gross
+                if st is not None and st.median > 0:
+                    out.append(st.median)
+        return out
+
+    def _ratios(self, layer, cases, ours, peer, threads=None):
+        rs = (ratio(self.get(layer, c, ours, threads), self.get(layer, c, peer, threads))
+              for c in cases)
+        return [r.value for r in rs if r is not None]
+
+    @staticmethod
+    def _span(xs, fmt):
+        lo, hi = fmt(min(xs)), fmt(max(xs))
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    def why(self):
+        """The explanations under "Where we lose"; every figure in them is
+        read from this run."""
+        out = ["- **Memory-bound float32 lists.** A list larger than the cache is one read and "
+               "one write of every byte whoever does it: ours, torch and the in-place multiply "
+               "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
+               "numpy's roofline is single-threaded, so at more threads ours can go below it."]
+        # The lists larger than the cache: 2,000 tiny tensors are numpy's call
+        # overhead, not a roofline.
+        lists16 = [c for c in self.cases("core", 1) if c.split("/")[1] != "float32"
+                   and not c.startswith(("tiny_", workloads.BIG))]
+        roof = self._ratios("core", lists16, "ours", "roofline", 1)
+        if roof:
+            ahead = [r for peer in ("numpy", "torch")
+                     for r in self._ratios("core", lists16, "ours", peer, 1)]
+            out.append(
+                "- **16-bit lists against the roofline.** The roofline for float16 and bfloat16 "
+                "is a float32 multiply over the same bytes; ours converts every value to "
+                "float32 and back, and on one thread its ours ÷ roofline is "
+                f"{self._span(roof, _r)}"
+                + (f", while ours ÷ numpy and ours ÷ torch are at most {_r(max(ahead))}."
+                   if ahead else "."))
+        bert = [c for c in self.cases("tf_op") if c.startswith("bert_base/")]
+        net = self._medians("tf_op", bert, ("ours", "composite"))
+        gross = self._medians("tf_op", bert, ("ours", "composite"), gross=True)
+        if net and gross:
+            out.append(
+                f"- **Differences of big graph runs.** For BERT-base the loss-scale work "
+                f"({self._span(net, fmt_s)}) is the difference of two graph runs of "
+                f"{self._span(gross, fmt_s)}; its round-by-round range is wide, and a single "
+                "ratio there (against torch, say) is soft.")
+        tiny = [c for c in self.cases("optimizer") if c.startswith("tiny_2000x64/")]
+        firsts = [(self.first.get(("optimizer", c, self.threads, "ours")),
+                   self.first.get(("optimizer", c, self.threads, "stock"))) for c in tiny]
+        firsts = [(a, b) for a, b in firsts if a is not None and b is not None]
+        if firsts:
+            a, b = firsts[0]
+            out.append(
+                "- **Tracing the Keras optimizer.** Tracing `apply` over thousands of variables "
+                + ("takes longer with ours than with the stock optimizer" if a > b else
+                   "takes no longer with ours than with the stock optimizer")
+                + f" ({fmt_s(a)} against {fmt_s(b)}, the first-call table); it is paid once "
+                "per function.")
+        sweep = self.cases("tf_op", sweep=True)
+        if sweep:
+            smallest = min(sweep, key=lambda c: int(c.split("/")[0][6:]))
+            tf_calls = self._medians("tf_op", [smallest],
+                                     ("ours", "composite", "ours_eager", "composite_eager"))
+            torch_call = self._medians("tf_op", [smallest], ("torch",))
+            if tf_calls:
+                size = workloads.size_label(int(smallest.split("/")[0][6:]))
+                out.append(
+                    f"- **Small single tensors under TensorFlow.** For one tensor of {size}, "
+                    f"calling a `tf.function` or an eager op costs {self._span(tf_calls, fmt_s)} "
+                    "whatever the kernel does; both TensorFlow methods are call overhead there"
+                    + (f", and torch's direct C++ call ({fmt_s(torch_call[0])}) is "
+                       f"{min(tf_calls) / torch_call[0]:.0f}× faster.  The same overhead is "
+                       "why torch can beat the TensorFlow op on 2,000 tiny tensors."
+                       if torch_call else "."))
+        out.append(
             "- **The TF composite in a graph overlaps with the producer.** Its per-tensor ops "
             "run as soon as each gradient exists, while it is in cache, and in parallel with "
             "making the next one; the one fused op waits for the whole list and streams it "
-            "back from memory.",
-            "- **Keras `apply`.** Both optimizers hand the unscaled gradients to the same "
-            "inner SGD, whose update is the larger part of `apply` (the *inner SGD alone* "
-            "column): the most any loss scaling can save is stock minus SGD alone.",
-            "- **A whole `fit` step of a small model.** The optimizer's share of the step is "
-            "small; the two agree within the step time's scatter.",
+            "back from memory.")
+        if self.optimizer_fused():
+            out.append(
+                "- **Keras `apply`.** Ours takes the fused step: the check, the unscale and "
+                "the SGD update in one pass, so it can go below the *inner SGD alone* column, "
+                "which stock hands its unscaled gradients to.")
+        else:
+            out.append(
+                "- **Keras `apply`.** Both optimizers hand the unscaled gradients to the same "
+                "inner SGD, whose update is the larger part of `apply` (the *inner SGD alone* "
+                "column): the most any loss scaling can save is stock minus SGD alone.")
+        digits = self._ratios("fit", ["digits_cnn/mixed_float16"], "ours", "stock")
+        if digits:
+            out.append(
+                "- **A whole `fit` step of a small model.** The optimizer's share of the step "
+                "is small; "
+                + ("the two agree within the step time's scatter." if FASTER <= digits[0] <= SLOWER
+                   else f"ours ÷ stock is {_r(digits[0])}."))
+        out.extend(self.why_torch_threads())
+        return out
+
+    def optimizer_fused(self):
+        """Whether ours took the fused step in the Keras `apply` layer."""
+        return any(e.get("step_path", "").startswith("fused") for k, e in self.info.items()
+                   if k[0] == "optimizer" and k[3] == "ours")
+
+    def why_torch_threads(self):
+        """Single tensors where torch's pass at more threads took longer than
+        at one thread: its OpenMP barrier, not the work."""
+        core_threads = self.facts.get("core_threads") or [self.threads]
+        many = max(core_threads)
+        if 1 not in core_threads or many == 1:
+            return []
+        slow = []
+        for case in self.cases("core", many, sweep=True):
+            a, b = self.get("core", case, "torch", many), self.get("core", case, "torch", 1)
+            if a is not None and b is not None and a.median > TORCH_THREADS_ABSURD * b.median:
+                slow.append((int(case.split("/")[0][6:]), a.median, b.median))
+        if not slow:
+            return []
+        where = ", ".join(f"{workloads.size_label(n)} ({fmt_s(a)} against {fmt_s(b)})"
+                          for n, a, b in sorted(slow))
+        return [
             "- **torch at more than one thread.** Its OpenMP workers meet at a barrier; when "
-            "another process holds a core a parallel region can wait a scheduler tick, and on "
-            "single tensors of 1–4 MiB its two-thread pass takes milliseconds in this suite "
-            "even when this run was the only load (the cause is not pinned down).  Its "
-            "one-thread rows and panel show torch without it; its times from 16 MiB up are "
-            "normal.  Where a torch cell looks absurd, read it as the peer's threading on "
-            "this machine, not as the work.", "")
+            "another process holds a core a parallel region can wait a scheduler tick.  On "
+            f"single tensors its {many}-thread pass took over {TORCH_THREADS_ABSURD:g} times "
+            f"as long as its one-thread pass in this run at {where} (the cause is not pinned "
+            "down).  Its one-thread rows and "
+            "panel show torch without it.  Where a torch cell looks absurd, read it as the "
+            "peer's threading on this machine, not as the work."]
 
     def reading(self):
         self.w("## How to read the TensorFlow numbers", "",
@@ -609,8 +1033,7 @@ class Report:
     def reproduce(self):
         self.w("## Reproduce", "", "```sh",
                "make bench            # this report: bench/results/REPORT.md, raw.json, *.png",
-               "make bench QUICK=1    # a small subset in under two minutes: "
-               "bench/results/quick/",
+               "make bench QUICK=1    # the small subset CI runs: bench/results/quick/",
                "```", "",
                "`make bench` creates `.venv`, installs the requirements (and the optional "
                "peers in `requirements-bench.txt`: torch CPU, matplotlib), builds in place, "
@@ -623,7 +1046,9 @@ class Report:
     def write(self):
         self.plots = make_plots(self)
         self.header()
+        self.goals_section()
         self.headline()
+        self.user_step()
         if self.plots.get("throughput"):
             self.w(f"![throughput against tensor size]({self.plots['throughput']})", "")
         if self.plots.get("step_time"):
@@ -639,7 +1064,9 @@ class Report:
                          "the eager ones.")
         self.layer_table("loss_scale")
         self.layer_table("optimizer", note="Ratios above 1 here would mean ours is slower; "
-                         "*inner SGD alone* is the part both optimizers share.")
+                         + ("ours fuses the SGD update into its step; stock hands its "
+                            "unscaled gradients to *inner SGD alone*." if self.optimizer_fused()
+                            else "*inner SGD alone* is the part both optimizers share."))
         self.layer_table("fit", note="Time per training step (one sample is an epoch of `fit`, "
                          "divided by its steps).")
         self.first_calls()
@@ -737,7 +1164,7 @@ def plot_steps(rep, plt, path):
     """One row per workload, one marker per implementation at its median with
     a min-max whisker, on a log axis (bars would start at an arbitrary
     floor there and mislead)."""
-    layers = [la for la in ("core", "tf_op", "loss_scale", "optimizer", "fit")
+    layers = [la for la in ("step", "check", "core", "tf_op", "loss_scale", "optimizer", "fit")
               if rep.cases(la)]
     if not layers:
         return False
@@ -832,7 +1259,11 @@ def main(argv=None):
     for line in rep.records.get("skipped", []):
         print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
-        print(f"  {what}: {r:.2f}")
+        print(f"  {what}: {r.value:.2f}")
+    for g in getattr(rep, "goal_rows", []):
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[g.met]
+        value = "—" if g.value is None else f"{g.value:.2f}"
+        print(f"  goal: {g.what}: {value} ({'≥' if g.at_least else '≤'} {g.limit:g}) {verdict}")
     return 0
 
 

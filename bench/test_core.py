@@ -43,7 +43,11 @@ def cases(settings):
 
 
 def items(settings):
-    return [(c, p) for c in cases(settings) for p in PEERS]
+    pairs = [(c, p) for c in cases(settings) for p in PEERS]
+    if settings.quick:
+        # The bandwidth behind the optimizer step's roofline (test_step.py).
+        pairs.append((f"{workloads.BIG}/float32", "roofline"))
+    return pairs
 
 
 class Data(harness.CaseData):

@@ -1,27 +1,48 @@
-"""A whole ``fit`` step: the digits CNN of ``train_digits.py`` in
-mixed_float16 with the stock Keras loss-scale optimizer and with ours, and in
-float32 without loss scaling for reference.
+"""A whole training step, two models:
 
-One sample is one epoch of ``fit`` over the 1,347 training images (batch
-32, no shuffling; 256 images in the quick run); the report divides by its
-steps.  The optimizer is a small
-part of such a step (the model has 0.2M parameters), so this shows what a
-user of a small model sees: no more than the scatter of the step time.
+* the digits CNN of ``train_digits.py`` in mixed_float16 with the stock Keras
+  loss-scale optimizer and with ours, and in float32 without loss scaling
+  for reference.  One sample is one epoch of ``fit`` over the 1,347 training
+  images (batch 32, no shuffling; 256 images in the quick run); the report
+  divides by its steps.  The optimizer is a small part of such a step (the
+  model has 0.2M parameters), so this shows what a user of a small model
+  sees: no more than the scatter of the step time;
+* a parameter-heavy mixed_float16 MLP (1,024 inputs, three 4,096-wide ReLU
+  layers, 10 logits: 37.8M parameters) with Adam, batch 16: one sample is
+  ``train_on_batch`` calls, where the optimizer step is a large part of the
+  time.  Its dense layers have no bias: Grappler fuses MatMul + BiasAdd +
+  Relu into one kernel whose float16 version on a CPU is thousands of times
+  slower than the three ops apart, and would hide everything else.  Before
+  timing, fresh copies of the model trained with ours and with stock from
+  the same weights on the same batches must end with bit-identical weights.
 """
+
+import numpy as np
 
 import harness
 import train_digits
 
 LAYER = "fit"
-PEERS = ["ours", "stock", "float32"]
+DIGITS = "digits_cnn/mixed_float16"
+MLP = "mlp_4096x3/mixed_float16"
+DIGITS_PEERS = ["ours", "stock", "float32"]
 KIND = {"ours": "mixed_lossscale", "stock": "mixed_stock", "float32": "float32"}
+MLP_INPUTS, MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4096, 3, 16
+MLP_SCALE = 2.0 ** 8
+MLP_CHECKED_STEPS = 3
+
+
+def mlp_peers():
+    import test_step
+
+    return ["ours"] + (["ours_unfused"] if test_step.has_fused_argument() else []) + ["stock"]
 
 
 def items(settings):
-    return [("digits_cnn/mixed_float16", p) for p in PEERS]
+    return [(DIGITS, p) for p in DIGITS_PEERS] + [(MLP, p) for p in mlp_peers()]
 
 
-class Data:
+class DigitsData:
     def __init__(self):
         self.x, _, self.y, _ = train_digits.load_digits()
         if harness.Settings.quick:
@@ -42,9 +63,80 @@ class Data:
         return self.methods[peer]
 
 
+def mlp_model(peer, seed=0):
+    """The MLP compiled with ``peer``'s loss-scale optimizer around Adam; the
+    same seed gives the same initial weights."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    policy = "mixed_float16"
+    model = keras.Sequential(
+        [keras.Input((MLP_INPUTS,))]
+        + [keras.layers.Dense(MLP_WIDTH, activation="relu", use_bias=False, dtype=policy)
+           for _ in range(MLP_LAYERS)]
+        + [keras.layers.Dense(10, dtype="float32")])
+    inner = keras.optimizers.Adam(1e-3)
+    if peer == "stock":
+        opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=MLP_SCALE,
+                                                  dynamic_growth_steps=10 ** 9)
+    else:
+        from lossscale import LossScaleOptimizer
+
+        extra = {"fused": False} if peer == "ours_unfused" else {}
+        opt = LossScaleOptimizer(inner, initial_scale=MLP_SCALE, dynamic_growth_steps=10 ** 9,
+                                 **extra)
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class MlpData:
+    def __init__(self):
+        tf = harness.tensorflow()
+        rng = np.random.default_rng(0)
+        self.x = tf.constant(rng.standard_normal((MLP_BATCH, MLP_INPUTS), dtype=np.float32))
+        self.y = tf.constant(rng.integers(0, 10, MLP_BATCH, dtype=np.int32))
+        self.steps = 1
+        self.methods = {}
+        self.identity = self.same_steps()
+        harness.record("fit_mlp", self.identity)
+
+    def same_steps(self):
+        """Trains fresh models with every peer's optimizer for the same steps
+        from the same weights; says whether they end bit-identical to stock."""
+        weights, applied = {}, {}
+        for peer in mlp_peers():
+            model = mlp_model(peer)
+            for _ in range(MLP_CHECKED_STEPS):
+                model.train_on_batch(self.x, self.y)
+            weights[peer] = [np.asarray(w) for w in model.get_weights()]
+            applied[peer] = int(model.optimizer.iterations.numpy())
+            del model
+        stock = weights["stock"]
+        return {
+            "params": int(sum(w.size for w in stock)), "batch": MLP_BATCH,
+            "steps": MLP_CHECKED_STEPS, "applied_steps": applied,
+            "identical": {p: all(np.array_equal(a, b) for a, b in zip(ws, stock))
+                          for p, ws in weights.items() if p != "stock"},
+        }
+
+    def method(self, peer):
+        if peer not in self.methods:
+            model = mlp_model(peer)
+            x, y = self.x, self.y
+            self.methods[peer] = lambda: model.train_on_batch(x, y)
+        return self.methods[peer]
+
+
 def test_fit_step(benchmark, case, peer, rnd):
-    data = harness.live(LAYER, case, Data)
+    data = harness.live(LAYER, case, DigitsData if case == DIGITS else MlpData)
     fn = data.method(peer)
+    name, dtype = case.split("/")
     harness.timed(benchmark, (LAYER, case, peer), fn, dict(
-        layer=LAYER, case=case, workload="digits_cnn", dtype="mixed_float16", peer=peer,
+        layer=LAYER, case=case, workload=name, dtype=dtype, peer=peer,
         threads=harness.Settings.threads, rnd=rnd, steps_per_call=data.steps))
+    if case == MLP and rnd == 0 and peer != "stock":
+        ident = data.identity
+        assert ident["applied_steps"][peer] == MLP_CHECKED_STEPS, ident
+        assert ident["identical"][peer], (
+            f"{peer}: weights after {MLP_CHECKED_STEPS} steps differ from stock Keras'")

@@ -6,8 +6,10 @@ Both wrap the same inner optimizer (SGD) over float32 variables of the
 workload's shapes, with the scale fixed (growth period 10**9) so that every
 call does the same work; the gradients are made inside the step
 (``tfgraph.py``), as a backward pass hands them over.  Also timed: the inner
-SGD alone (``sgd``), the part both share -- what even a loss-scaling step
-that cost nothing would take.  Making the gradients alone (the
+SGD alone (``sgd``), the part an unfused step shares with stock -- what even
+a loss-scaling step that cost nothing would take, unless the SGD update is
+fused into it (``extra_info["step_path"]`` says which path ours took).
+Making the gradients alone (the
 ``producer``) is timed before every sample and subtracted by the report.
 Mixed-precision Keras keeps float32 variables and so float32 gradients:
 the 16-bit gradient lists of the other layers do not arise here.
@@ -17,6 +19,7 @@ import numpy as np
 
 import harness
 import workloads
+from tfgraph import GraphCase
 
 LAYER = "optimizer"
 PEERS = ["ours", "stock", "sgd"]
@@ -32,14 +35,12 @@ def items(settings):
     return [(c, p) for c in cases(settings) for p in PEERS]
 
 
-class Data(harness.CaseData):
+class Data(GraphCase):
     layer = LAYER
 
     def __init__(self, case):
-        from tfgraph import GraphGradients
-
         super().__init__(case)
-        self.graph = GraphGradients(self.arrays)
+        self.optimizers = {}
 
     def _make(self, peer):
         import keras
@@ -63,6 +64,7 @@ class Data(harness.CaseData):
             # gradients would stop the native op from writing over them.
             return [v.value for v in variables], None
 
+        self.optimizers[peer] = opt
         return self.graph.wrap(step)
 
 
@@ -71,3 +73,6 @@ def test_optimizer_apply(benchmark, case, peer, rnd):
     fn = data.method(peer)
     harness.timed(benchmark, (LAYER, case, peer), fn, data.info(peer, rnd),
                   baseline=data.graph.producer)
+    if peer == "ours":
+        opt = data.optimizers[peer]
+        benchmark.extra_info["step_path"] = getattr(opt, "step_path", "unfused")

@@ -81,3 +81,12 @@ class GraphGradients:
         fn = tf.function(run)
         seed = self.seed
         return lambda: fn(seed)
+
+
+class GraphCase(harness.CaseData):
+    """A workload case whose methods take gradients made in the graph
+    (``self.graph``; its ``producer`` is the baseline to subtract)."""
+
+    def __init__(self, case):
+        super().__init__(case)
+        self.graph = GraphGradients(self.arrays)

@@ -78,8 +78,6 @@ enum fault {
     FAULT_COUNT
 };
 
-static const size_t esize[LS_NUM_DTYPES] = {2, 2, 4, 8};
-
 static void fail(const char *what, size_t buf, size_t elem)
 {
     fprintf(stderr, "fuzz_core: %s (buffer %zu, element %zu)\n", what, buf, elem);
@@ -239,7 +237,7 @@ static void fill(const fuzz_case *c, size_t buf, uint8_t *out, size_t bytes)
     /* every buffer starts where the previous one ended in the content */
     size_t start = 0;
     for (size_t i = 0; i < buf; i++)
-        start += c->specs[i].length * esize[c->specs[i].dtype];
+        start += c->specs[i].length * ls_dtype_size(c->specs[i].dtype);
     if (c->content_len == 0) {
         memset(out, 0, bytes);
         return;
@@ -257,7 +255,7 @@ static void arena_new(const fuzz_case *c, arena *a, int inject)
 {
     for (size_t i = 0; i < c->count; i++) {
         const spec *s = &c->specs[i];
-        size_t bytes = s->length * esize[s->dtype];
+        size_t bytes = s->length * ls_dtype_size(s->dtype);
         a->src[i] = region_new(s->src_offset, bytes);
         fill(c, i, region_data(&a->src[i]), bytes);
         if (s->in_place)
@@ -287,7 +285,7 @@ static void arena_new(const fuzz_case *c, arena *a, int inject)
             /* one element on: the last destination element is in the
              * source's tail guard, so a write that got through is seen */
             if (b->length > 1)
-                b->dst = (uint8_t *)b->src + esize[b->dtype];
+                b->dst = (uint8_t *)b->src + ls_dtype_size(b->dtype);
             break;
         default:
             break;
@@ -398,7 +396,7 @@ static void reference_run(const fuzz_case *c, reference *ref)
     arena_new(c, &a, 0);
     ls_buffer bufs[MAX_BUFS];
     for (size_t i = 0; i < c->count; i++) {
-        size_t bytes = c->specs[i].length * esize[c->specs[i].dtype];
+        size_t bytes = c->specs[i].length * ls_dtype_size(c->specs[i].dtype);
         ref->out[i] = (uint8_t *)malloc(bytes ? bytes : 1);
         bufs[i] = a.bufs[i];
         bufs[i].dst = ref->out[i];
@@ -430,13 +428,13 @@ static void check_outputs(const fuzz_case *c, arena *a, const reference *ref, co
     static char what[160];
     for (size_t i = 0; i < c->count; i++) {
         const spec *s = &c->specs[i];
-        size_t bytes = s->length * esize[s->dtype];
+        size_t bytes = s->length * ls_dtype_size(s->dtype);
         const uint8_t *got = region_data(&a->dst[i]);
         if (memcmp(got, ref->out[i], bytes) != 0)
             for (size_t k = 0; k < bytes; k++)
                 if (got[k] != ref->out[i][k]) {
                     snprintf(what, sizeof what, "%s: result differs from the scalar set", who);
-                    fail(what, i, k / esize[s->dtype]);
+                    fail(what, i, k / ls_dtype_size(s->dtype));
                 }
         if (!s->in_place) {
             region_check_guard(&a->dst[i], i);
@@ -458,7 +456,7 @@ static void check_untouched(const fuzz_case *c, arena *a, const char *who)
     static char what[160];
     for (size_t i = 0; i < c->count; i++) {
         const spec *s = &c->specs[i];
-        size_t bytes = s->length * esize[s->dtype];
+        size_t bytes = s->length * ls_dtype_size(s->dtype);
         uint8_t *expect = (uint8_t *)malloc(bytes ? bytes : 1);
         fill(c, i, expect, bytes);
         if (memcmp(expect, region_data(&a->src[i]), bytes) != 0) {
@@ -483,24 +481,6 @@ static void check_untouched(const fuzz_case *c, arena *a, const char *who)
 
 /* ---------------------------------------------------------- the runs */
 
-static const ls_kernel_set *kernel_sets[4];
-
-static size_t sets_here(void)
-{
-    size_t n = 0;
-    kernel_sets[n++] = &ls_kernels_scalar;
-#if defined(__x86_64__) || defined(__i386__)
-    if (ls_simd_best() >= LS_SIMD_AVX2)
-        kernel_sets[n++] = &ls_kernels_avx2;
-    if (ls_simd_best() >= LS_SIMD_AVX512)
-        kernel_sets[n++] = &ls_kernels_avx512;
-#endif
-#if defined(__aarch64__)
-    kernel_sets[n++] = &ls_kernels_neon;
-#endif
-    return n;
-}
-
 /* Each kernel set on its own, straight through the list. */
 static void run_kernel_sets(const fuzz_case *c, const reference *ref)
 {
@@ -508,15 +488,18 @@ static void run_kernel_sets(const fuzz_case *c, const reference *ref)
     double inv[LS_NUM_DTYPES];
     for (int t = 0; t < LS_NUM_DTYPES; t++)
         inv[t] = ls_round_to_dtype(c->inv_scale, (ls_dtype)t);
-    size_t n = sets_here();
-    for (size_t k = 0; k < n; k++) {
-        snprintf(who, sizeof who, "kernel set %s", kernel_sets[k]->name);
+    /* every set dispatch's table has and this CPU runs */
+    for (int k = 0; k < ls_simd_count(); k++) {
+        const ls_kernel_set *set = ls_kernels_at(k);
+        if (set == NULL)
+            continue;
+        snprintf(who, sizeof who, "kernel set %s", ls_simd_name(k));
         arena a;
         arena_new(c, &a, 0);
-        int checked = ls_run_range(kernel_sets[k], a.bufs, c->count, NULL, c->flags, 0, c->total);
+        int checked = ls_run_range(set, a.bufs, c->count, NULL, c->flags, 0, c->total);
         if (checked != ref->inputs_finite)
             fail("kernel set's check differs from the scalar set", k, 0);
-        int finite = ls_run_range(kernel_sets[k], a.bufs, c->count, inv, c->flags, 0, c->total);
+        int finite = ls_run_range(set, a.bufs, c->count, inv, c->flags, 0, c->total);
         if (finite != ref->unscale_finite)
             fail("kernel set's unscale flag differs from the scalar set", k, 0);
         check_outputs(c, &a, ref, who);

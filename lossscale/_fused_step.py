@@ -21,6 +21,7 @@ cannot run (library missing, not on the CPU, XLA).
 import keras
 import tensorflow as tf
 
+from lossscale import _compat, _step
 from lossscale import ops as native_ops
 
 _GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
@@ -90,9 +91,9 @@ def step_reason(inner, grads, variables):
             return f"{v.name} is {tf.as_dtype(v.dtype).name}, not float32"
         if tf.as_dtype(g.dtype) not in _GRAD_DTYPES:
             return f"the gradient of {v.name} is {tf.as_dtype(g.dtype).name}"
-        devices.append(native_ops._device_of(_tf_variable(v)))  # pylint: disable=protected-access
-        devices.append(native_ops._device_of(g))  # pylint: disable=protected-access
-    if native_ops._native_library(devices) is None:  # pylint: disable=protected-access
+        devices.append(native_ops.device_of(_step.tf_variable(v)))
+        devices.append(native_ops.device_of(g))
+    if native_ops.native_library_for(devices) is None:
         status = native_ops.native_available()
         if not status:
             return f"the native op library is not available ({status.reason})"
@@ -114,7 +115,7 @@ def _grappler_reassociates_products():
 
 def _decay_form(inner, variable, reassociated):
     """The core's ls_decay for ``variable``: 0 none, 1 op by op, 2 reordered."""
-    if inner.weight_decay is None or not inner._use_weight_decay(variable):  # pylint: disable=protected-access
+    if inner.weight_decay is None or not _compat.uses_weight_decay(inner, variable):
         return 0
     # A one-element variable has nothing to broadcast: the graph optimizer
     # leaves its product alone.
@@ -124,23 +125,8 @@ def _decay_form(inner, variable, reassociated):
     return 2 if reassociated and size > 1 else 1
 
 
-def _tf_variable(v):
-    return v.value if isinstance(v, keras.Variable) else v
-
-
 def _handle(v):
-    return _tf_variable(v).handle
-
-
-def _slots(inner, kind, variables):
-    """The slot variables of ``variables`` in ``inner``, by kind."""
-    # pylint: disable=protected-access
-    index = [inner._get_variable_index(v) for v in variables]
-    if kind == "momentum":
-        return [inner.momentums[i] for i in index]
-    source = getattr(inner, {"m": "_momentums", "v": "_velocities",
-                             "v_hat": "_velocity_hats"}[kind])
-    return [source[i] for i in index]
+    return _step.tf_variable(v).handle
 
 
 class Scalars:
@@ -186,24 +172,25 @@ def apply(inner, grads, variables, scalars, *, scale, unscale, should_apply,
     decay = [_decay_form(inner, v, reassociated) for v in variables]
     scale = tf.convert_to_tensor(scale, tf.float32)
     handles = [_handle(v) for v in variables]
-    library = native_ops._native_library([])  # pylint: disable=protected-access
+    library = native_ops.native_library_for([])
     lr, wd = scalars.learning_rate, scalars.weight_decay
     if family(inner) == "sgd":
         momentum = float(inner.momentum)
-        momentums = [_handle(m) for m in _slots(inner, "momentum", variables)] \
+        momentums = [_handle(m) for m in _compat.optimizer_slots(inner, "momentum", variables)] \
             if momentum != 0 else []
         library.loss_scale_apply_sgd(
             should_apply, handles, momentums, grads, scale, lr, wd,
             momentum=momentum, nesterov=bool(inner.nesterov), decay=decay, unscale=unscale)
     else:
-        v_hat = [_handle(s) for s in _slots(inner, "v_hat", variables)] if inner.amsgrad else []
+        v_hat = [_handle(s) for s in _compat.optimizer_slots(inner, "v_hat", variables)] if inner.amsgrad else []
         library.loss_scale_apply_adam(
-            should_apply, handles, [_handle(s) for s in _slots(inner, "m", variables)],
-            [_handle(s) for s in _slots(inner, "v", variables)], v_hat, grads, scale, lr,
+            should_apply, handles, [_handle(s) for s in _compat.optimizer_slots(inner, "m", variables)],
+            [_handle(s) for s in _compat.optimizer_slots(inner, "v", variables)], v_hat, grads, scale, lr,
             scalars.alpha, wd, one_minus_beta_1=1 - inner.beta_1,
             one_minus_beta_2=1 - inner.beta_2, epsilon=float(inner.epsilon), decay=decay,
             unscale=unscale)
+    iterations = _compat.optimizer_iterations(inner)
     if advance_iterations_always:
-        inner.iterations.assign_add(1)
+        iterations.assign_add(1)
     else:
-        inner.iterations.assign_add(tf.cast(should_apply, inner.iterations.dtype))
+        iterations.assign_add(tf.cast(should_apply, iterations.dtype))

@@ -38,10 +38,11 @@ cdef extern from "lossscale.h" nogil:
         LS_ERR_ARG
         LS_ERR_DTYPE
         LS_ERR_SIMD
-        LS_ERR_NOMEM
 
-    int ls_simd_level()
+    int ls_simd_count()
     const char *ls_simd_name(int level)
+    int ls_simd_supported(int level)
+    int ls_simd_level()
     int ls_simd_best()
     const char *ls_simd_error()
     void ls_set_num_threads(int n)
@@ -123,13 +124,12 @@ def _check_status(int rc):
         raise RuntimeError(ls_simd_error().decode())
     if rc == LS_ERR_DTYPE:
         raise TypeError("unsupported dtype")
-    if rc == LS_ERR_NOMEM:
-        raise MemoryError("lossscale: out of memory")
     raise ValueError("lossscale: invalid argument")
 
 
 def simd_level():
-    """The kernel set in use: ``"avx512"``, ``"avx2"``, ``"neon"`` or ``"scalar"``.
+    """The kernel set in use: ``"avx512bf16"``, ``"avx512"``, ``"avx2"``,
+    ``"neon"`` or ``"scalar"``.
 
     Raises RuntimeError when ``LOSSSCALE_SIMD`` asks for a set this CPU
     cannot run (or names no set)."""
@@ -141,6 +141,14 @@ def simd_level():
 def simd_best():
     """The best kernel set this CPU supports, ignoring ``LOSSSCALE_SIMD``."""
     return ls_simd_name(ls_simd_best()).decode()
+
+
+def simd_levels(runnable=True):
+    """The kernel sets, best first: those this CPU runs (what
+    ``LOSSSCALE_SIMD`` may name), or with ``runnable=False`` every one the
+    library knows."""
+    return [ls_simd_name(i).decode() for i in range(ls_simd_count())
+            if not runnable or ls_simd_supported(i)]
 
 
 def set_num_threads(int n):

@@ -16,10 +16,11 @@ from lossscale._native import (  # noqa: F401
     sgd_step_,
     simd_best,
     simd_level,
+    simd_levels,
     unscale_,
 )
 
-__all__ = ["all_finite", "unscale_", "simd_level", "simd_best",
+__all__ = ["all_finite", "unscale_", "simd_level", "simd_best", "simd_levels",
            "set_num_threads", "get_num_threads", "round_to_dtype", "sgd_step_", "adam_step_"]
 
 _INT_MAX = 2**31 - 1

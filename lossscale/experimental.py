@@ -16,6 +16,7 @@ loss scale by the ``LossScale`` object's rule and skips the step on overflow.
 
 import tensorflow as tf
 
+from lossscale import _step
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale import optimizer as optimizer_module
@@ -103,7 +104,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
                 return
         super().__setattr__(name, value)
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def scale_loss(self, loss):
         """Keras 3's ``scale_loss``: the gradients then go to ``apply``/``apply_gradients``
         scaled, as Keras 3's train step hands them over."""
@@ -121,10 +122,10 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     def dynamic_counter(self):
         """Finite steps since the scale last changed (a variable), None if fixed."""
         if isinstance(self.loss_scale_object, DynamicLossScale):
-            return self.loss_scale_object._num_good_steps  # pylint: disable=protected-access
+            return self.loss_scale_object.good_steps
         return None
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def get_scaled_loss(self, loss):
         """``loss`` times the loss scale, in the loss's dtype; a callable gives a callable."""
         if not callable(loss) and not hasattr(loss, "dtype"):
@@ -137,7 +138,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
             return scaled_loss
         return loss * tf.cast(self.loss_scale, loss.dtype)
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def get_unscaled_gradients(self, grads):
         """Every gradient times ``1 / loss_scale`` (None kept), in one native op."""
         if grads is None or isinstance(grads, (tf.Tensor, tf.IndexedSlices, str, bytes)) \
@@ -148,7 +149,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         self._next_gradients_scaled = False
         return list(unscaled)
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         """Applies *unscaled* gradients unless one is non-finite; steps the loss scale.
 
@@ -179,8 +180,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         grads = [g for g, _ in grads_and_vars]
         trainable_variables = [v for _, v in grads_and_vars]
         # Before the loss scale moves: a mistake leaves every state as it was.
-        optimizer_module._check_gradients(  # pylint: disable=protected-access
-            grads, trainable_variables, "apply_gradients")
+        _step.check_gradients(grads, trainable_variables, "apply_gradients")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -194,7 +194,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
             self._apply_unscaled_cross_replica, args=(grads, trainable_variables))
         return self.iterations
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def _apply_unscaled_cross_replica(self, distribution, grads, trainable_variables):
         # The LossScale's own update: checks the (per-replica) gradients,
         # combines the flags and steps the scale, as TensorFlow 2.4 did.
@@ -206,9 +206,9 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
                     g, trainable_variables=trainable_variables),
                 args=(grads,))
 
-        optimizer_module._cond(should_apply, apply, self._skip_step)  # pylint: disable=protected-access
+        _step.cond(should_apply, apply, self._skip_step)
 
-    @optimizer_module._plain_python  # pylint: disable=protected-access
+    @_step.plain_python
     def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
         """Scales ``loss``, computes and unscales its gradients, applies them.
 
@@ -222,8 +222,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         with tape:
             if callable(loss):
                 if not callable(var_list):
-                    tape.watch([optimizer_module._tf_variable(v)  # pylint: disable=protected-access
-                                for v in tf.nest.flatten(var_list)])
+                    tape.watch([_step.tf_variable(v) for v in tf.nest.flatten(var_list)])
                 loss = loss()
             scaled_loss = self.get_scaled_loss(loss)
         if callable(var_list):

@@ -28,8 +28,10 @@ import inspect
 import warnings
 
 import keras
-from keras.src.trainers.trainer import Trainer
-from keras.src.utils import tracking
+
+from lossscale import _compat
+
+Trainer = _compat.trainer_class()
 
 __all__ = ["patch_keras", "unpatch_keras", "is_keras_patched"]
 
@@ -81,7 +83,7 @@ def _compile_with_loss_scale(original, model, args, kwargs):
 
 def _make_patched_compile(original):
     @functools.wraps(original)
-    @tracking.no_automatic_dependency_tracking
+    @_compat.no_automatic_dependency_tracking
     def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
         return _compile_with_loss_scale(original, self, args, kwargs)
 

@@ -16,18 +16,16 @@ TensorFlow's.  ``get``, ``serialize`` and ``deserialize`` read and write the
 
 import abc
 import math
-import numbers
 
 import numpy as np
 import tensorflow as tf
 
-from lossscale import ops
+from lossscale import _compat, ops
+from lossscale._config import FLOAT32_MAX, dynamic_loss_scale_config, is_real_number
 
 __all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "CrossReplicaContextError",
            "get", "serialize", "deserialize"]
 
-_INT64_MAX = 2**63 - 1
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class CrossReplicaContextError(RuntimeError, AttributeError):
@@ -38,14 +36,7 @@ class CrossReplicaContextError(RuntimeError, AttributeError):
     """
 
 
-def _graph_key():
-    """Key of the graph variables are created in (None when eager), as TensorFlow's."""
-    if tf.executing_eagerly():
-        return None
-    return tf.compat.v1.get_default_graph()._graph_key  # pylint: disable=protected-access
-
-
-class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
+class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
     """Base class for all loss scales.
 
     This is an abstract base class, so you cannot instantiate it directly.
@@ -135,20 +126,25 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
             # Loss-scale variables are never aggregated: every replica
             # computes the same update from the same combined finite flag.
             aggregation=tf.VariableAggregation.NONE)
-        key = (name, _graph_key())
+        key = (name, _compat.graph_key())
         if self._weights.get(key) is not None:
             raise RuntimeError(f"Duplicate variables detected. {key}")
         self._weights[key] = variable
         self._handle_deferred_dependencies(name=name, trackable=variable)
         return variable
 
+    def tracked_weights(self):
+        """``{name: variable}`` of the current graph, sorted by name: the
+        variables a checkpoint saves, in the order it lists them."""
+        graph_key = _compat.graph_key()
+        # A subclass that never called LossScale.__init__ has no weights.
+        weights = getattr(self, "_weights", None) or {}
+        return {name: v for (name, g), v in sorted(weights.items(), key=lambda i: i[0][0])
+                if g == graph_key}
+
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """The weights of the current graph, by name (what checkpoints save)."""
-        graph_key = _graph_key()
-        weights = {}
-        for (name, g), v in sorted(self._weights.items(), key=lambda i: i[0][0]):
-            if g == graph_key:
-                weights[name] = v
+        weights = self.tracked_weights()
         weights.update(super()._trackable_children(save_type, **kwargs))
         return weights
 
@@ -157,7 +153,7 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
         unconditional = super()._lookup_dependency(name, cached_dependencies)
         if unconditional is not None:
             return unconditional
-        return self._weights.get((name, _graph_key()))
+        return self._weights.get((name, _compat.graph_key()))
 
     @abc.abstractmethod
     def get_config(self):
@@ -175,12 +171,6 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
             raise ValueError(f"{cls.__name__}.from_config: config must be a dict of "
                              f"arguments, got {config!r}.")
         return cls(**config)
-
-
-def _is_real_number(value):
-    # numbers.Real: Python ints and floats (bool included, as TensorFlow
-    # accepts it) and numpy's scalars; never a tensor, a string or an array.
-    return isinstance(value, numbers.Real)
 
 
 class FixedLossScale(LossScale):
@@ -204,13 +194,13 @@ class FixedLossScale(LossScale):
             not finite in float32.
         """
         super().__init__()
-        if not _is_real_number(loss_scale_value):
+        if not is_real_number(loss_scale_value):
             raise ValueError("loss_scale_value must be a Python int or float.")
         if loss_scale_value < 1:
             raise ValueError("loss_scale_value must be at least 1.")
         if loss_scale_value != loss_scale_value or loss_scale_value == math.inf:  # NaN or inf
             raise ValueError(f"loss_scale_value must be finite, got {loss_scale_value}.")
-        if loss_scale_value > _FLOAT32_MAX:
+        if loss_scale_value > FLOAT32_MAX:
             # The scale is a float32 tensor: this one would be inf.
             raise ValueError(f"loss_scale_value must fit in float32, got {loss_scale_value}.")
         # A Python float, not a tensor: a tensor made here could live on
@@ -229,46 +219,6 @@ class FixedLossScale(LossScale):
 
     def get_config(self):
         return {"loss_scale_value": self._loss_scale_value}
-
-
-def _check_float(name, value, *, minimum=None, exclusive=False, below=None, allow_inf=False):
-    """``float(value)``, or a ValueError naming the argument and the rule it breaks."""
-    if not _is_real_number(value):
-        raise ValueError(f"{name} must be a Python int or float, got {value!r}.")
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond the float range
-        raise ValueError(f"{name} must be finite, got an int too large for a float.") from None
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite, got {value}.")
-    if minimum is not None and (value <= minimum if exclusive else value < minimum):
-        raise ValueError(f"{name} must be {'>' if exclusive else '>='} {minimum}, got {value}.")
-    if below is not None and not value < below:
-        raise ValueError(f"{name} must be < {below}, got {value}.")
-    return value
-
-
-def _check_float32(name, value):
-    """``value`` (already checked positive) stays positive and finite in float32,
-    the dtype the native step computes in."""
-    with np.errstate(over="ignore"):
-        as_float32 = float(np.float32(value))
-    if not 0.0 < as_float32 < math.inf:
-        raise ValueError(f"{name} must be a positive float32, got {value} "
-                         f"(in float32: {as_float32}).")
-    return value
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, numbers.Real) and float(value).is_integer():
-            value = int(value)
-        else:
-            raise ValueError(f"{name} must be an integer, got {value!r}.")
-    value = int(value)
-    if not minimum <= value <= _INT64_MAX:
-        raise ValueError(f"{name} must be in [{minimum}, 2**63 - 1], got {value}.")
-    return value
 
 
 class DynamicLossScale(LossScale):
@@ -374,7 +324,7 @@ class DynamicLossScale(LossScale):
         # Extension state exists only when asked for, so that an object with
         # the seed's arguments checkpoints exactly like TensorFlow's.
         self._overflow_run = None
-        if self._hysteresis > 1:
+        if self._config.hysteresis > 1:
             self._overflow_run = self._add_weight(name="overflow_run", dtype=tf.int64,
                                                   initial_value=0)
         self._skipped_steps = None
@@ -386,38 +336,9 @@ class DynamicLossScale(LossScale):
                    max_loss_scale=None, backoff_factor=None, hysteresis=1,
                    count_skipped_steps=False):
         """Checks the arguments and keeps them (as the Python numbers the config reports)."""
-        self._initial_loss_scale = _check_float("initial_loss_scale", initial_loss_scale,
-                                                minimum=0.0, exclusive=True)
-        if self._initial_loss_scale > _FLOAT32_MAX:
-            raise ValueError(f"initial_loss_scale must fit in float32, got "
-                             f"{self._initial_loss_scale}.")
-        _check_float32("initial_loss_scale", self._initial_loss_scale)
-        self._increment_period = _check_int("increment_period", increment_period, 1)
-        self._multiplier = _check_float32(
-            "multiplier", _check_float("multiplier", multiplier, minimum=0.0, exclusive=True))
-        # A floor of 0 would let the scale reach 0, where growth never lifts it.
-        self._min_loss_scale = _check_float32(
-            "min_loss_scale", _check_float("min_loss_scale", min_loss_scale,
-                                           minimum=0.0, exclusive=True))
-        if max_loss_scale is not None:
-            max_loss_scale = _check_float("max_loss_scale", max_loss_scale, allow_inf=True)
-            if math.isinf(max_loss_scale):
-                max_loss_scale = None
-            elif max_loss_scale < self._min_loss_scale:
-                raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= "
-                                 f"min_loss_scale ({self._min_loss_scale}).")
-            elif max_loss_scale < self._initial_loss_scale:
-                raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= "
-                                 f"initial_loss_scale ({self._initial_loss_scale}).")
-            else:
-                _check_float32("max_loss_scale", max_loss_scale)
-        self._max_loss_scale = max_loss_scale
-        if backoff_factor is not None:
-            backoff_factor = _check_float32(
-                "backoff_factor", _check_float("backoff_factor", backoff_factor,
-                                               minimum=0.0, exclusive=True, below=1.0))
-        self._backoff_factor = backoff_factor
-        self._hysteresis = _check_int("hysteresis", hysteresis, 1)
+        self._initial_loss_scale, self._config = dynamic_loss_scale_config(
+            initial_loss_scale, increment_period, multiplier, min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale, backoff_factor=backoff_factor, hysteresis=hysteresis)
         if not isinstance(count_skipped_steps, (bool, np.bool_)):
             raise ValueError(f"count_skipped_steps must be a bool, got {count_skipped_steps!r}.")
         self._count_skipped_steps = bool(count_skipped_steps)
@@ -433,10 +354,8 @@ class DynamicLossScale(LossScale):
         obj = cls.__new__(cls)
         LossScale.__init__(obj)
         obj._configure(**reference.get_config())
-        # pylint: disable=protected-access
-        obj._weights = reference._weights
-        obj._current_loss_scale = reference._current_loss_scale
-        obj._num_good_steps = reference._num_good_steps
+        obj._weights, obj._current_loss_scale, obj._num_good_steps = (
+            _compat.tensorflow_dynamic_loss_scale_state(reference))
         obj._overflow_run = None
         obj._skipped_steps = None
         return obj
@@ -447,29 +366,29 @@ class DynamicLossScale(LossScale):
 
     @property
     def increment_period(self):
-        return self._increment_period
+        return self._config.increment_period
 
     @property
     def multiplier(self):
-        return self._multiplier
+        return self._config.multiplier
 
     @property
     def min_loss_scale(self):
-        return self._min_loss_scale
+        return self._config.min_loss_scale
 
     @property
     def max_loss_scale(self):
         """The cap on growth, or None when there is none."""
-        return self._max_loss_scale
+        return self._config.cap
 
     @property
     def backoff_factor(self):
         """None when a back-off divides by ``multiplier``."""
-        return self._backoff_factor
+        return self._config.backoff_factor
 
     @property
     def hysteresis(self):
-        return self._hysteresis
+        return self._config.hysteresis
 
     @property
     def skipped_steps(self):
@@ -479,19 +398,28 @@ class DynamicLossScale(LossScale):
     def __call__(self):
         return tf.convert_to_tensor(self._current_loss_scale)
 
-    def _update_state(self, is_finite, scale, good_steps, overflow_run, skipped):
-        """The native step on one copy of the variables; returns should_apply."""
-        return ops.update_loss_scale(
-            is_finite, scale, good_steps,
-            overflow_run=overflow_run,
-            skipped=skipped,
-            rule="tf24",
-            increment_period=self._increment_period,
-            multiplier=self._multiplier,
-            backoff_factor=self._backoff_factor,
-            min_loss_scale=self._min_loss_scale,
-            max_loss_scale=self._max_loss_scale,
-            hysteresis=self._hysteresis)
+    @property
+    def good_steps(self):
+        """The int64 variable counting finite steps since the scale last changed."""
+        return self._num_good_steps
+
+    @property
+    def scale_config(self):
+        """The rule and its settings, a ``lossscale._config.ScaleConfig``."""
+        return self._config
+
+    @property
+    def state_variables(self):
+        """``(scale, good_steps, overflow_run, skipped_steps)``: the variables one
+        step of the rule updates, None for an extension not kept."""
+        return (self._current_loss_scale, self._num_good_steps, self._overflow_run,
+                self._skipped_steps)
+
+    def step_state(self, is_finite, scale, good_steps, overflow_run=None, skipped=None):
+        """One native step of this object's rule on one copy of ``state_variables``
+        (a mirrored variable has one per device); returns should_apply."""
+        return ops.update_with_config(self._config, is_finite, scale, good_steps,
+                                      overflow_run=overflow_run, skipped=skipped)
 
     def update(self, grads):
         """Updates the loss scale from whether every gradient is finite.
@@ -501,8 +429,7 @@ class DynamicLossScale(LossScale):
         advances the state.  See ``LossScale.update`` for the contract.
         """
         grads = tf.nest.flatten(grads)
-        variables = (self._current_loss_scale, self._num_good_steps,
-                     self._overflow_run, self._skipped_steps)
+        variables = self.state_variables
         if tf.distribute.has_strategy():
             if not tf.distribute.in_cross_replica_context():
                 raise CrossReplicaContextError(
@@ -524,14 +451,14 @@ class DynamicLossScale(LossScale):
                 # One update per copy of the variables, each on its device.
                 updates = distribution.extended.update(
                     self._current_loss_scale,
-                    lambda scale, *rest: self._update_state(is_finite, scale, *rest),
+                    lambda scale, *rest: self.step_state(is_finite, scale, *rest),
                     args=variables[1:], group=False)
                 update_op = tf.group(tf.nest.flatten(updates))
             else:
-                update_op = self._update_state(is_finite, *variables)
+                update_op = self.step_state(is_finite, *variables)
         else:
             is_finite = ops.all_finite(grads)
-            update_op = self._update_state(is_finite, *variables)
+            update_op = self.step_state(is_finite, *variables)
         # should_apply is the flag itself, not the update's output: as in
         # TensorFlow, reading it in a graph does not run the update.
         if tf.executing_eagerly():
@@ -543,14 +470,14 @@ class DynamicLossScale(LossScale):
     def _extension_config(self):
         """The extensions not at their default, as config entries."""
         config = {}
-        if self._min_loss_scale != 1.0:
-            config["min_loss_scale"] = self._min_loss_scale
-        if self._max_loss_scale is not None:
-            config["max_loss_scale"] = self._max_loss_scale
-        if self._backoff_factor is not None:
-            config["backoff_factor"] = self._backoff_factor
-        if self._hysteresis != 1:
-            config["hysteresis"] = self._hysteresis
+        if self.min_loss_scale != 1.0:
+            config["min_loss_scale"] = self.min_loss_scale
+        if self.max_loss_scale is not None:
+            config["max_loss_scale"] = self.max_loss_scale
+        if self.backoff_factor is not None:
+            config["backoff_factor"] = self.backoff_factor
+        if self.hysteresis != 1:
+            config["hysteresis"] = self.hysteresis
         if self._count_skipped_steps:
             config["count_skipped_steps"] = True
         return config
@@ -584,18 +511,9 @@ _BUILTIN_CLASSES = {
 }
 
 
-def _tensorflow_loss_scale_module():
-    """TensorFlow's own (deprecated) loss-scale module, or None where it is gone."""
-    try:
-        from tensorflow.python.training.experimental import loss_scale as module
-    except ImportError:  # pragma: no cover - TensorFlow without the v1 classes
-        return None
-    return module
-
-
 def _from_tensorflow(identifier):
     """Ours for one of TensorFlow's loss-scale objects, or None if it is not one."""
-    module = _tensorflow_loss_scale_module()
+    module = _compat.tensorflow_loss_scale_module()
     if module is None or not isinstance(identifier, module.LossScale):
         return None
     if type(identifier) is module.FixedLossScale:
@@ -671,7 +589,7 @@ def get(identifier):
     """
     if isinstance(identifier, dict):
         return deserialize(identifier)
-    if _is_real_number(identifier):
+    if is_real_number(identifier):
         return FixedLossScale(identifier)
     if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()

@@ -3,8 +3,8 @@ loss-scale update on resource variables.
 
 Each function runs one native op from the custom-op library
 (``_core/tf/*.cc``, calling the C core) for the whole gradient list, or —
-with identical results — plain TensorFlow ops when the native op cannot run
-here:
+with identical results — plain TensorFlow ops (``lossscale._fallback``) when
+the native op cannot run here:
 
 * the library is missing, was built for another TensorFlow, or the
   environment variable ``LOSSSCALE_FORCE_FALLBACK=1`` is set
@@ -42,19 +42,17 @@ None of these ops has a gradient.
 """
 
 import functools
-import math
 
 import numpy as np
 import tensorflow as tf
 
-from lossscale import _loader
+from lossscale import _compat, _fallback, _loader
+from lossscale._config import op_config
 
 __all__ = ["native_available", "unscale_and_check", "all_finite", "all_finite_grouped",
            "update_loss_scale"]
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_RULES = ("tf24", "keras3")
-_INT64_MAX = 2**63 - 1
 _OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
              "LossScaleDebugBufferAddress", "LossScaleApplySgd", "LossScaleApplyAdam")
 
@@ -115,21 +113,22 @@ def _on_cpu(device):
     return not _accelerators_present()
 
 
-def _in_xla_context():
-    if tf.executing_eagerly():
-        return False
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - private API moved
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+def native_library_for(devices):
+    """The op library when the native path may run for tensors on
+    ``devices`` (device strings), else None: the library is loaded, XLA is
+    not compiling, and every device is the CPU."""
+    return _native_library(devices)
+
+
+def device_of(x):
+    """The device a tensor or variable lives on ("" when not pinned)."""
+    return _device_of(x)
 
 
 def _native_library(devices):
     """The op library when the native path may run for tensors on `devices`."""
     module, _ = _loader.load()
-    if module is None or _in_xla_context():
+    if module is None or _compat.in_xla_context():
         return None
     if not all(_on_cpu(d) for d in devices):
         return None
@@ -215,14 +214,14 @@ def _scale_tensor(scale, caller):
 
 
 def _is_variable(v):
-    return isinstance(v, tf.Variable) or isinstance(getattr(v, "_value", None), tf.Variable)
+    return isinstance(v, tf.Variable) or _compat.wrapped_tf_variable(v) is not None
 
 
 def _as_tf_variable(v):
     if isinstance(v, tf.Variable):
         return v
-    inner = getattr(v, "_value", None)  # keras.Variable on the TensorFlow backend
-    if isinstance(inner, tf.Variable):
+    inner = _compat.wrapped_tf_variable(v)
+    if inner is not None:
         return inner
     raise TypeError(f"expected a tf.Variable or keras.Variable, got {type(v).__name__}")
 
@@ -263,7 +262,7 @@ def unscale_and_check(grads, scale, *, check_inputs=False, divide=False):
             outputs, finite = module.loss_scale_unscale_and_check(
                 values, scale_t, check_inputs=bool(check_inputs), divide=bool(divide))
         else:
-            outputs, finite = _unscale_and_check_tf(values, scale_t, bool(check_inputs),
+            outputs, finite = _fallback.unscale_and_check(values, scale_t, bool(check_inputs),
                                                     bool(divide))
         return _rebuild(grads, slots, list(outputs)), finite
 
@@ -282,7 +281,7 @@ def all_finite(grads):
         module = _native_library(devices)
         if module is not None:
             return module.loss_scale_all_finite(values)
-        return _all_finite_tf(values)
+        return _fallback.all_finite(values)
 
 
 # Gradients up to this size are checked together with their neighbours in
@@ -306,7 +305,7 @@ def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
             return tf.constant(True)
         module = _native_library(devices)
         if module is None:
-            return _all_finite_tf(values)
+            return _fallback.all_finite(values)
         flags, group, size = [], [], 0
         for v in values:
             nbytes = v.shape.num_elements()
@@ -320,72 +319,7 @@ def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
         return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
 
 
-def _all_finite_tf(values):
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
-
-
-def _unscale_and_check_tf(values, scale, check_inputs, divide=False):
-    if scale.shape.rank is None:
-        scale = tf.ensure_shape(scale, [])
-    if divide:
-        outputs = [v / tf.cast(scale, v.dtype) for v in values]
-    else:
-        inv = 1.0 / scale
-        outputs = [v * tf.cast(inv, v.dtype) for v in values]
-    return outputs, _all_finite_tf(values if check_inputs else outputs)
-
-
 # ------------------------------------------------------------------ update
-
-def _float_arg(name, value, default=None):
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"update_loss_scale: {name} must be a number, got {value!r}")
-    with np.errstate(over="ignore"):  # a value beyond float32 is inf, refused by the caller
-        return float(np.float32(value))
-
-
-def _int_arg(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"update_loss_scale: {name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"update_loss_scale: {name} must be >= {minimum}, got {value}")
-    if value > _INT64_MAX:
-        raise ValueError(f"update_loss_scale: {name} must be <= 2**63 - 1, got {value}")
-    return int(value)
-
-
-def _scale_config(rule, increment_period, multiplier, backoff_factor, min_loss_scale,
-                  max_loss_scale, hysteresis):
-    """The rule's parameters as the core stores them (float32), checked as the
-    core checks them (ls_scale_config_check)."""
-    if rule not in _RULES:
-        raise ValueError(f"update_loss_scale: rule must be one of {_RULES}, got {rule!r}")
-    cfg = dict(
-        rule=rule,
-        increment_period=_int_arg("increment_period", increment_period, 1),
-        multiplier=_float_arg("multiplier", multiplier),
-        backoff_factor=0.0 if backoff_factor is None else _float_arg("backoff_factor",
-                                                                      backoff_factor),
-        min_loss_scale=_float_arg("min_loss_scale", min_loss_scale),
-        max_loss_scale=_float_arg("max_loss_scale", max_loss_scale, math.inf),
-        hysteresis=_int_arg("hysteresis", hysteresis, 1),
-    )
-    if not (cfg["multiplier"] > 0 and math.isfinite(cfg["multiplier"])):
-        raise ValueError(f"update_loss_scale: multiplier must be a positive finite float32, "
-                         f"got {multiplier!r}")
-    if backoff_factor is not None and not 0.0 < cfg["backoff_factor"] < 1.0:
-        raise ValueError(f"update_loss_scale: backoff_factor must be in (0, 1), "
-                         f"got {backoff_factor!r}")
-    if not (cfg["min_loss_scale"] >= 0 and math.isfinite(cfg["min_loss_scale"])):
-        raise ValueError(f"update_loss_scale: min_loss_scale must be a finite number >= 0, "
-                         f"got {min_loss_scale!r}")
-    if not cfg["max_loss_scale"] >= cfg["min_loss_scale"]:
-        raise ValueError(f"update_loss_scale: max_loss_scale ({max_loss_scale!r}) must be >= "
-                         f"min_loss_scale ({min_loss_scale!r})")
-    return cfg
-
 
 def _state_variable(name, v, dtypes):
     if v is None:
@@ -432,8 +366,19 @@ def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None
     Returns the bool scalar ``finite`` (should the gradients be applied),
     ordered after the update.
     """
-    cfg = _scale_config(rule, increment_period, multiplier, backoff_factor, min_loss_scale,
-                        max_loss_scale, hysteresis)
+    config = op_config("update_loss_scale", rule, increment_period, multiplier,
+                       backoff_factor, min_loss_scale, max_loss_scale, hysteresis)
+    return update_with_config(config, finite, scale, counter, overflow_run=overflow_run,
+                              skipped=skipped)
+
+
+@tf.autograph.experimental.do_not_convert
+def update_with_config(config, finite, scale, counter, *, overflow_run=None, skipped=None):
+    """``update_loss_scale`` with the rule given as a checked ``ScaleConfig``.
+
+    For callers that hold their settings in one (the loss-scale objects and
+    the optimizer's rules): the settings are not read again every step.
+    """
     scale_var = _state_variable("scale", scale, (tf.float32,))
     if scale_var is None:
         raise TypeError("update_loss_scale: scale must be a tf.Variable or keras.Variable")
@@ -442,7 +387,7 @@ def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None
         raise TypeError("update_loss_scale: counter must be a tf.Variable or keras.Variable")
     run_var = _state_variable("overflow_run", overflow_run, (tf.int64,))
     skipped_var = _state_variable("skipped", skipped, (tf.int64,))
-    if cfg["hysteresis"] > 1 and run_var is None:
+    if config.hysteresis > 1 and run_var is None:
         raise ValueError("update_loss_scale: hysteresis > 1 needs an overflow_run variable")
     state = [v for v in (scale_var, counter_var, run_var, skipped_var) if v is not None]
     if len({id(v) for v in state}) != len(state):
@@ -466,69 +411,21 @@ def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None
                 finite, scale_var.handle, counter_var.handle,
                 [run_var.handle] if run_var is not None else [],
                 [skipped_var.handle] if skipped_var is not None else [],
-                Tcounter=counter_var.dtype, rule=cfg["rule"],
-                increment_period=cfg["increment_period"], multiplier=cfg["multiplier"],
-                backoff_factor=cfg["backoff_factor"], min_loss_scale=cfg["min_loss_scale"],
-                max_loss_scale=cfg["max_loss_scale"], hysteresis=cfg["hysteresis"])
-        return _update_tf(finite, scale_var, counter_var, run_var, skipped_var, cfg)
+                Tcounter=counter_var.dtype, rule=config.rule,
+                increment_period=config.increment_period,
+                multiplier=_float32_attr(config.multiplier),
+                backoff_factor=_float32_attr(config.backoff_factor or 0.0),
+                min_loss_scale=_float32_attr(config.min_loss_scale),
+                max_loss_scale=_float32_attr(config.max_loss_scale),
+                hysteresis=config.hysteresis)
+        return _fallback.update_loss_scale(finite, scale_var, counter_var, run_var, skipped_var,
+                                           config)
 
 
-def _divide(x, c):
-    """``x / c`` for a constant ``c``, as an IEEE division.
-
-    Grappler's constant folding and XLA's simplifier both turn a division by
-    a constant into a multiplication by its float32 reciprocal, which rounds
-    differently when ``c`` is not a power of two (``x / 3`` vs
-    ``x * (1/3)``).  A denominator that depends on ``x`` (and equals ``c``
-    whenever the quotient is not NaN anyway) keeps the division, so the
-    fallback computes what the core and eager TensorFlow compute.
-    """
-    return x / tf.where(tf.math.is_nan(x), x, c)
-
-
-def _update_tf(finite, scale, counter, overflow_run, skipped, cfg):
-    """The rules of lossscale.h written with TensorFlow ops (the fallback)."""
-    s = tf.convert_to_tensor(scale)
-    c = tf.convert_to_tensor(counter)
-    multiplier = tf.constant(cfg["multiplier"], tf.float32)
-    zero = tf.zeros([], c.dtype)
-    one = tf.ones([], c.dtype)
-    period = tf.constant(cfg["increment_period"], c.dtype)
-    k = tf.convert_to_tensor(skipped) if skipped is not None else None
-    new_run = None
-    if cfg["rule"] == "keras3":
-        grow = tf.equal(c, period - one)
-        scale_if_finite = tf.where(grow, s * multiplier, s)
-        counter_if_finite = tf.where(grow, zero, c + one)
-        new_scale = tf.where(finite, scale_if_finite, _divide(s, multiplier))
-    else:
-        grow = c + one >= period
-        grown = tf.minimum(s * multiplier, tf.constant(cfg["max_loss_scale"], tf.float32))
-        scale_if_finite = tf.where(grow & tf.math.is_finite(grown), grown, s)
-        counter_if_finite = tf.where(grow, zero, c + one)
-        if cfg["backoff_factor"]:
-            lowered = s * tf.constant(cfg["backoff_factor"], tf.float32)
-        else:
-            lowered = _divide(s, multiplier)
-        lowered = tf.maximum(lowered, tf.constant(cfg["min_loss_scale"], tf.float32))
-        if overflow_run is not None:
-            run = tf.convert_to_tensor(overflow_run) + 1
-            back_off = run >= cfg["hysteresis"]
-            scale_if_not = tf.where(back_off, lowered, s)
-            new_run = tf.where(finite, tf.zeros([], tf.int64),
-                               tf.where(back_off, tf.zeros([], tf.int64), run))
-        else:
-            scale_if_not = lowered
-        new_scale = tf.where(finite, scale_if_finite, scale_if_not)
-    new_counter = tf.where(finite, counter_if_finite, zero)
-    updates = [scale.assign(new_scale, read_value=False),
-               counter.assign(new_counter, read_value=False)]
-    if new_run is not None:
-        updates.append(overflow_run.assign(new_run, read_value=False))
-    if k is not None:
-        updates.append(skipped.assign(tf.where(finite, k, k + 1), read_value=False))
-    with tf.control_dependencies([u for u in updates if u is not None]):
-        return tf.identity(finite)
+def _float32_attr(value):
+    """``value`` as the op's float32 attribute holds it (beyond float32: inf)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 def _debug_buffer_address(x):

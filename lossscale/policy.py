@@ -18,21 +18,15 @@ under the public name ``keras.DTypePolicy``.
 """
 
 import logging
-import sys
 
 import keras
 
+from lossscale import _compat
 from lossscale import loss_scale as loss_scale_module
 
 __all__ = ["Policy"]
 
 _logger = logging.getLogger(__name__)
-
-
-def _asked_by_keras():
-    """True when the caller of ``get_config`` is Keras itself (its serializers)."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")  # pylint: disable=protected-access
-    return caller == "keras" or caller.startswith("keras.")
 
 
 def _same_loss_scale(a, b):
@@ -103,7 +97,8 @@ class Policy(keras.DTypePolicy):
         into a saved model (see the module docstring).
         """
         config = {"name": self.name}
-        if not self._using_default_loss_scale and not _asked_by_keras():
+        # Asked by Keras itself: its serializers.
+        if not self._using_default_loss_scale and not _compat.caller_is_keras():
             config["loss_scale"] = loss_scale_module.serialize(self._loss_scale)
         return config
 
@@ -126,16 +121,6 @@ class Policy(keras.DTypePolicy):
         return cls(**config)
 
 
-def _serialize_as_plain_policy():
-    """Have Keras write this class under the public name ``keras.DTypePolicy``.
-
-    Only the class -> name direction is registered: Keras still reads that
-    name as its own ``DTypePolicy``.
-    """
-    from keras.src import api_export  # pylint: disable=import-outside-toplevel
-
-    api_export.REGISTERED_OBJS_TO_NAMES[Policy] = api_export.get_name_from_symbol(
-        keras.DTypePolicy)
-
-
-_serialize_as_plain_policy()
+# Keras writes this class under the public name ``keras.DTypePolicy`` (and
+# still reads that name as its own class): see the module docstring.
+_compat.register_serialized_name(Policy, keras.DTypePolicy)

@@ -16,6 +16,7 @@ bytes) and compared after the exception: a rejected call changes nothing.
 The matrix size is reported in the terminal summary of the test run.
 """
 
+import functools
 import math
 import pathlib
 import re
@@ -234,28 +235,58 @@ def sgd():
     return keras.optimizers.SGD(0.1)
 
 
+# ------------------------------------------------------------- factories
+
+def _call(fn, *args, watch=()):
+    """A case calling ``fn(*args)`` on constant arguments; ``watch``: what
+    else must come out of the call unchanged."""
+    def make():
+        return (lambda: fn(*args)), list(watch)
+    return make
+
+
+def _call_fresh(fn, build, *rest):
+    """A case calling ``fn(build(), *rest)``: the first argument is built
+    anew for every run, and must come out of the call unchanged."""
+    def make():
+        first = build()
+        return (lambda: fn(first, *rest)), [first]
+    return make
+
+
+def arrays_with(make_bad, at=2):
+    """A factory of the good arrays with a fresh ``make_bad()`` among them."""
+    def build():
+        return with_bad(make_bad(), at)
+    return build
+
+
+def _unscale(build, inv_scale=0.5):
+    return _call_fresh(core.unscale_, build, inv_scale)
+
+
+def _all_finite(build):
+    return _call_fresh(core.all_finite, build)
+
+
 # =================================================================== core
 
 cases("core.unscale_", "wrong type", {
-    "arrays=str": lambda: ((lambda: core.unscale_("abc", 0.5)), []),
-    "arrays=None": lambda: ((lambda: core.unscale_(None, 0.5)), []),
-    "arrays=dict": lambda: ((lambda a: lambda: core.unscale_({"g": a}, 0.5))(
-        np.ones(3, np.float32)), []),
+    "arrays=str": _call(core.unscale_, "abc", 0.5),
+    "arrays=None": _call(core.unscale_, None, 0.5),
+    "arrays=dict": _unscale(lambda: {"g": np.ones(3, np.float32)}),
 }, TypeError, r"expected a numpy array")
 cases("core.unscale_", "wrong type", {
-    f"item={name}": (lambda item: lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(item)))(item)
+    f"item={name}": _unscale(functools.partial(with_bad, item))
     for name, item in [("list", [1.0, 2.0]), ("float", 1.5), ("None", None), ("str", "x")]
 }, TypeError, r"item 2 is \w+, not a numpy array")
 cases("core.unscale_", "wrong type", {
-    f"inv_scale={name}": (lambda s: lambda: (lambda a: ((lambda: core.unscale_(a, s)), a))(
-        good_arrays()))(s)
+    f"inv_scale={name}": _unscale(good_arrays, s)
     for name, s in [("str", "0.5"), ("None", None), ("bool", True), ("complex", 0.5j),
                     ("list", [0.5]), ("ndarray", np.array([0.5]))]
 }, TypeError, r"inv_scale must be a real number")
 cases("core.unscale_", "wrong dtype", {
-    name: (lambda bad: lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(bad())))(bad)
+    name: _unscale(arrays_with(bad))
     for name, bad in [
         ("int32", lambda: np.arange(5, dtype=np.int32)),
         ("uint16", lambda: np.arange(5, dtype=np.uint16)),
@@ -266,17 +297,13 @@ cases("core.unscale_", "wrong dtype", {
     ]
 }, TypeError, r"item 2 has unsupported dtype .*; supported: float16")
 cases("core.unscale_", "wrong dtype", {
-    "big-endian float32": lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(np.array([1.0, 2.0], dtype=">f4"))),
+    "big-endian float32": _unscale(arrays_with(lambda: np.array([1.0, 2.0], dtype=">f4"))),
 }, TypeError, r"item 2 has non-native byte order")
 
 
 def _core_scale_cases(klass, values, match):
-    cases("core.unscale_", klass, {
-        f"inv_scale={v!r}": (lambda v: lambda: (lambda a: ((lambda: core.unscale_(a, v)), a))(
-            good_arrays()))(v)
-        for v in values
-    }, ValueError, match)
+    cases("core.unscale_", klass, {f"inv_scale={v!r}": _unscale(good_arrays, v) for v in values},
+          ValueError, match)
 
 
 _core_scale_cases("NaN scale", [NAN, np.float32(NAN), np.float16(NAN)],
@@ -288,12 +315,12 @@ _core_scale_cases("zero scale", [0.0, -0.0, 0, np.float32(0)],
 _core_scale_cases("negative scale", [-0.5, -1, np.float64(-2.0), -1e-300],
                   r"inv_scale must be positive")
 cases("core.unscale_", "empty list", {
-    "[]": lambda: ((lambda: core.unscale_([], 0.5)), []),
-    "()": lambda: ((lambda: core.unscale_((), 0.5)), []),
+    "[]": _call(core.unscale_, [], 0.5),
+    "()": _call(core.unscale_, (), 0.5),
 }, ValueError, r"empty list")
 cases("core.unscale_", "empty list", {
-    f"zero-length {np.dtype(d).name}": (lambda d: lambda: (lambda a: (
-        (lambda: core.unscale_(a, 0.5)), a))(with_bad(np.zeros((4, 0), d), at=1)))(d)
+    f"zero-length {np.dtype(d).name}": _unscale(arrays_with(
+        functools.partial(np.zeros, (4, 0), d), at=1))
     for d in (np.float16, BF16, np.float32, np.float64)
 }, ValueError, r"item 1 is a zero-length array")
 
@@ -314,8 +341,7 @@ cases("core.unscale_", "mismatched lists", {
     "reinterpreted bytes": _aliased(lambda b: (b, b[100:200].view(np.float16))),
 }, ValueError, r"two arrays in the list share memory")
 cases("core.unscale_", "non-contiguous buffer", {
-    name: (lambda bad: lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(bad())))(bad)
+    name: _unscale(arrays_with(bad))
     for name, bad in [
         ("strided", lambda: np.arange(40, dtype=np.float32)[::2]),
         ("reversed", lambda: np.arange(40, dtype=np.float64)[::-1]),
@@ -324,49 +350,47 @@ cases("core.unscale_", "non-contiguous buffer", {
         ("broadcast", lambda: np.broadcast_to(np.ones(1, np.float32), (10,))),
     ]
 }, ValueError, r"item 2 is not C-contiguous")
+
+
+def _read_only_last():
+    return good_arrays()[:3] + [read_only(np.ones(5, np.float16))]
+
+
 cases("core.unscale_", "read-only buffer", {
-    "setflags(write=False)": lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(read_only(np.ones(100, np.float32)))),
-    "frombuffer(bytes)": lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        with_bad(np.frombuffer(bytes(np.ones(6)), np.float64))),
-    "last of large goods": lambda: (lambda a: ((lambda: core.unscale_(a, 0.5)), a))(
-        good_arrays()[:3] + [read_only(np.ones(5, np.float16))]),
+    "setflags(write=False)": _unscale(arrays_with(lambda: read_only(np.ones(100, np.float32)))),
+    "frombuffer(bytes)": _unscale(arrays_with(
+        lambda: np.frombuffer(bytes(np.ones(6)), np.float64))),
+    "last of large goods": _unscale(_read_only_last),
 }, ValueError, r"item \d is read-only")
 
 cases("core.all_finite", "wrong type", {
-    "arrays=str": lambda: ((lambda: core.all_finite("abc")), []),
-    "arrays=generator": lambda: ((lambda: core.all_finite(a for a in good_arrays())), []),
-    "item=memoryview": lambda: (lambda a: ((lambda: core.all_finite(a)), a))(
-        with_bad(memoryview(bytearray(8)))),
+    "arrays=str": _call(core.all_finite, "abc"),
+    "arrays=generator": _all_finite(lambda: (a for a in good_arrays())),
+    "item=memoryview": _all_finite(arrays_with(lambda: memoryview(bytearray(8)))),
 }, TypeError, r"numpy array")
 cases("core.all_finite", "wrong dtype", {
-    "int64": lambda: (lambda a: ((lambda: core.all_finite(a)), a))(
-        with_bad(np.arange(3, dtype=np.int64))),
-    "complex128": lambda: (lambda a: ((lambda: core.all_finite(a)), a))(
-        with_bad(np.ones(3, np.complex128))),
+    "int64": _all_finite(arrays_with(lambda: np.arange(3, dtype=np.int64))),
+    "complex128": _all_finite(arrays_with(lambda: np.ones(3, np.complex128))),
 }, TypeError, r"item 2 has unsupported dtype")
 cases("core.all_finite", "empty list", {
-    "[]": lambda: ((lambda: core.all_finite([])), []),
-    "zero-length": lambda: (lambda a: ((lambda: core.all_finite(a)), a))(
-        with_bad(np.zeros(0, np.float32))),
+    "[]": _call(core.all_finite, []),
+    "zero-length": _all_finite(arrays_with(lambda: np.zeros(0, np.float32))),
 }, ValueError, r"empty list|zero-length")
 cases("core.all_finite", "non-contiguous buffer", {
-    "strided": lambda: (lambda a: ((lambda: core.all_finite(a)), a))(
-        with_bad(np.arange(20, dtype=np.float32)[::3])),
+    "strided": _all_finite(arrays_with(lambda: np.arange(20, dtype=np.float32)[::3])),
 }, ValueError, r"item 2 is not C-contiguous")
 
 cases("core.set_num_threads", "wrong type", {
-    f"n={v!r}": (lambda v: lambda: ((lambda: core.set_num_threads(v)), []))(v)
-    for v in ["2", 2.5, None, True]
+    f"n={v!r}": _call(core.set_num_threads, v) for v in ["2", 2.5, None, True]
 }, TypeError, r"set_num_threads: n must be an integer")
 cases("core.round_to_dtype", "wrong type", {
-    "value=str": lambda: ((lambda: core.round_to_dtype("0.5", np.float16)), []),
-    "value=None": lambda: ((lambda: core.round_to_dtype(None, np.float16)), []),
-    "dtype=bogus": lambda: ((lambda: core.round_to_dtype(0.5, "nope")), []),
+    "value=str": _call(core.round_to_dtype, "0.5", np.float16),
+    "value=None": _call(core.round_to_dtype, None, np.float16),
+    "dtype=bogus": _call(core.round_to_dtype, 0.5, "nope"),
 }, TypeError, r"round_to_dtype: (value must be a real number|dtype 'nope' is not)")
 cases("core.round_to_dtype", "wrong dtype", {
-    "int32": lambda: ((lambda: core.round_to_dtype(0.5, np.int32)), []),
-    "complex64": lambda: ((lambda: core.round_to_dtype(0.5, np.complex64)), []),
+    "int32": _call(core.round_to_dtype, 0.5, np.int32),
+    "complex64": _call(core.round_to_dtype, 0.5, np.complex64),
 }, TypeError, r"unsupported dtype \w+; supported: float16")
 
 
@@ -517,12 +541,16 @@ cases("ops.update_loss_scale", "negative scale", {
     "backoff_factor=-0.5": _update(backoff_factor=-0.5),
     "max below min": _update(max_loss_scale=0.5, min_loss_scale=1.0),
 }, ValueError, r"update_loss_scale: \w+( \(.*\))? must be")
+def _skipped_is_counter():
+    scale, counter = scale_vars()
+    return (lambda: ops.update_loss_scale(True, scale, counter, skipped=counter)), [scale, counter]
+
+
 cases("ops.update_loss_scale", "mismatched lists", {
     "counter is scale": _update(counter="same-as-scale"),
 }, (TypeError, ValueError), r"counter must be a variable of dtype int32 or int64|distinct")
 cases("ops.update_loss_scale", "mismatched lists", {
-    "skipped is counter": lambda: (lambda s, c: (
-        (lambda: ops.update_loss_scale(True, s, c, skipped=c)), [s, c]))(*scale_vars()),
+    "skipped is counter": _skipped_is_counter,
 }, ValueError, r"must be distinct variables")
 cases("ops.update_loss_scale", "mismatched lists", {
     "finite of shape (2,)": _update(finite=lambda: tf.constant([True, False])),
@@ -547,7 +575,7 @@ cases("FixedLossScale", "wrong type", {
     f"{v!r}": _construct(Fixed, v) for v in ["8", None, [8], np.array([8.0]), 8j]
 }, ValueError, r"loss_scale_value must be a Python int or float")
 cases("FixedLossScale", "wrong type", {
-    "tensor": lambda: (lambda t: ((lambda: Fixed(t)), [t]))(tf.constant(8.0)),
+    "tensor": _call_fresh(Fixed, lambda: tf.constant(8.0)),
 }, ValueError, r"loss_scale_value must be a Python int or float")
 cases("FixedLossScale", "NaN scale", {"nan": _construct(Fixed, NAN),
                                       "np.float32 nan": _construct(Fixed, np.float32(NAN))},
@@ -687,31 +715,31 @@ cases("LossScale.from_config", "negative scale", {
 }, ValueError, r"(increment_period must be in|loss_scale_value must be at least 1)")
 
 cases("get", "wrong type", {
-    f"{name}": (lambda v: lambda: (lambda x: ((lambda: lossscale.get(x)), [x]))(v()))(v)
+    name: _call_fresh(lossscale.get, v)
     for name, v in [("str Dynamic", lambda: "Dynamic"), ("str number", lambda: "8"),
                     ("list", lambda: [8]), ("object", object), ("tensor", lambda: tf.constant(8.0)),
                     ("ndarray", lambda: np.array([8.0])), ("complex", lambda: 8j),
                     ("bytes", lambda: b"dynamic")]
 }, ValueError, r"Could not interpret loss scale identifier")
-cases("get", "NaN scale", {"nan": lambda: ((lambda: lossscale.get(NAN)), [])},
+cases("get", "NaN scale", {"nan": _call(lossscale.get, NAN)},
       ValueError, r"loss_scale_value must be finite, got nan")
-cases("get", "inf scale", {"inf": lambda: ((lambda: lossscale.get(INF)), []),
-                           "1e39": lambda: ((lambda: lossscale.get(1e39)), [])},
+cases("get", "inf scale", {"inf": _call(lossscale.get, INF),
+                           "1e39": _call(lossscale.get, 1e39)},
       ValueError, r"loss_scale_value must (be finite|fit in float32)")
-cases("get", "zero scale", {"0": lambda: ((lambda: lossscale.get(0)), [])},
+cases("get", "zero scale", {"0": _call(lossscale.get, 0)},
       ValueError, r"loss_scale_value must be at least 1")
-cases("get", "negative scale", {"-8": lambda: ((lambda: lossscale.get(-8.0)), [])},
+cases("get", "negative scale", {"-8": _call(lossscale.get, -8.0)},
       ValueError, r"loss_scale_value must be at least 1")
 cases("get", "corrupted config", {
-    "empty dict": lambda: (lambda c: ((lambda: lossscale.get(c)), [c]))({}),
-    "config None": lambda: (lambda c: ((lambda: lossscale.get(c)), [c]))(
-        {"class_name": "DynamicLossScale", "config": None}),
-    "unknown class": lambda: (lambda c: ((lambda: lossscale.get(c)), [c]))(
-        {"class_name": "LossScale", "config": {}}),
+    "empty dict": _call_fresh(lossscale.get, dict),
+    "config None": _call_fresh(lossscale.get,
+                               lambda: {"class_name": "DynamicLossScale", "config": None}),
+    "unknown class": _call_fresh(lossscale.get,
+                                 lambda: {"class_name": "LossScale", "config": {}}),
 }, ValueError, r"Improper config format|Unknown loss scale: LossScale")
 
 cases("serialize", "wrong type", {
-    f"{v!r}": (lambda v: lambda: ((lambda: lossscale.serialize(v)), [v]))(v)
+    f"{v!r}": _call(lossscale.serialize, v, watch=[v])
     for v in [3, "dynamic", [1.0]]
 }, ValueError, r"Cannot serialize .*: it has no get_config\(\)")
 
@@ -813,7 +841,7 @@ cases("Policy", "corrupted config", {
 
 
 def _policy_from_config(config):
-    return lambda: (lambda c: ((lambda: Policy.from_config(c)), [c]))(config())
+    return _call_fresh(Policy.from_config, config)
 
 
 cases("Policy.from_config", "corrupted config", {
@@ -964,7 +992,7 @@ cases("LossScaleOptimizer.apply", "mismatched lists", {
 
 
 def _opt_from_config(cls, config):
-    return lambda: (lambda c: ((lambda: cls.from_config(c)), [c]))(config())
+    return _call_fresh(cls.from_config, config)
 
 
 cases("LossScaleOptimizer.from_config", "corrupted config", {
@@ -1129,19 +1157,19 @@ cases("experimental.LossScaleOptimizer.get_unscaled_gradients", "wrong type", {
 
 
 cases("experimental.set_policy / get_layer_policy", "wrong type", {
-    "set_policy(3)": lambda: ((lambda: ls_experimental.set_policy(3)), [GlobalPolicy]),
-    "set_policy(None)": lambda: ((lambda: ls_experimental.set_policy(None)), [GlobalPolicy]),
+    "set_policy(3)": _call(ls_experimental.set_policy, 3, watch=[GlobalPolicy]),
+    "set_policy(None)": _call(ls_experimental.set_policy, None, watch=[GlobalPolicy]),
 }, ValueError, r"Invalid `policy` argument")
 cases("experimental.set_policy / get_layer_policy", "wrong type", {
-    "get_layer_policy(model variable)": lambda: (lambda v: (
-        (lambda: ls_experimental.get_layer_policy(v)), [v]))(tf.Variable(1.0)),
-    "get_layer_policy(str)": lambda: ((lambda: ls_experimental.get_layer_policy("dense")), []),
+    "get_layer_policy(model variable)": _call_fresh(ls_experimental.get_layer_policy,
+                                                    lambda: tf.Variable(1.0)),
+    "get_layer_policy(str)": _call(ls_experimental.get_layer_policy, "dense"),
 }, ValueError, r"get_policy can only be called on a layer")
 cases("experimental.set_policy / get_layer_policy", "wrong dtype", {
-    "set_policy('float17')": lambda: ((lambda: ls_experimental.set_policy("float17")),
-                                      [GlobalPolicy]),
-    "set_policy('mixed_int8')": lambda: ((lambda: ls_experimental.set_policy("mixed_int8")),
-                                         [GlobalPolicy]),
+    "set_policy('float17')": _call(ls_experimental.set_policy, "float17",
+                                   watch=[GlobalPolicy]),
+    "set_policy('mixed_int8')": _call(ls_experimental.set_policy, "mixed_int8",
+                                      watch=[GlobalPolicy]),
 }, ValueError, r"Cannot convert '\w+' to a mixed precision DTypePolicy")
 
 Monitor = lossscale.LossScaleMonitor

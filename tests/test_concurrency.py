@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import child_env, same_bits
 from lossscale import core, ops
 from rule_model import F32, keras3_step, tf24_step
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (np.float16, BF16, np.float32, np.float64)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,18 +51,6 @@ def run_threads(target, args_list, timeout=120):
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     if errors:
         raise errors[0]
-
-
-def same_bits(a, b):
-    """Bit-identical, except that any NaN equals any NaN (payloads are free)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    wide = np.float64 if a.dtype.itemsize == 8 else np.float32
-    nan = np.isnan(a.astype(wide)) & np.isnan(b.astype(wide))
-    ua = a.reshape(-1).view(UINT[a.dtype.itemsize])
-    ub = b.reshape(-1).view(UINT[b.dtype.itemsize])
-    return bool(((ua == ub) | nan.reshape(-1)).all())
 
 
 # ------------------------------------------------------------------ core
@@ -251,8 +239,7 @@ def test_fork_while_the_pool_is_busy():
     """The atfork handler gives a child a fresh pool: a child forked while the
     parent's workers run (and the pool's lock is held) unscales correctly
     and does not deadlock."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "20"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "20"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "forks failed: 0" in proc.stdout
@@ -295,23 +282,12 @@ FIRST_USE_SCRIPT = textwrap.dedent("""
     print("level", levels.pop(), "bad", bad)
 """)
 
-LEVELS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon"),
-          "arm64": ("scalar", "neon")}
-
-
-def available_levels():
-    order = LEVELS.get(os.uname().machine if hasattr(os, "uname") else "", ("scalar",))
-    best = core.simd_best()
-    return order[:order.index(best) + 1] if best in order else ("scalar",)
-
-
-@pytest.mark.parametrize("level", available_levels())
+@pytest.mark.parametrize("level", core.simd_levels())
 def test_first_use_from_many_threads_at_once(level):
     """In a fresh process, sixteen threads make the very first calls together,
     so the lazy choice of kernels and the pool's start race each other."""
-    env = dict(os.environ, LOSSSCALE_SIMD=level,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", FIRST_USE_SCRIPT], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FIRST_USE_SCRIPT], cwd=ROOT,
+                          env=child_env(LOSSSCALE_SIMD=level),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["level", level, "bad", "0"], proc.stdout + proc.stderr

@@ -15,37 +15,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import UINT, assert_same_bits, bit_patterns
 from lossscale import core
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 finfo = ml_dtypes.finfo  # numpy's finfo does not know bfloat16
 
 SWEEP_SCALES = [2.0 ** e for e in range(-24, 25)] + [1.0 / 3.0, 1000.0]
-
-
-def bits(a):
-    return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
-
-
-def assert_same(got, want, what=""):
-    """Bit-identical, except that a NaN only has to meet a NaN."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    g32 = got.astype(np.float64)
-    w32 = want.astype(np.float64)
-    nan_g, nan_w = np.isnan(g32), np.isnan(w32)
-    bad = (nan_g != nan_w) | (~nan_w & (bits(got) != bits(want)))
-    if bad.any():
-        i = np.flatnonzero(bad)
-        k = i[:8]
-        pytest.fail(f"{what}: {len(i)} of {got.size} differ; first at {k.tolist()}: "
-                    f"got {got[k].tolist()} "
-                    f"(bits {[hex(int(v)) for v in bits(got)[k]]}) want {want[k].tolist()} "
-                    f"(bits {[hex(int(v)) for v in bits(want)[k]]})")
 
 
 def all_patterns(dtype):
@@ -79,7 +59,7 @@ def test_every_half_pattern_every_scale(dtype):
         want = oracle_half(x, s)
         got = x.copy()
         finite = core.unscale_(got, s)
-        assert_same(got, want, f"{dtype} * {s!r}")
+        assert_same_bits(got, want, f"{dtype} * {s!r}")
         # every pattern includes inf/NaN, so the whole-array flag is False
         assert finite is False
 
@@ -101,7 +81,7 @@ def test_half_finite_flag_per_chunk(dtype):
         flags_in = [core.unscale_(got[i:i + chunk], s, check_inputs=True)
                     for i in range(0, x.size, chunk)]
         assert flags_in == want_in.tolist(), f"{dtype} * {s!r} check_inputs"
-        assert_same(got, want, f"{dtype} * {s!r} check_inputs")
+        assert_same_bits(got, want, f"{dtype} * {s!r} check_inputs")
     # both outcomes are exercised
     assert not want_flags.all() and want_flags.any()
 
@@ -168,7 +148,7 @@ def test_wide_against_numpy(dtype):
         want = oracle_ieee(x, s)
         got = x.copy()
         finite = core.unscale_(got, s)
-        assert_same(got, want, f"{dtype} * {s!r}")
+        assert_same_bits(got, want, f"{dtype} * {s!r}")
         assert finite is False  # the raw bit patterns include NaN/inf
 
 
@@ -191,10 +171,10 @@ def test_wide_finite_flag(dtype):
         want = oracle_ieee(x, s)
         got = x.copy()
         assert core.unscale_(got, s) is bool(np.isfinite(want).all()), (x[-1], s)
-        assert_same(got, want, f"{x[-1]!r} * {s!r}")
+        assert_same_bits(got, want, f"{x[-1]!r} * {s!r}")
         got = x.copy()
         assert core.unscale_(got, s, check_inputs=True) is bool(np.isfinite(x).all())
-        assert_same(got, want, f"{x[-1]!r} * {s!r} check_inputs")
+        assert_same_bits(got, want, f"{x[-1]!r} * {s!r} check_inputs")
         assert core.all_finite(x) is bool(np.isfinite(x).all())
 
 
@@ -225,13 +205,13 @@ def test_list_of_mixed_dtypes_one_flag():
         got = [a.copy() for a in arrays]
         assert core.unscale_(got, s) is True
         for g, w in zip(got, want):
-            assert_same(g, w, f"{g.dtype} list * {s!r}")
+            assert_same_bits(g, w, f"{g.dtype} list * {s!r}")
     # an overflow in one array of the list clears the one flag
     arrays[2][12345] = finfo(F32).max
     got = [a.copy() for a in arrays]
     assert core.unscale_(got, 4.0) is False
     for g, a in zip(got, arrays):
-        assert_same(g, oracle_ieee(a, 4.0), f"{g.dtype} list * 4")
+        assert_same_bits(g, oracle_ieee(a, 4.0), f"{g.dtype} list * 4")
     assert core.all_finite(arrays) is True
     arrays[4][-1] = np.nan
     assert core.all_finite(arrays) is False
@@ -242,10 +222,10 @@ def test_shapes_and_zero_dim():
     x = np.arange(24, dtype=F32).reshape(2, 3, 4) - 7.5
     got = x.copy()
     assert core.unscale_(got, 1.0 / 3.0) is True
-    assert_same(got, oracle_ieee(x, 1.0 / 3.0), "3-d")
+    assert_same_bits(got, oracle_ieee(x, 1.0 / 3.0), "3-d")
     z = np.array(3.0, dtype=F64)
     assert core.unscale_(z, 0.1) is True
-    assert bits(z.reshape(1))[0] == bits(np.array([3.0 * 0.1]))[0]
+    assert bit_patterns(z.reshape(1))[0] == bit_patterns(np.array([3.0 * 0.1]))[0]
 
 
 # --------------------------------------------------------- round_to_dtype
@@ -331,12 +311,12 @@ def test_flush_half_every_pattern_against_tensorflow(tf, dtype):
         want_tf = tf_product(tf, x, s)
         got = x.copy()
         finite = core.unscale_(got, s, flush_denormals=True)
-        assert_same(got, want_tf, f"flush {dtype} * {s!r}")
+        assert_same_bits(got, want_tf, f"flush {dtype} * {s!r}")
         assert finite is False
         ieee = x.copy()
         core.unscale_(ieee, s)
-        assert_same(ieee, oracle_half(x, s), f"ieee {dtype} * {s!r}")
-        differs += int((bits(ieee) != bits(want_tf)).sum())
+        assert_same_bits(ieee, oracle_half(x, s), f"ieee {dtype} * {s!r}")
+        differs += int((bit_patterns(ieee) != bit_patterns(want_tf)).sum())
     if dtype == BF16:
         # bfloat16 subnormals are float32 subnormals: flushed by TensorFlow
         assert differs > 0
@@ -371,15 +351,15 @@ def test_flush_wide_against_tensorflow(tf, dtype):
         want_tf = tf_product(tf, x, s)
         got = x.copy()
         finite = core.unscale_(got, s, flush_denormals=True)
-        assert_same(got, want_tf, f"flush {dtype} * {s!r}")
+        assert_same_bits(got, want_tf, f"flush {dtype} * {s!r}")
         assert finite is False  # the NaN/inf tail
         ieee = x.copy()
         core.unscale_(ieee, s)
         want_np = oracle_ieee(x, s)
-        assert_same(ieee, want_np, f"ieee {dtype} * {s!r}")
+        assert_same_bits(ieee, want_np, f"ieee {dtype} * {s!r}")
         # the two sides really differ here, and only where numpy has a subnormal
         # (input or result)
-        diff = bits(want_np) != bits(want_tf)
+        diff = bit_patterns(want_np) != bit_patterns(want_tf)
         diff &= ~np.isnan(want_np)
         assert diff.any(), s
         sub = (np.abs(x) < finfo(dtype).tiny) | (np.abs(want_np) < finfo(dtype).tiny)
@@ -388,7 +368,7 @@ def test_flush_wide_against_tensorflow(tf, dtype):
         y = np.random.default_rng(5).standard_normal(10_000).astype(dtype)
         got = y.copy()
         core.unscale_(got, s, flush_denormals=True)
-        assert_same(got, tf_product(tf, y, s), f"flush normal {dtype} * {s!r}")
+        assert_same_bits(got, tf_product(tf, y, s), f"flush normal {dtype} * {s!r}")
 
 
 def test_flush_all_finite_and_state_restored(tf):
@@ -407,4 +387,4 @@ def test_flush_all_finite_and_state_restored(tf):
     tf_product(tf, x, 1.0)
     c = x.copy()
     core.unscale_(c, 1.0)
-    assert_same(c, oracle_ieee(x, 1.0), "after tf")
+    assert_same_bits(c, oracle_ieee(x, 1.0), "after tf")

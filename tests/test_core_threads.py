@@ -12,10 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import same_bits
 from lossscale import core
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def oracle(x, s):
@@ -23,14 +23,6 @@ def oracle(x, s):
         if x.dtype == BF16:
             return (x.astype(np.float32) * np.float32(ml_dtypes.bfloat16(s))).astype(BF16)
         return x * x.dtype.type(s)
-
-
-def same(a, b):
-    """Bit-identical, NaN meets NaN."""
-    ua, ub = a.view(UINT[a.dtype.itemsize]), b.view(UINT[b.dtype.itemsize])
-    nan = np.isnan(b.astype(np.float32 if b.dtype.itemsize <= 4 else np.float64))
-    fa = np.isnan(a.astype(np.float32 if a.dtype.itemsize <= 4 else np.float64))
-    return bool(((ua == ub) | (nan & fa)).all())
 
 
 def make(dtype, n, seed, bad_at=None):
@@ -67,14 +59,14 @@ def test_every_thread_count_same_answer(dtype):
         core.set_num_threads(threads)
         got = x.copy()
         assert core.unscale_(got, 1.0 / 3.0) is True
-        assert same(got, want), threads
+        assert same_bits(got, want), threads
         # a non-finite value in the last part, in the first, in the middle
         for pos in (n - 1, 0, n // 2 + 1):
             y = x.copy()
             y[pos] = np.nan
             assert core.all_finite(y) is False, (threads, pos)
             assert core.unscale_(y, 0.5) is False, (threads, pos)
-            assert same(y, oracle(np.where(np.arange(n) == pos, np.nan, x).astype(dtype), 0.5))
+            assert same_bits(y, oracle(np.where(np.arange(n) == pos, np.nan, x).astype(dtype), 0.5))
 
 
 def test_list_split_across_threads_or_not():
@@ -90,10 +82,10 @@ def test_list_split_across_threads_or_not():
         core.set_num_threads(threads)
         got = [a.copy() for a in arrays]
         assert core.unscale_(got, 0.125) is True
-        assert all(same(g, w) for g, w in zip(got, want)), threads
+        assert all(same_bits(g, w) for g, w in zip(got, want)), threads
         one_by_one = [a.copy() for a in arrays]
         assert all(core.unscale_(a, 0.125) for a in one_by_one)
-        assert all(same(g, w) for g, w in zip(one_by_one, want))
+        assert all(same_bits(g, w) for g, w in zip(one_by_one, want))
         # a single overflow in one array anywhere in the list
         for k in (0, 59, 119):
             got = [a.copy() for a in arrays]
@@ -124,7 +116,7 @@ def test_many_python_threads_at_once():
             for _ in range(5):
                 y = x.copy()
                 flag = core.unscale_(y, s)
-                if flag is not want_flag or not same(y, want):
+                if flag is not want_flag or not same_bits(y, want):
                     errors.append(("unscale_", x.dtype, s, flag))
                 if core.all_finite(x) is not want_flag:
                     errors.append(("all_finite", x.dtype))

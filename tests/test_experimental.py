@@ -11,32 +11,17 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.util import deprecation
 
 import lossscale
 from lossscale import experimental
 from lossscale import loss_scale as ls_module
+from helpers import bits, mixed_mlp, tf24_reference_step, tf24_train_step, tf_dynamic
 
 INF = float("inf")
 
 
-def as_bits(x):
-    a = np.ascontiguousarray(np.asarray(x))
-    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
-
-
-def tf_dynamic(*args, **kwargs):
-    with deprecation.silence():
-        return tf.compat.v1.mixed_precision.DynamicLossScale(*args, **kwargs)
-
-
 def regression_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(16, activation="tanh", dtype="mixed_float16"),
-        keras.layers.Dense(1, dtype="float32"),
-    ])
+    return mixed_mlp(seed, hidden=16)
 
 
 def regression_data(steps, seed=0):
@@ -63,50 +48,26 @@ def test_old_custom_loop_trains_skips_and_follows_tensorflow():
     reference_inner = keras.optimizers.SGD(0.1)
     reference_inner.build(reference_model.trainable_variables)
 
-    @tf.function
-    def train_step(x, y, factor):
-        with tf.GradientTape() as tape:
-            pred = tf.cast(model(x, training=True), tf.float32)
-            loss = tf.reduce_mean(tf.square(pred - y)) * factor
-            scaled_loss = opt.get_scaled_loss(loss)
-        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
-        grads = opt.get_unscaled_gradients(scaled_grads)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def reference_step(x, y, factor):
-        """TensorFlow 2.4's arithmetic with TensorFlow ops and TensorFlow's loss scale."""
-        with tf.GradientTape() as tape:
-            pred = tf.cast(reference_model(x, training=True), tf.float32)
-            loss = tf.reduce_mean(tf.square(pred - y)) * factor
-            scaled = loss * tf.cast(reference_scale(), loss.dtype)
-        grads = tape.gradient(scaled, reference_model.trainable_variables)
-        inv = 1.0 / reference_scale()
-        grads = [g * tf.cast(inv, g.dtype) for g in grads]
-        _, should_apply = reference_scale.update(grads)
-
-        def apply():
-            reference_inner.apply(grads, reference_model.trainable_variables)
-
-        tf.cond(should_apply, apply, lambda: None)
+    train_step = tf.function(tf24_train_step(model, opt))
+    reference_step = tf.function(tf24_reference_step(reference_model, reference_inner,
+                                                     reference_scale))
 
     losses, skipped, moves = [], 0, set()
     for i, (x, y) in enumerate(regression_data(200)):
         f = np.float32(overflow(i))
-        before = [as_bits(v) for v in model.variables]
+        before = [bits(v) for v in model.variables]
         scale_before = float(opt.loss_scale.numpy())
         loss = train_step(x, y, f)
         reference_step(x, y, f)
         if f != 1.0:
             skipped += 1
-            assert [as_bits(v) for v in model.variables] == before, f"step {i} not skipped"
+            assert [bits(v) for v in model.variables] == before, f"step {i} not skipped"
         else:
             losses.append(float(loss))
-        assert as_bits(opt.loss_scale) == as_bits(reference_scale()), f"step {i}"
+        assert bits(opt.loss_scale) == bits(reference_scale()), f"step {i}"
         assert int(opt.dynamic_counter.numpy()) == int(reference_scale._num_good_steps.numpy())
         for a, b in zip(model.variables, reference_model.variables):
-            assert as_bits(a) == as_bits(b), f"step {i}"
+            assert bits(a) == bits(b), f"step {i}"
         moves.add(np.sign(float(opt.loss_scale.numpy()) - scale_before))
     assert moves == {-1.0, 0.0, 1.0}
     assert np.mean(losses[-20:]) < 0.5 * np.mean(losses[:20])  # it trains
@@ -151,7 +112,7 @@ def test_minimize_equals_the_explicit_loop():
         grads = opt_b.get_unscaled_gradients(tape.gradient(scaled, model_b.trainable_variables))
         opt_b.apply_gradients(zip(grads, model_b.trainable_variables))
     for a, b in zip(model_a.variables + opt_a.variables, model_b.variables + opt_b.variables):
-        assert as_bits(a) == as_bits(b)
+        assert bits(a) == bits(b)
 
 
 # ------------------------------------------------------------ the pieces
@@ -166,12 +127,12 @@ def test_get_unscaled_gradients_is_tensorflow_arithmetic():
     out = opt.get_unscaled_gradients([dense32, None, dense16, sparse])
     inv = 1.0 / tf.constant(1000.0)
     assert out[1] is None
-    assert as_bits(out[0]) == as_bits(dense32 * tf.cast(inv, tf.float32))
+    assert bits(out[0]) == bits(dense32 * tf.cast(inv, tf.float32))
     assert out[2].dtype == tf.float16
-    assert as_bits(out[2]) == as_bits(dense16 * tf.cast(inv, tf.float16))
+    assert bits(out[2]) == bits(dense16 * tf.cast(inv, tf.float16))
     assert isinstance(out[3], tf.IndexedSlices)
-    assert as_bits(out[3].values) == as_bits(sparse.values * inv)
-    assert as_bits(out[3].indices) == as_bits(sparse.indices)
+    assert bits(out[3].values) == bits(sparse.values * inv)
+    assert bits(out[3].indices) == bits(sparse.indices)
 
 
 def test_get_scaled_loss_keeps_the_loss_dtype():
@@ -223,13 +184,13 @@ def test_hysteresis_extension_skips_without_backing_off():
     model = regression_model(0)
     x, y = next(regression_data(1))
     for i, factor in enumerate([INF, INF, INF]):
-        before = [as_bits(v) for v in model.variables]
+        before = [bits(v) for v in model.variables]
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(tf.cast(model(x), tf.float32) - y)) * factor
             scaled = opt.get_scaled_loss(loss)
         grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
         opt.apply_gradients(zip(grads, model.trainable_variables))
-        assert [as_bits(v) for v in model.variables] == before
+        assert [bits(v) for v in model.variables] == before
         assert float(opt.loss_scale) == [2.0**8, 2.0**7, 2.0**7][i]
 
 
@@ -269,7 +230,7 @@ def test_fit_goes_through_scale_loss_and_apply():
     for i in range(12):
         reference.update([tf.constant(INF if i == 4 else 1.0)])
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    assert as_bits(opt.loss_scale) == as_bits(reference())
+    assert bits(opt.loss_scale) == bits(reference())
     assert int(opt.dynamic_counter.numpy()) == int(reference._num_good_steps.numpy())
     assert int(opt.iterations.numpy()) == 12
 

@@ -20,24 +20,17 @@ from tensorflow.python.util import deprecation
 import lossscale
 from lossscale import loss_scale as ls_module
 from lossscale import ops
+from helpers import tf_dynamic as reference, tf_fixed as reference_fixed
 from rule_model import tf24_step
 
 INF = float("inf")
 NAN = float("nan")
 
 
-def reference(*args, **kwargs):
-    with deprecation.silence():
-        return tf.compat.v1.mixed_precision.DynamicLossScale(*args, **kwargs)
-
-
-def reference_fixed(value):
-    with deprecation.silence():
-        return tf.compat.v1.mixed_precision.FixedLossScale(value)
-
-
 def bits(x):
-    """float32 bit pattern, so that inf == inf and -0.0 != 0.0 are judged exactly."""
+    """float32 bit pattern, so that inf == inf and -0.0 != 0.0 are judged exactly;
+    a plain int, so that the states of test_loss_scale_subprocess's children
+    travel through JSON."""
     return int(np.asarray(x, dtype=np.float32).view(np.uint32))
 
 

@@ -19,18 +19,15 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 INF = float("inf")
 
 
 def run_child(mode, directory, extra_env=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    env.pop("LOSSSCALE_FORCE_FALLBACK", None)
-    env.update(extra_env or {})
+    env = child_env(drop=("LOSSSCALE_FORCE_FALLBACK",), **(extra_env or {}))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), mode, str(directory)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -51,18 +48,14 @@ DISTRIBUTED_STEPS = [
 def child_distribute(directory):
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
-    from tensorflow.python.util import deprecation
+    from helpers import tf_dynamic, two_cpu_replicas
 
+    strategy = two_cpu_replicas()  # before anything else runs TensorFlow
     import lossscale
 
     def reference():
-        with deprecation.silence():
-            return tf.compat.v1.mixed_precision.DynamicLossScale(1024.0, 3, 2.0)
+        return tf_dynamic(1024.0, 3, 2.0)
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         objects = {"ours": lossscale.DynamicLossScale(1024.0, 3, 2.0), "ref": reference()}
 

@@ -43,6 +43,7 @@ import time
 import numpy as np
 import pytest
 
+import helpers
 import rule_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,27 +76,18 @@ def batch(step, replica):
 def build_all(strategy):
     """The model copies and their optimizers, made under the strategy."""
     import keras
-    from tensorflow.python.util import deprecation
 
-    import tensorflow as tf
+    from helpers import mixed_mlp, tf_dynamic
     from lossscale import experimental
     from lossscale.loss_scale import DynamicLossScale
     from lossscale.optimizer import LossScaleOptimizer
-
-    def model():
-        keras.utils.set_random_seed(0)
-        return keras.Sequential([
-            keras.Input((6,)),
-            keras.layers.Dense(10, activation="tanh", dtype="mixed_float16"),
-            keras.layers.Dense(1, dtype="float32"),
-        ])
 
     def sgd():
         return keras.optimizers.SGD(0.05, momentum=0.5)
 
     with strategy.scope():
-        models = {name: model() for name in ("ours", "stock", "tf24", "object", "extensions",
-                                              "reference")}
+        models = {name: mixed_mlp(0, hidden=10)
+                  for name in ("ours", "stock", "tf24", "object", "extensions", "reference")}
         optimizers = {
             "ours": LossScaleOptimizer(sgd(), initial_scale=INITIAL_SCALE,
                                        dynamic_growth_steps=GROWTH),
@@ -109,9 +101,7 @@ def build_all(strategy):
                 sgd(), loss_scale=DynamicLossScale(INITIAL_SCALE, GROWTH, **EXTENSIONS)),
             "reference": sgd(),
         }
-        with deprecation.silence():
-            reference_scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-                INITIAL_SCALE, GROWTH)
+        reference_scale = tf_dynamic(INITIAL_SCALE, GROWTH)
         for name, opt in optimizers.items():
             opt.build(models[name].trainable_variables)
     return models, optimizers, reference_scale
@@ -120,24 +110,16 @@ def build_all(strategy):
 def step_functions(strategy, models, optimizers, reference_scale):
     import tensorflow as tf
 
+    from helpers import keras3_train_step, mse_loss, tf24_train_step
+
     def loss_of(model, x, y, f):
-        pred = tf.cast(model(x, training=True), tf.float32)
-        return tf.reduce_mean(tf.square(pred - y)) * f / strategy.num_replicas_in_sync
+        return mse_loss(model, x, y, f) / strategy.num_replicas_in_sync
 
     def keras_step(model, opt):
-        def replica(x, y, f):
-            with tf.GradientTape() as tape:
-                scaled = opt.scale_loss(loss_of(model, x, y, f))
-            opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
-        return replica
+        return keras3_train_step(model, opt, loss_of)
 
     def tf24_step(model, opt):
-        def replica(x, y, f):
-            with tf.GradientTape() as tape:
-                scaled = opt.get_scaled_loss(loss_of(model, x, y, f))
-            grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        return replica
+        return tf24_train_step(model, opt, loss_of)
 
     def reference_step(model, inner):
         """TensorFlow 2.4's LossScaleOptimizer step with TensorFlow's loss scale and ops."""
@@ -169,8 +151,11 @@ def step_functions(strategy, models, optimizers, reference_scale):
     functions = {}
     for name, make in makers.items():
         replica = make(models[name], optimizers[name])
-        functions[name] = tf.function(
-            lambda args, replica=replica: strategy.run(replica, args=args))
+
+        def run(args, replica=replica):
+            strategy.run(replica, args=args)  # the per-replica losses are not needed
+
+        functions[name] = tf.function(run)
     return functions
 
 
@@ -241,9 +226,7 @@ def run_mirrored():
     """Two replicas on two logical CPUs of this process."""
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = helpers.two_cpu_replicas()
     models, optimizers, reference_scale = build_all(strategy)
     functions = step_functions(strategy, models, optimizers, reference_scale)
 
@@ -320,6 +303,7 @@ def mirrored_fit(strategy):
     import keras
     import tensorflow as tf
 
+    from helpers import mixed_mlp
     from lossscale.optimizer import LossScaleOptimizer
 
     x, y = (np.concatenate(parts) for parts in zip(*(batch(100 + i, 0) for i in range(10))))
@@ -355,12 +339,7 @@ def mirrored_fit(strategy):
     runs = {}
     for name, cls in (("ours", LossScaleOptimizer), ("stock", keras.optimizers.LossScaleOptimizer)):
         with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential([
-                keras.Input((6,)),
-                keras.layers.Dense(10, activation="tanh", dtype="mixed_float16"),
-                keras.layers.Dense(1, dtype="float32"),
-            ])
+            model = mixed_mlp(0, hidden=10)
             model.compile(loss="mse", optimizer=cls(keras.optimizers.SGD(0.05, momentum=0.5),
                                                     initial_scale=INITIAL_SCALE,
                                                     dynamic_growth_steps=GROWTH))
@@ -375,17 +354,15 @@ def mirrored_fit(strategy):
 
 # ------------------------------------------------------------- the test side
 
-def child_env(tf_config=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG"):
-        env.pop(name, None)
-    # gRPC would send the loopback connections through a proxy.
-    for name in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy"):
-        env.pop(name, None)
-        env.pop(name.upper(), None)
+# gRPC would send the loopback connections through a proxy.
+PROXIES = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
+
+
+def worker_env(tf_config=None):
+    env = helpers.child_env(
+        drop=("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG")
+        + PROXIES + tuple(name.upper() for name in PROXIES),
+        TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return env
@@ -409,7 +386,7 @@ class Child:
         self.out, self.log = directory / f"{name}.out", directory / f"{name}.log"
         with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode],
-                                         cwd=ROOT, env=child_env(tf_config), stdout=stdout,
+                                         cwd=ROOT, env=worker_env(tf_config), stdout=stdout,
                                          stderr=stderr)
 
     def tail(self):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import UINT, assert_same_bits
 from lossscale import _loader, ops
 from rule_model import keras3_step, tf24_step
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NATIVE_OPS = {"LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate"}
 
 # Loss scales: powers of two, non-powers of two, below 1, and degenerate
@@ -53,18 +53,6 @@ def reference(grads, scale):
 
 def reference_finite(tensors):
     return bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
-
-
-def assert_same_bits(actual, expected):
-    """Bit-identical, except that any NaN matches any NaN (payload free)."""
-    a, e = np.asarray(actual.numpy()), np.asarray(expected.numpy())
-    assert a.dtype == e.dtype and a.shape == e.shape
-    both_nan = np.isnan(a.astype(np.float64)) & np.isnan(e.astype(np.float64))
-    same = (a.view(UINT[a.dtype.itemsize]) == e.view(UINT[e.dtype.itemsize])) | both_nan
-    if not same.all():
-        idx = np.flatnonzero(~same.ravel())[:5]
-        raise AssertionError(f"{(~same).sum()} of {a.size} differ, e.g. at {idx}: "
-                             f"got {a.ravel()[idx]}, TensorFlow {e.ravel()[idx]}")
 
 
 def native_op_types(graph):

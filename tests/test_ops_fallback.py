@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import assert_same_bits, child_env
 from lossscale import _loader, ops
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NATIVE_OPS = {"LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate"}
 SCALES = [1.0, 3.0, 1000.0, 2.0 ** 15, 0.75, 2.0 ** 127, 0.0, float("nan")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,14 +48,6 @@ def finite_list():
     rng = np.random.default_rng(12)
     return [tf.constant(rng.standard_normal(n).astype(d.as_numpy_dtype) * 10)
             for n, d in zip([1000, 70_000, 5, 333], FLOATS)]
-
-
-def assert_same_bits(actual, expected):
-    a, e = np.asarray(actual.numpy()), np.asarray(expected.numpy())
-    assert a.dtype == e.dtype and a.shape == e.shape
-    both_nan = np.isnan(a.astype(np.float64)) & np.isnan(e.astype(np.float64))
-    same = (a.view(UINT[a.dtype.itemsize]) == e.view(UINT[e.dtype.itemsize])) | both_nan
-    assert same.all(), f"{(~same).sum()} of {a.size} values differ"
 
 
 def unscale_inputs(grads, scale):
@@ -170,8 +162,7 @@ def test_forced_fallback_in_a_fresh_process():
             "s = ops.native_available()\n"
             "outs, f = ops.unscale_and_check([tf.constant([3.0, 6.0])], 3.0)\n"
             "print(bool(s), s.reason, outs[0].numpy().tolist(), bool(f))\n")
-    env = dict(os.environ, LOSSSCALE_FORCE_FALLBACK="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(LOSSSCALE_FORCE_FALLBACK="1", TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -18,12 +18,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.util import deprecation
 
 import lossscale
 from lossscale import ops
 from lossscale.loss_scale import DynamicLossScale, FixedLossScale
 from lossscale.optimizer import LossScaleOptimizer
+from helpers import bits, keras3_train_step, mixed_mlp, tf24_reference_step, tf_dynamic
 
 Stock = keras.optimizers.LossScaleOptimizer
 INF = float("inf")
@@ -32,14 +32,8 @@ NAN = float("nan")
 
 # ---------------------------------------------------------------- helpers
 
-def as_bits(x):
-    """The raw bytes of a value, so NaN == NaN and -0.0 != 0.0 are judged exactly."""
-    a = np.ascontiguousarray(np.asarray(x))
-    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
-
-
 def snapshot(model, optimizer):
-    return [as_bits(v) for v in list(model.variables) + list(optimizer.variables)]
+    return [bits(v) for v in list(model.variables) + list(optimizer.variables)]
 
 
 def assert_same_state(model_a, opt_a, model_b, opt_b, where=""):
@@ -78,18 +72,7 @@ def batches(steps, seed=0, batch=8, shape=(8, 8, 3)):
 
 def train_step_fn(model, optimizer):
     """A custom step: scale_loss, GradientTape, apply on the scaled gradients."""
-
-    @tf.function
-    def step(x, y, factor):
-        with tf.GradientTape() as tape:
-            pred = tf.cast(model(x, training=True), tf.float32)
-            loss = tf.reduce_mean(tf.square(pred - y)) * factor
-            scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
-
-    return step
+    return tf.function(keras3_train_step(model, optimizer))
 
 
 def overflow_factor(i):
@@ -218,15 +201,15 @@ def test_skipped_step_changes_nothing():
     data = list(batches(6, seed=7))
     for x, y in data[:5]:
         step(x, y, np.float32(1.0))
-    model_before = [as_bits(v) for v in model.variables]
-    inner_before = [as_bits(v) for v in opt.inner_optimizer.variables]
+    model_before = [bits(v) for v in model.variables]
+    inner_before = [bits(v) for v in opt.inner_optimizer.variables]
     iterations = int(opt.iterations.numpy())
     scale = float(opt.dynamic_scale.numpy())
     assert any(np.any(np.asarray(v) != 0) for v in opt.inner_optimizer.variables[2:])
     for factor in (INF, NAN, 1e30):
         step(*data[5], np.float32(factor))
-        assert [as_bits(v) for v in model.variables] == model_before
-        assert [as_bits(v) for v in opt.inner_optimizer.variables] == inner_before
+        assert [bits(v) for v in model.variables] == model_before
+        assert [bits(v) for v in opt.inner_optimizer.variables] == inner_before
         assert int(opt.iterations.numpy()) == iterations
         assert int(opt.step_counter.numpy()) == 0
         scale /= 2
@@ -305,7 +288,7 @@ def test_overwrite_with_gradient_variables_as_stock():
             if i == 5:
                 gm[1] = np.inf  # only the overwritten variable's gradient overflows
             opt.apply([tf.constant(gw), tf.constant(gm)], [w, m])
-            states.append([as_bits(v) for v in [w, m] + opt.variables])
+            states.append([bits(v) for v in [w, m] + opt.variables])
     assert states[:8] == states[8:]
     assert int(opt.iterations.numpy()) == 7
 
@@ -367,12 +350,15 @@ def test_embedding_gradients_stay_sparse_and_match_stock():
     assert ours.inner_optimizer.seen[0] == "IndexedSlices"
 
 
-def test_unscale_is_one_native_op_for_the_list():
-    """The hot path: one unscale-and-check op and one update op per step."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_step_is_few_native_ops(fused):
+    """The hot path.  Fused (stock SGD): the finite check, one update op for
+    the scale and ONE op that unscales and updates every variable.  Not
+    fused: one unscale-and-check op and one update op, then the inner step."""
     if not ops.native_available():
         pytest.skip(f"native ops unavailable: {ops.native_available().reason}")
     model = cnn(0)
-    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), fused=fused)
     opt.build(model.trainable_variables)
 
     @tf.function
@@ -384,9 +370,18 @@ def test_unscale_is_one_native_op_for_the_list():
     names = [n.op for n in graph_def.node]
     for fn in graph_def.library.function:  # the cond branches
         names.extend(n.op for n in fn.node_def)
-    assert names.count("LossScaleUnscaleAndCheck") == 1
     assert names.count("LossScaleUpdate") == 1
     assert "IsFinite" not in names
+    if fused:
+        assert opt.step_path == "fused (SGD)"
+        assert names.count("LossScaleApplySgd") == 1
+        assert names.count("LossScaleUnscaleAndCheck") == 0
+        assert 1 <= names.count("LossScaleAllFinite") <= len(grads)
+        # iterations, and no per-variable update
+        assert names.count("AssignAddVariableOp") + names.count("AssignVariableOp") == 1
+    else:
+        assert opt.step_path == "stock: fused=False"
+        assert names.count("LossScaleUnscaleAndCheck") == 1
 
 
 # -------------------------------------------------------- config, saving
@@ -437,46 +432,16 @@ def test_keras_file_round_trip(tmp_path):
 
 # ------------------------------------------------- loss_scale= objects
 
-def tf_reference_dynamic(**kwargs):
-    with deprecation.silence():
-        return tf.compat.v1.mixed_precision.DynamicLossScale(**kwargs)
-
-
 def dense_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((6,)),
-                             keras.layers.Dense(8, activation="tanh", dtype="mixed_float16"),
-                             keras.layers.Dense(1, dtype="float32")])
-
-
-def reference_step_fn(model, inner, loss_scale):
-    """TensorFlow 2.4's step with TensorFlow ops: unscale by 1/scale, check, update, apply."""
-
-    @tf.function
-    def step(x, y, factor):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.cast(model(x), tf.float32) - y)) * factor
-            scaled = loss * loss_scale()
-        grads = tape.gradient(scaled, model.trainable_variables)
-        inv = 1.0 / loss_scale()
-        grads = [g * tf.cast(inv, g.dtype) for g in grads]
-        _, should_apply = loss_scale.update(grads)
-
-        def apply():
-            inner.apply(grads, model.trainable_variables)
-
-        tf.cond(should_apply, apply, lambda: None)
-
-    return step
+    return mixed_mlp(seed, hidden=8)
 
 
 def test_dynamic_loss_scale_object_follows_tensorflow_reference():
     model_ref, model_ours = twin_models(dense_model)
-    reference = tf_reference_dynamic(initial_loss_scale=2.0**10, increment_period=3,
-                                     multiplier=2.0)
+    reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
     inner_ref = keras.optimizers.SGD(0.05)
     inner_ref.build(model_ref.trainable_variables)
-    ref_step = reference_step_fn(model_ref, inner_ref, reference)
+    ref_step = tf.function(tf24_reference_step(model_ref, inner_ref, reference))
     ls = DynamicLossScale(2.0**10, 3, 2.0)
     ours = LossScaleOptimizer(keras.optimizers.SGD(0.05), loss_scale=ls)
     our_step = train_step_fn(model_ours, ours)
@@ -489,20 +454,20 @@ def test_dynamic_loss_scale_object_follows_tensorflow_reference():
         ref_step(x, y, f)
         our_step(x, y, f)
         skipped += not math.isfinite(f)
-        assert as_bits(reference()) == as_bits(ls())
+        assert bits(reference()) == bits(ls())
         assert int(reference._num_good_steps.numpy()) == int(ls._num_good_steps.numpy())
         for a, b in zip(model_ref.variables, model_ours.variables):
-            assert as_bits(a) == as_bits(b), f"step {i}"
+            assert bits(a) == bits(b), f"step {i}"
     # Keras 3 semantics for iterations: a skipped step does not count.
     assert int(ours.iterations.numpy()) == int(inner_ref.iterations.numpy()) <= 150 - skipped
     # The object's variables are the optimizer's loss-scale state.
     state = [id(v) for v in ours.variables]
     assert id(ls._current_loss_scale) in state and id(ls._num_good_steps) in state
-    assert as_bits(ours.loss_scale) == as_bits(ls())
+    assert bits(ours.loss_scale) == bits(ls())
 
 
 def test_tensorflow_dynamic_loss_scale_object_accepted():
-    reference = tf_reference_dynamic(initial_loss_scale=64.0, increment_period=2)
+    reference = tf_dynamic(initial_loss_scale=64.0, increment_period=2)
     opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=reference)
     model = dense_model(0)
     step = train_step_fn(model, opt)
@@ -572,12 +537,12 @@ def test_dynamic_loss_scale_extensions_followed():
         scale, good, run = extension_rule(scale, good, run, finite, **kw)
         trajectory.append(float(scale))
         step(x, y, f)
-        assert as_bits(ls()) == as_bits(scale), f"step {i}"
+        assert bits(ls()) == bits(scale), f"step {i}"
         assert int(ls._num_good_steps.numpy()) == good
         assert int(ls._overflow_run.numpy()) == run
         assert int(opt.skipped_steps.numpy()) == skipped
         for a, b in zip(model_ref.variables, model_ours.variables):
-            assert as_bits(a) == as_bits(b), f"step {i}"
+            assert bits(a) == bits(b), f"step {i}"
     # The run reached both the floor and the cap.
     assert min(trajectory) == 4.0 and max(trajectory) == 2.0**9
 
@@ -606,7 +571,7 @@ def test_fixed_loss_scale_always_applies():
         ref_step(x, y)
         step(x, y, np.float32(1.0))
         for a, b in zip(model_ref.variables, model_ours.variables):
-            assert as_bits(a) == as_bits(b), f"step {i}"
+            assert bits(a) == bits(b), f"step {i}"
     step(x, y, np.float32(INF))
     assert int(opt.iterations.numpy()) == 21
     assert not np.all(np.isfinite(model_ours.trainable_variables[0].numpy()))
@@ -638,7 +603,7 @@ def test_loss_scale_object_config_and_saving(tmp_path):
                                loss_scale=DynamicLossScale(256.0, 5, 2.0, hysteresis=3))
     fresh.build(model.trainable_variables)
     tf.train.Checkpoint(optimizer=fresh).restore(path).assert_existing_objects_matched()
-    assert [as_bits(v) for v in fresh.variables] == [as_bits(v) for v in opt.variables]
+    assert [bits(v) for v in fresh.variables] == [bits(v) for v in opt.variables]
 
     with pytest.raises(ValueError, match="not both"):
         LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0, loss_scale="dynamic")

@@ -16,15 +16,17 @@ import sys
 
 import pytest
 
+from helpers import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r'''
 import json, sys
 import numpy as np
 import tensorflow as tf
+from helpers import two_cpu_replicas
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = two_cpu_replicas()
 
 import keras
 from tensorflow.python.util import deprecation
@@ -32,7 +34,6 @@ from lossscale.optimizer import LossScaleOptimizer
 from lossscale import experimental
 
 Stock = keras.optimizers.LossScaleOptimizer
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 report = {"replicas": strategy.num_replicas_in_sync}
 
 
@@ -240,13 +241,8 @@ json.dump({"replicas": strategy.num_replicas_in_sync, "equal": states[0] == stat
 
 
 def run_worker(code):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                                                  else []))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(drop=("TF_CONFIG",)),
+                          capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

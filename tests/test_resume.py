@@ -46,6 +46,8 @@ import time
 
 import numpy as np
 
+from helpers import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -121,23 +123,13 @@ def train(directory, out):
     import keras
     import tensorflow as tf
 
+    from helpers import keras3_train_step, mixed_mlp, tf24_train_step
     from lossscale import experimental
     from lossscale.loss_scale import DynamicLossScale
     from lossscale.optimizer import LossScaleOptimizer
 
     tf.config.experimental.enable_op_determinism()
     FitProgress = fit_progress_class()  # noqa: N806 - a class
-
-    def model(seed):
-        keras.utils.set_random_seed(seed)
-        return keras.Sequential([
-            keras.Input((6,)),
-            keras.layers.Dense(12, activation="tanh", dtype="mixed_float16"),
-            keras.layers.Dense(1, dtype="float32"),
-        ])
-
-    def loss_of(m, x, y, factor):
-        return tf.reduce_mean(tf.square(tf.cast(m(x, training=True), tf.float32) - y)) * factor
 
     def digest_of(variables):
         digest = hashlib.sha1()
@@ -149,7 +141,7 @@ def train(directory, out):
     # epoch, the two latest kept), the loss scale in the optimizer's weights.
     fitted = {}
     for name in FIT_MODELS:
-        m = model(0)
+        m = mixed_mlp(0, hidden=12)
         inner = keras.optimizers.Adam(1e-2)
         m.compile(loss="mse", optimizer=(
             LossScaleOptimizer(inner, initial_scale=2.0**10, dynamic_growth_steps=3)
@@ -164,7 +156,7 @@ def train(directory, out):
         print(f"fit {name} end {digest_of(fitted[name])}", flush=True)
 
     # Phase 2: a custom loop per loss-scale path, tf.train.CheckpointManager.
-    models = {name: model(0) for name in ("keras", "stock", "tf24", "extensions")}
+    models = {name: mixed_mlp(0, hidden=12) for name in ("keras", "stock", "tf24", "extensions")}
     optimizers = {
         "keras": LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
                                     dynamic_growth_steps=3),
@@ -181,25 +173,9 @@ def train(directory, out):
     for name, opt in optimizers.items():
         opt.build(models[name].trainable_variables)
 
-    def keras_step(m, opt):
-        @tf.function
-        def step(x, y, factor):
-            with tf.GradientTape() as tape:
-                scaled = opt.scale_loss(loss_of(m, x, y, factor))
-            opt.apply(tape.gradient(scaled, m.trainable_variables), m.trainable_variables)
-        return step
-
-    def tf24_step(m, opt):
-        @tf.function
-        def step(x, y, factor):
-            with tf.GradientTape() as tape:
-                scaled = opt.get_scaled_loss(loss_of(m, x, y, factor))
-            grads = opt.get_unscaled_gradients(tape.gradient(scaled, m.trainable_variables))
-            opt.apply_gradients(zip(grads, m.trainable_variables))
-        return step
-
-    steps = {name: (tf24_step if name == "tf24" else keras_step)(models[name], opt)
-             for name, opt in optimizers.items()}
+    steps = {name: tf.function(
+        (tf24_train_step if name == "tf24" else keras3_train_step)(models[name], opt))
+        for name, opt in optimizers.items()}
     state = {name: list(models[name].variables) + list(opt.variables)
              for name, opt in optimizers.items()}
 
@@ -257,13 +233,9 @@ class Trainer:
     """The training process, its progress lines read on a thread."""
 
     def __init__(self, directory, out, log, pause_at=None):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        for name in ("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG",
-                     "TRAINER_PAUSE_AT"):
-            env.pop(name, None)
+        env = child_env(
+            drop=("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG", "TRAINER_PAUSE_AT"),
+            TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         if pause_at:
             env["TRAINER_PAUSE_AT"] = pause_at
         self.log = log

@@ -31,9 +31,10 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import deprecation
 
 import rule_model
+from helpers import (bits, keras3_train_step, mse_loss, scaled_gradients, tf24_reference_step,
+                     tf24_train_step, tf_dynamic)
 from lossscale import experimental
 from lossscale.loss_scale import DynamicLossScale
 from lossscale.optimizer import LossScaleOptimizer
@@ -41,12 +42,6 @@ from lossscale.optimizer import LossScaleOptimizer
 STEPS = 3000
 Stock = keras.optimizers.LossScaleOptimizer
 NON_FINITE = (np.inf, -np.inf, np.nan)
-
-
-def bits(x):
-    """The raw bytes of a value: NaN equals NaN, -0.0 differs from 0.0."""
-    a = np.ascontiguousarray(np.asarray(x))
-    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
 
 
 class Layout:
@@ -189,11 +184,6 @@ def spoil(grads, index, position, value):
     return out
 
 
-def loss_of(model, x, y, factor):
-    pred = tf.cast(model(x, training=True), tf.float32)
-    return tf.reduce_mean(tf.square(pred - y)) * factor
-
-
 def longest_run(flags):
     best = run = 0
     for f in flags:
@@ -207,12 +197,11 @@ def longest_run(flags):
 def keras_step_fn(model, optimizer, layout):
     """A Keras 3 custom step; returns the state after it (``layout.read``)."""
 
+    train = keras3_train_step(model, optimizer)
+
     @tf.function
     def step(x, y, factor, index, position, value):
-        with tf.GradientTape() as tape:
-            scaled = optimizer.scale_loss(loss_of(model, x, y, factor))
-        grads = spoil(tape.gradient(scaled, model.trainable_variables), index, position, value)
-        optimizer.apply(grads, model.trainable_variables)
+        train(x, y, factor, edit=lambda grads: spoil(grads, index, position, value))
         return layout.read()
 
     return lambda step_: layout.split(step(*step_.args()))
@@ -275,11 +264,6 @@ def test_keras_rule_soak_matches_stock_and_skips_change_nothing():
 
 # ------------------------------------- 2. TensorFlow 2.4's custom loop
 
-def tf_dynamic(*args, **kwargs):
-    with deprecation.silence():
-        return tf.compat.v1.mixed_precision.DynamicLossScale(*args, **kwargs)
-
-
 def test_tensorflow_2_4_loop_soak_matches_tensorflow():
     model_ref, model = twin_models()
     opt = experimental.LossScaleOptimizer(keras.optimizers.Adam(1e-3),
@@ -301,35 +285,20 @@ def test_tensorflow_2_4_loop_soak_matches_tensorflow():
     loss_scale_state = {iterations, layout.index(ls._current_loss_scale),
                         layout.index(ls._num_good_steps)}
 
+    train = tf24_train_step(model, opt)
+
     @tf.function
     def our_step(x, y, factor, index, position, value):
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(loss_of(model, x, y, factor))
-        grads = spoil(tape.gradient(scaled, model.trainable_variables), index, position, value)
-        grads = opt.get_unscaled_gradients(grads)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        train(x, y, factor, edit=lambda grads: spoil(grads, index, position, value))
         return layout.read()
+
+    reference_step = tf24_reference_step(model_ref, reference, reference_scale,
+                                         count_skipped=True)
 
     @tf.function
     def ref_step(x, y, factor, index, position, value):
-        """TensorFlow 2.4's LossScaleOptimizer step, with TensorFlow ops."""
-        with tf.GradientTape() as tape:
-            loss = loss_of(model_ref, x, y, factor)
-            scaled = loss * tf.cast(reference_scale(), loss.dtype)
-        grads = spoil(tape.gradient(scaled, model_ref.trainable_variables), index, position,
-                      value)
-        inv = 1.0 / reference_scale()
-        grads = [g * tf.cast(inv, g.dtype) for g in grads]
-        _, should_apply = reference_scale.update(grads)
-
-        def apply():
-            reference.apply(grads, model_ref.trainable_variables)
-
-        def skip():
-            # TensorFlow 2.4 counted a skipped step in `iterations`.
-            reference.iterations.assign_add(1)
-
-        tf.cond(should_apply, apply, skip)
+        should_apply = reference_step(x, y, factor,
+                                      edit=lambda grads: spoil(grads, index, position, value))
         return should_apply, ref_layout.read()
 
     steps = schedule(STEPS, model, seed=24)
@@ -387,10 +356,8 @@ def test_extensions_soak_follow_the_documented_rule():
     @tf.function
     def ref_step(x, y, factor, index, position, value, scale):
         """Scale, unscale (times 1/scale, dtype kept), check, apply when finite."""
-        with tf.GradientTape() as tape:
-            scaled = loss_of(model_ref, x, y, factor) * scale
-        grads = spoil(tape.gradient(scaled, model_ref.trainable_variables), index, position,
-                      value)
+        _, grads = scaled_gradients(model_ref, mse_loss, lambda loss: loss * scale, x, y, factor,
+                                    edit=lambda grads: spoil(grads, index, position, value))
         inv = 1.0 / scale
         grads = [g * tf.cast(inv, g.dtype) for g in grads]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])

@@ -1,7 +1,8 @@
 #!/bin/sh
 # `make fuzz`: builds the libFuzzer targets (clang; ASan and UBSan on) and
-# fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60), then
-# the loss-scale rule for a sixth of that (its input space is small).
+# fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60), the
+# fused optimizer step for half of that, then the loss-scale rule for a
+# sixth (its input space is small).
 #
 # Inputs that add coverage go to build/fuzz/corpus/<target>, never into the
 # checked-in fuzz/corpus (fold them in with -merge=1, see the README); an
@@ -31,7 +32,7 @@ fi
 FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O2"
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$OUT/artifacts"
-for target in core scale_rule; do
+for target in core optim scale_rule; do
     tools/build_c.sh "$OUT/fuzz_$target" "$CLANG" "$FLAGS" "fuzz/fuzz_$target.c"
     mkdir -p "$OUT/corpus/$target"
 done
@@ -42,4 +43,5 @@ run() { # target, seconds
         -artifact_prefix="$OUT/artifacts/$1-" "$OUT/corpus/$1" "fuzz/corpus/$1" "fuzz/regressions/$1"
 }
 run core "$SECONDS_TO_RUN"
+run optim $((SECONDS_TO_RUN / 2 > 10 ? SECONDS_TO_RUN / 2 : 10))
 run scale_rule $((SECONDS_TO_RUN / 6 > 10 ? SECONDS_TO_RUN / 6 : 10))

@@ -2,8 +2,9 @@
 # `make sanitize`: the C core and the numpy bindings built with
 # AddressSanitizer and UndefinedBehaviorSanitizer, then exercised.
 #
-#   1. pure C (LeakSanitizer on too): the fuzz targets replaying their
-#      corpora and every regression input, and the thread-pool driver, under
+#   1. pure C (LeakSanitizer on too): the fuzz targets (buffers, fused
+#      optimizer step, loss-scale rule) replaying their corpora and every
+#      regression input, and the thread-pool driver, under
 #      each kernel level LOSSSCALE_SIMD can name; the thread-pool driver
 #      again under ThreadSanitizer; with clang, the replay under clang's
 #      ASan (which instruments masked vector loads and stores) and both
@@ -23,22 +24,22 @@ PY=${PY:-.venv/bin/python}
 CC=gcc
 OUT=build/sanitize
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
-case $(uname -m) in
-aarch64 | arm64) LEVELS="scalar neon" ;;
-*) LEVELS="scalar avx2 avx512" ;;
-esac
+# every kernel set built for this architecture (_core/kernel_sets.py)
+LEVELS=$(python3 _core/kernel_sets.py sets)
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$OUT"
 
 echo "== C: core + fuzz target replay and thread driver ($CC, ASan+UBSan+LSan)"
 tools/build_c.sh "$OUT/replay_core" "$CC" "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
 tools/build_c.sh "$OUT/replay_scale_rule" "$CC" "$SAN -O2" fuzz/fuzz_scale_rule.c fuzz/replay.c
+tools/build_c.sh "$OUT/replay_optim" "$CC" "$SAN -O2" fuzz/fuzz_optim.c fuzz/replay.c
 ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_scale_rule" fuzz/corpus/scale_rule fuzz/regressions/scale_rule
 tools/build_c.sh "$OUT/test_threads" "$CC" "$SAN -O2" _core/tests/test_threads.c
 for level in $LEVELS; do
     # a level this CPU lacks still runs: every entry point must refuse it
     echo "-- LOSSSCALE_SIMD=$level"
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_core" fuzz/corpus/core fuzz/regressions/core
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/test_threads"
 done
 echo "-- ThreadSanitizer"
@@ -53,12 +54,15 @@ TSAN_OPTIONS=halt_on_error=1:die_after_fork=0 "$OUT/test_threads_tsan"
 if command -v clang >/dev/null 2>&1; then
     echo "-- clang: ASan+UBSan, then MemorySanitizer"
     tools/build_c.sh "$OUT/clang/replay_core" clang "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
+    tools/build_c.sh "$OUT/clang/replay_optim" clang "$SAN -O2" fuzz/fuzz_optim.c fuzz/replay.c
     MSAN="-fsanitize=memory -fsanitize-memory-track-origins -fno-omit-frame-pointer -g -O1"
     tools/build_c.sh "$OUT/msan/replay_core" clang "$MSAN" fuzz/fuzz_core.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/test_threads" clang "$MSAN" _core/tests/test_threads.c
     for level in $LEVELS; do
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
             "$OUT/clang/replay_core" fuzz/corpus/core fuzz/regressions/core
+        LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
+            "$OUT/clang/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_core" fuzz/corpus/core fuzz/regressions/core
         LOSSSCALE_SIMD=$level "$OUT/msan/test_threads"
     done
@@ -96,8 +100,7 @@ sys.exit(0 if lossscale.__file__.startswith('$PWD/$OUT/') else
 # the C drivers above ran at each)
 LEVELS=$("$PY" -c "
 from lossscale import core
-order = ['scalar', 'neon'] if core.simd_best() == 'neon' else ['scalar', 'avx2', 'avx512']
-print(' '.join(order[:order.index(core.simd_best())]))")
+print(' '.join(core.simd_levels()[1:]))")
 for level in $LEVELS; do
     echo "-- LOSSSCALE_SIMD=$level"
     LOSSSCALE_SIMD=$level "$PY" -m pytest -q -p no:cacheprovider --capture=sys \

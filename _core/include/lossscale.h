@@ -30,20 +30,27 @@ typedef enum ls_dtype {
     LS_NUM_DTYPES = 4
 } ls_dtype;
 
-/* Kernel sets, ordered: a higher value is a wider ISA on its architecture. */
-typedef enum ls_simd {
-    LS_SIMD_SCALAR = 0,
-    LS_SIMD_NEON = 1,
-    LS_SIMD_AVX2 = 2,  /* AVX2 + F16C (+FMA not used: no fused rounding) */
-    LS_SIMD_AVX512 = 3 /* AVX-512 F/BW/VL, BF16 where present */
-} ls_simd;
+/* Bytes per element of `dtype`; 0 for a value that is no ls_dtype. */
+static inline size_t ls_dtype_size(ls_dtype dtype)
+{
+    switch (dtype) {
+    case LS_FLOAT16:
+    case LS_BFLOAT16:
+        return 2;
+    case LS_FLOAT32:
+        return 4;
+    case LS_FLOAT64:
+        return 8;
+    default:
+        return 0;
+    }
+}
 
 typedef enum ls_status {
     LS_OK = 0,
     LS_ERR_ARG = -1,   /* bad argument (NULL pointer, bad length, bad flag) */
     LS_ERR_DTYPE = -2, /* unknown dtype */
-    LS_ERR_SIMD = -3,  /* LOSSSCALE_SIMD names a level this CPU lacks or an unknown one */
-    LS_ERR_NOMEM = -4
+    LS_ERR_SIMD = -3   /* LOSSSCALE_SIMD names a level this CPU lacks or an unknown one */
 } ls_status;
 
 /*
@@ -73,14 +80,30 @@ enum {
 /* -------------------------------------------------------------- dispatch */
 
 /*
- * The kernel set in use.  Chosen at first use: the best one cpuid reports,
- * or the one the environment variable LOSSSCALE_SIMD names
- * ("scalar" | "neon" | "avx2" | "avx512"), which may only lower it.
+ * Kernel sets ("levels") are the entries of one table in dispatch.c,
+ * best first: "avx512bf16", "avx512", "avx2", "neon", "scalar".  A level is
+ * an index into it.  Every set gives the same bits as "scalar": every core
+ * file is compiled with -ffp-contract=off (_core/kernel_sets.py) and the
+ * kernels multiply with plain multiply instructions, so no a*b+c is ever
+ * fused into one rounding; each operation must round as numpy's and
+ * TensorFlow's do.
+ */
+
+/* Number of kernel sets the library knows (built here or not). */
+int ls_simd_count(void);
+/* Name of the set at `level`; "unknown" when out of range. */
+const char *ls_simd_name(int level);
+/* 1 when this library has the set at `level` and this CPU can run it. */
+int ls_simd_supported(int level);
+
+/*
+ * The kernel set in use.  Chosen at first use: the first set in the table
+ * this CPU runs, or the one the environment variable LOSSSCALE_SIMD names,
+ * which must be one the CPU runs (a later entry: it may only lower).
  * Returns LS_ERR_SIMD (negative) when LOSSSCALE_SIMD cannot be honoured;
  * ls_simd_error() then says why.
  */
 int ls_simd_level(void);
-const char *ls_simd_name(int level);
 /* Best kernel set this CPU supports, ignoring LOSSSCALE_SIMD. */
 int ls_simd_best(void);
 /* Human-readable reason of the last dispatch failure ("" when none). */
@@ -252,7 +275,8 @@ typedef struct ls_param {
 typedef struct ls_optim_config {
     int optimizer;          /* ls_optimizer */
     int unscale;            /* ls_unscale_mode */
-    double scale;           /* the loss scale; finite and > 0 unless NONE */
+    double scale;           /* the loss scale: MULTIPLY: finite, > 0; DIVIDE: any
+                               (IEEE division, as Keras divides) */
     float learning_rate;    /* finite, >= 0 */
     float weight_decay;     /* for params with decay = 1; finite */
     float momentum;         /* SGD: 0 means no momentum slot */

@@ -1,11 +1,13 @@
 /*
  * The contract between the dispatcher and the per-ISA kernel files.
  *
- * Each kernel set (kernels_scalar.c, kernels_avx2.c, kernels_avx512.c,
- * kernels_neon.c) fills one ls_kernel_set.  Only the per-ISA files are
- * compiled with ISA flags; the dispatcher touches a set only after cpuid
- * said the CPU runs it.  The scalar set is the reference every other set
- * is tested against, bit for bit.
+ * Each kernel set (kernels_<set>.c, its flags in _core/kernel_sets.py)
+ * fills one ls_kernel_set, which dispatch.c's table lists with the CPU
+ * features it needs.  Only the per-ISA files are compiled with ISA flags;
+ * the dispatcher touches a set only after cpuid said the CPU runs it.
+ * The scalar set is the reference every other set is tested against, bit
+ * for bit; its per-element arithmetic is the ls_unscale1_* below, which
+ * the vector sets' heads and tails use too.
  *
  * A kernel sees one contiguous run of one buffer.  The caller has already
  * set the floating-point control state (FTZ/DAZ on or off, per
@@ -37,8 +39,9 @@ typedef int (*ls_check_fn)(const void *src, size_t n);
 typedef int (*ls_unscale_fn)(const void *src, void *dst, size_t n, double inv,
                              unsigned flags);
 
+/* One set's kernels by dtype.  A NULL entry (a set written before a dtype
+ * was added, say) means the scalar set's kernel runs instead. */
 typedef struct ls_kernel_set {
-    const char *name;
     ls_check_fn check[LS_NUM_DTYPES];
     ls_unscale_fn unscale[LS_NUM_DTYPES];
 } ls_kernel_set;
@@ -47,10 +50,26 @@ extern const ls_kernel_set ls_kernels_scalar;
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 extern const ls_kernel_set ls_kernels_avx2;
 extern const ls_kernel_set ls_kernels_avx512;
+extern const ls_kernel_set ls_kernels_avx512bf16;
 #endif
 #if defined(__aarch64__)
 extern const ls_kernel_set ls_kernels_neon;
 #endif
+
+/* Kernels that must be inlined into their loops (the vector sets pass
+ * constants such as check_inputs that should specialise them). */
+#define LS_INLINE static inline __attribute__((always_inline))
+
+/* Elements before p reaches an `align`-byte boundary, at most n.  A pointer
+ * that is not even aligned to its element size never gets there: none. */
+static inline size_t ls_elems_to_boundary(const void *p, size_t esize, size_t align, size_t n)
+{
+    uintptr_t a = (uintptr_t)p;
+    if (a % esize)
+        return 0;
+    size_t k = ((align - a % align) % align) / esize;
+    return k < n ? k : n;
+}
 
 /* Portable scalar conversions, shared by the scalar set and the tails of
  * the vector sets (the bit-exact reference for every rounding). */
@@ -104,45 +123,46 @@ static inline void ls_store_u16(void *p, uint16_t v) { memcpy(p, &v, sizeof v); 
 static inline void ls_store_f32(void *p, float v) { memcpy(p, &v, sizeof v); }
 static inline void ls_store_f64(void *p, double v) { memcpy(p, &v, sizeof v); }
 
-/* One element of each dtype, for the heads and tails of the vector sets:
- * exactly the scalar reference's arithmetic.  Each returns 1 when the
- * probed value (the input with check_inputs, else the result) is not
- * finite. */
-static inline int ls_unscale1_f32(const void *x, void *y, float s, int check_inputs)
+/* Element i of x, times s, rounded to the dtype, stored as element i of y:
+ * the scalar reference's arithmetic, which the scalar set runs on every
+ * element and the vector sets on their heads and tails.  Each returns 1
+ * when the probed value (the input with check_inputs, else the result) is
+ * not finite. */
+static inline int ls_unscale1_f32(const void *x, void *y, size_t i, float s, int check_inputs)
 {
-    float in = ls_load_f32(x);
+    float in = ls_load_f32((const char *)x + 4 * i);
     float out = in * s;
     float probe = check_inputs ? in : out;
     uint32_t u;
     memcpy(&u, &probe, sizeof u);
-    ls_store_f32(y, out);
+    ls_store_f32((char *)y + 4 * i, out);
     return (u & 0x7f800000u) == 0x7f800000u;
 }
 
-static inline int ls_unscale1_f64(const void *x, void *y, double s, int check_inputs)
+static inline int ls_unscale1_f64(const void *x, void *y, size_t i, double s, int check_inputs)
 {
-    double in = ls_load_f64(x);
+    double in = ls_load_f64((const char *)x + 8 * i);
     double out = in * s;
     double probe = check_inputs ? in : out;
     uint64_t u;
     memcpy(&u, &probe, sizeof u);
-    ls_store_f64(y, out);
+    ls_store_f64((char *)y + 8 * i, out);
     return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
 }
 
-static inline int ls_unscale1_f16(const void *x, void *y, float s, int check_inputs)
+static inline int ls_unscale1_f16(const void *x, void *y, size_t i, float s, int check_inputs)
 {
-    uint16_t in = ls_load_u16(x);
+    uint16_t in = ls_load_u16((const char *)x + 2 * i);
     uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
-    ls_store_u16(y, out);
+    ls_store_u16((char *)y + 2 * i, out);
     return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
 }
 
-static inline int ls_unscale1_bf16(const void *x, void *y, float s, int check_inputs)
+static inline int ls_unscale1_bf16(const void *x, void *y, size_t i, float s, int check_inputs)
 {
-    uint16_t in = ls_load_u16(x);
+    uint16_t in = ls_load_u16((const char *)x + 2 * i);
     uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
-    ls_store_u16(y, out);
+    ls_store_u16((char *)y + 2 * i, out);
     return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
 }
 

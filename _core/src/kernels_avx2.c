@@ -12,24 +12,15 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "kernels.h"
 
-#define LS_INLINE static inline __attribute__((always_inline))
-
 enum { VECTOR_BYTES = 32 };
 
-/* Elements before p reaches a 32-byte boundary, at most n.  A pointer that
- * is not even aligned to its element size never gets there: none. */
-static inline size_t elems_to_boundary(const void *p, size_t esize, size_t n)
-{
-    uintptr_t a = (uintptr_t)p;
-    if (a % esize)
-        return 0;
-    size_t k = ((VECTOR_BYTES - a % VECTOR_BYTES) % VECTOR_BYTES) / esize;
-    return k < n ? k : n;
-}
+/* Buffers are walked as bytes: a buffer need not be aligned to its element
+ * size, so no pointer to one of its elements is ever formed except for the
+ * vector intrinsics' explicitly unaligned loads and stores; the scalar
+ * heads and tails go through kernels.h's ls_unscale1_* and ls_load_*. */
 
 /* The finite test: a value is non-finite iff its magnitude bits (sign
  * cleared) reach the all-ones exponent, so the running unsigned maximum of
@@ -77,21 +68,12 @@ enum { CHECK_BLOCK = 2048 };
 LS_INLINE uint64_t magnitude1_bits(const char *p, int bits)
 {
     switch (bits) {
-    case 16: {
-        uint16_t u;
-        memcpy(&u, p, sizeof u);
-        return u & 0x7fffu;
-    }
-    case 32: {
-        uint32_t u;
-        memcpy(&u, p, sizeof u);
-        return u & 0x7fffffffu;
-    }
-    default: {
-        uint64_t u;
-        memcpy(&u, p, sizeof u);
-        return u & 0x7fffffffffffffffull;
-    }
+    case 16:
+        return ls_load_u16(p) & 0x7fffu;
+    case 32:
+        return ls_load_u32(p) & 0x7fffffffu;
+    default:
+        return ls_load_u64(p) & 0x7fffffffffffffffull;
     }
 }
 
@@ -128,7 +110,7 @@ LS_INLINE int check_avx2(const void *src, size_t n, int bits, uint64_t limit)
     int bad1 = 0;
     __m256i acc = _mm256_setzero_si256();
     size_t i = 0;
-    for (size_t head = elems_to_boundary(p, esize, n) * esize; i < head; i += esize)
+    for (size_t head = ls_elems_to_boundary(p, esize, VECTOR_BYTES, n) * esize; i < head; i += esize)
         bad1 |= magnitude1_bits(p + i, bits) >= limit;
     while (bytes - i >= CHECK_BLOCK) {
         for (size_t end = i + CHECK_BLOCK; i < end; i += 4 * 32) {
@@ -157,79 +139,80 @@ static int check_f64_avx2(const void *src, size_t n)
 
 /* --------------------------------------------------------------- float32 */
 
-LS_INLINE __m256i unscale8_f32(const float *x, float *y, __m256 s, int check_inputs)
+/* Elements i.. of x and y: a vector load and store need no alignment. */
+LS_INLINE __m256i unscale8_f32(const char *x, char *y, size_t i, __m256 s, int check_inputs)
 {
-    __m256 in = _mm256_loadu_ps(x);
+    __m256 in = _mm256_loadu_ps((const float *)(x + sizeof(float) * i));
     __m256 out = _mm256_mul_ps(in, s);
-    _mm256_storeu_ps(y, out);
+    _mm256_storeu_ps((float *)(y + sizeof(float) * i), out);
     return magnitude_f32(check_inputs ? in : out);
 }
 
-LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int check_inputs)
+LS_INLINE int unscale_f32_run(const char *x, char *y, size_t n, float inv, int check_inputs)
 {
     const __m256 s = _mm256_set1_ps(inv);
     int bad1 = 0;
     __m256i worst = _mm256_setzero_si256();
     size_t i = 0;
-    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= ls_unscale1_f32(x + i, y + i, inv, check_inputs);
+    for (size_t head = ls_elems_to_boundary(y, sizeof(float), VECTOR_BYTES, n); i < head; i++)
+        bad1 |= ls_unscale1_f32(x, y, i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
-        worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
-        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 8, y + i + 8, s, check_inputs));
-        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 16, y + i + 16, s, check_inputs));
-        worst = _mm256_max_epu32(worst, unscale8_f32(x + i + 24, y + i + 24, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x, y, i, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x, y, i + 8, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x, y, i + 16, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x, y, i + 24, s, check_inputs));
     }
     for (; n - i >= 8; i += 8)
-        worst = _mm256_max_epu32(worst, unscale8_f32(x + i, y + i, s, check_inputs));
+        worst = _mm256_max_epu32(worst, unscale8_f32(x, y, i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= ls_unscale1_f32(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f32(x, y, i, inv, check_inputs);
     return !bad1 && !any_above32(worst, 0x7f7fffff);
 }
 
 static int unscale_f32_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
-        return unscale_f32_run((const float *)src, (float *)dst, n, (float)inv, 1);
-    return unscale_f32_run((const float *)src, (float *)dst, n, (float)inv, 0);
+        return unscale_f32_run((const char *)src, (char *)dst, n, (float)inv, 1);
+    return unscale_f32_run((const char *)src, (char *)dst, n, (float)inv, 0);
 }
 
 /* --------------------------------------------------------------- float64 */
 
-LS_INLINE __m256i unscale4_f64(const double *x, double *y, __m256d s, int check_inputs)
+LS_INLINE __m256i unscale4_f64(const char *x, char *y, size_t i, __m256d s, int check_inputs)
 {
-    __m256d in = _mm256_loadu_pd(x);
+    __m256d in = _mm256_loadu_pd((const double *)(x + sizeof(double) * i));
     __m256d out = _mm256_mul_pd(in, s);
-    _mm256_storeu_pd(y, out);
+    _mm256_storeu_pd((double *)(y + sizeof(double) * i), out);
     return magnitude_f64(check_inputs ? in : out);
 }
 
-LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, int check_inputs)
+LS_INLINE int unscale_f64_run(const char *x, char *y, size_t n, double inv, int check_inputs)
 {
     const int64_t limit = 0x7ff0000000000000ll;
     const __m256d s = _mm256_set1_pd(inv);
     int bad1 = 0;
     __m256i reached = _mm256_setzero_si256();
     size_t i = 0;
-    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= ls_unscale1_f64(x + i, y + i, inv, check_inputs);
+    for (size_t head = ls_elems_to_boundary(y, sizeof(double), VECTOR_BYTES, n); i < head; i++)
+        bad1 |= ls_unscale1_f64(x, y, i, inv, check_inputs);
     for (; n - i >= 16; i += 16) {
-        reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
-        reached = note_reached64(reached, unscale4_f64(x + i + 4, y + i + 4, s, check_inputs), limit);
-        reached = note_reached64(reached, unscale4_f64(x + i + 8, y + i + 8, s, check_inputs), limit);
-        reached = note_reached64(reached, unscale4_f64(x + i + 12, y + i + 12, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x, y, i, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x, y, i + 4, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x, y, i + 8, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x, y, i + 12, s, check_inputs), limit);
     }
     for (; n - i >= 4; i += 4)
-        reached = note_reached64(reached, unscale4_f64(x + i, y + i, s, check_inputs), limit);
+        reached = note_reached64(reached, unscale4_f64(x, y, i, s, check_inputs), limit);
     for (; i < n; i++)
-        bad1 |= ls_unscale1_f64(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f64(x, y, i, inv, check_inputs);
     return !bad1 && !_mm256_movemask_epi8(reached);
 }
 
 static int unscale_f64_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
-        return unscale_f64_run((const double *)src, (double *)dst, n, inv, 1);
-    return unscale_f64_run((const double *)src, (double *)dst, n, inv, 0);
+        return unscale_f64_run((const char *)src, (char *)dst, n, inv, 1);
+    return unscale_f64_run((const char *)src, (char *)dst, n, inv, 0);
 }
 
 /* --------------------------------------------------------------- float16 */
@@ -238,41 +221,41 @@ static int unscale_f64_avx2(const void *src, void *dst, size_t n, double inv, un
  * the way out, subnormal halves included.  A product of two halves is
  * never a float32 subnormal (the smallest is 2^-48), so DAZ/FTZ cannot
  * change it either. */
-LS_INLINE __m128i unscale8_f16(const uint16_t *x, uint16_t *y, __m256 s, int check_inputs)
+LS_INLINE __m128i unscale8_f16(const char *x, char *y, size_t i, __m256 s, int check_inputs)
 {
-    __m128i in = _mm_loadu_si128((const __m128i *)x);
+    __m128i in = _mm_loadu_si128((const __m128i *)(x + sizeof(uint16_t) * i));
     __m256 product = _mm256_mul_ps(_mm256_cvtph_ps(in), s);
     __m128i out = _mm256_cvtps_ph(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128((__m128i *)y, out);
+    _mm_storeu_si128((__m128i *)(y + sizeof(uint16_t) * i), out);
     return _mm_and_si128(check_inputs ? in : out, _mm_set1_epi16(0x7fff));
 }
 
-LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float inv, int check_inputs)
+LS_INLINE int unscale_f16_run(const char *x, char *y, size_t n, float inv, int check_inputs)
 {
     const __m256 s = _mm256_set1_ps(inv);
     int bad1 = 0;
     __m128i worst = _mm_setzero_si128();
     size_t i = 0;
-    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= ls_unscale1_f16(x + i, y + i, inv, check_inputs);
+    for (size_t head = ls_elems_to_boundary(y, sizeof(uint16_t), VECTOR_BYTES, n); i < head; i++)
+        bad1 |= ls_unscale1_f16(x, y, i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
-        worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
-        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 8, y + i + 8, s, check_inputs));
-        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 16, y + i + 16, s, check_inputs));
-        worst = _mm_max_epu16(worst, unscale8_f16(x + i + 24, y + i + 24, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x, y, i, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x, y, i + 8, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x, y, i + 16, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x, y, i + 24, s, check_inputs));
     }
     for (; n - i >= 8; i += 8)
-        worst = _mm_max_epu16(worst, unscale8_f16(x + i, y + i, s, check_inputs));
+        worst = _mm_max_epu16(worst, unscale8_f16(x, y, i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= ls_unscale1_f16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_f16(x, y, i, inv, check_inputs);
     return !bad1 && !_mm_movemask_epi8(_mm_cmpgt_epi16(worst, _mm_set1_epi16(0x7bff)));
 }
 
 static int unscale_f16_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
-        return unscale_f16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 1);
-    return unscale_f16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 0);
+        return unscale_f16_run((const char *)src, (char *)dst, n, (float)inv, 1);
+    return unscale_f16_run((const char *)src, (char *)dst, n, (float)inv, 0);
 }
 
 /* -------------------------------------------------------------- bfloat16 */
@@ -292,46 +275,45 @@ static inline __m256i round_bf16(__m256 f)
 /* Interleaving with zeros widens within each 128-bit lane, and packus
  * narrows back within each lane the same way, so the element order
  * survives without a cross-lane shuffle. */
-LS_INLINE __m256i unscale16_bf16(const uint16_t *x, uint16_t *y, __m256 s, int check_inputs)
+LS_INLINE __m256i unscale16_bf16(const char *x, char *y, size_t i, __m256 s, int check_inputs)
 {
     const __m256i zero = _mm256_setzero_si256();
-    __m256i in = _mm256_loadu_si256((const __m256i *)x);
+    __m256i in = _mm256_loadu_si256((const __m256i *)(x + sizeof(uint16_t) * i));
     __m256 lo = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, in)), s);
     __m256 hi = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, in)), s);
     __m256i out = _mm256_packus_epi32(round_bf16(lo), round_bf16(hi));
-    _mm256_storeu_si256((__m256i *)y, out);
+    _mm256_storeu_si256((__m256i *)(y + sizeof(uint16_t) * i), out);
     return magnitude_16(check_inputs ? in : out);
 }
 
-LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float inv,
+LS_INLINE int unscale_bf16_run(const char *x, char *y, size_t n, float inv,
                                int check_inputs)
 {
     const __m256 s = _mm256_set1_ps(inv);
     int bad1 = 0;
     __m256i worst = _mm256_setzero_si256();
     size_t i = 0;
-    for (size_t head = elems_to_boundary(y, sizeof *y, n); i < head; i++)
-        bad1 |= ls_unscale1_bf16(x + i, y + i, inv, check_inputs);
+    for (size_t head = ls_elems_to_boundary(y, sizeof(uint16_t), VECTOR_BYTES, n); i < head; i++)
+        bad1 |= ls_unscale1_bf16(x, y, i, inv, check_inputs);
     for (; n - i >= 32; i += 32) {
-        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
-        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i + 16, y + i + 16, s, check_inputs));
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x, y, i, s, check_inputs));
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x, y, i + 16, s, check_inputs));
     }
     for (; n - i >= 16; i += 16)
-        worst = _mm256_max_epu16(worst, unscale16_bf16(x + i, y + i, s, check_inputs));
+        worst = _mm256_max_epu16(worst, unscale16_bf16(x, y, i, s, check_inputs));
     for (; i < n; i++)
-        bad1 |= ls_unscale1_bf16(x + i, y + i, inv, check_inputs);
+        bad1 |= ls_unscale1_bf16(x, y, i, inv, check_inputs);
     return !bad1 && !any_above16(worst, 0x7f7f);
 }
 
 static int unscale_bf16_avx2(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
-        return unscale_bf16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 1);
-    return unscale_bf16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 0);
+        return unscale_bf16_run((const char *)src, (char *)dst, n, (float)inv, 1);
+    return unscale_bf16_run((const char *)src, (char *)dst, n, (float)inv, 0);
 }
 
 const ls_kernel_set ls_kernels_avx2 = {
-    "avx2",
     {check_f16_avx2, check_bf16_avx2, check_f32_avx2, check_f64_avx2},
     {unscale_f16_avx2, unscale_bf16_avx2, unscale_f32_avx2, unscale_f64_avx2},
 };

@@ -1,6 +1,8 @@
 /*
- * The AVX-512 kernel set (F/BW/VL; AVX512_BF16 where the CPU has it): the
- * scalar set's arithmetic on 512-bit vectors, bit for bit.  Half types are
+ * The AVX-512 kernel set (F/DQ/BW/VL): the scalar set's arithmetic on
+ * 512-bit vectors, bit for bit.  Its checks and its float16, float32 and
+ * float64 kernels serve the avx512bf16 set too (kernels_avx512bf16.c),
+ * which only has a bfloat16 kernel of its own.  Half types are
  * widened to sixteen float32 lanes, multiplied (a plain multiply, never
  * fused), and rounded back to nearest-even; the finite test keeps the
  * largest magnitude seen in a register and looks at it once at the end, so
@@ -11,26 +13,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "internal.h"
-
-#define LS_INLINE static inline __attribute__((always_inline))
-
-enum { CACHE_LINE = 64 };
-
-/* Elements before p reaches an `align`-byte boundary, at most n.  A pointer
- * that is not even aligned to its element size never gets there: none. */
-static inline size_t elems_to_boundary(const void *p, size_t esize, size_t align, size_t n)
-{
-    uintptr_t a = (uintptr_t)p;
-    if (a % esize)
-        return 0;
-    size_t k = ((align - a % align) % align) / esize;
-    return k < n ? k : n;
-}
+#include "kernels_avx512.h"
 
 static inline __mmask8 first8(size_t k) { return (__mmask8)((1u << k) - 1u); }
-static inline __mmask16 first16(size_t k) { return (__mmask16)((1u << k) - 1u); }
-static inline __mmask32 first32(size_t k) { return (__mmask32)((1u << k) - 1u); }
 
 /* The finite test: a value is non-finite iff its magnitude bits (sign
  * cleared) reach the all-ones exponent, so the running unsigned maximum of
@@ -90,7 +75,7 @@ LS_INLINE int check_avx512(const void *src, size_t n, int bits, uint64_t limit)
     const size_t bytes = n * esize;
     __m256i worst = _mm256_setzero_si256();
     /* byte masks: whole elements only, so a lane never mixes two values */
-    size_t i = elems_to_boundary(p, esize, 32, n) * esize;
+    size_t i = ls_elems_to_boundary(p, esize, 32, n) * esize;
     if (i)
         worst = max_magnitude(worst, _mm256_maskz_loadu_epi8((1u << i) - 1u, p), bits);
     while (bytes - i >= CHECK_BLOCK) {
@@ -111,10 +96,10 @@ LS_INLINE int check_avx512(const void *src, size_t n, int bits, uint64_t limit)
     return !reaches(worst, limit, bits);
 }
 
-static int check_f16_avx512(const void *src, size_t n) { return check_avx512(src, n, 16, 0x7c00u); }
-static int check_bf16_avx512(const void *src, size_t n) { return check_avx512(src, n, 16, 0x7f80u); }
-static int check_f32_avx512(const void *src, size_t n) { return check_avx512(src, n, 32, 0x7f800000u); }
-static int check_f64_avx512(const void *src, size_t n)
+int ls_avx512_check_f16(const void *src, size_t n) { return check_avx512(src, n, 16, 0x7c00u); }
+int ls_avx512_check_bf16(const void *src, size_t n) { return check_avx512(src, n, 16, 0x7f80u); }
+int ls_avx512_check_f32(const void *src, size_t n) { return check_avx512(src, n, 32, 0x7f800000u); }
+int ls_avx512_check_f64(const void *src, size_t n)
 {
     return check_avx512(src, n, 64, 0x7ff0000000000000ull);
 }
@@ -142,7 +127,7 @@ LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int
 {
     const __m512 s = _mm512_set1_ps(inv);
     __m512i worst = _mm512_setzero_si512();
-    size_t i = elems_to_boundary(y, sizeof *y, CACHE_LINE, n);
+    size_t i = ls_elems_to_boundary(y, sizeof *y, CACHE_LINE, n);
     if (i)
         worst = unscale_f32_part(x, y, s, first16(i), check_inputs);
     for (; n - i >= 64; i += 64) {
@@ -159,7 +144,7 @@ LS_INLINE int unscale_f32_run(const float *x, float *y, size_t n, float inv, int
     return !_mm512_cmpge_epu32_mask(worst, _mm512_set1_epi32(0x7f800000));
 }
 
-static int unscale_f32_avx512(const void *src, void *dst, size_t n, double inv, unsigned flags)
+int ls_avx512_unscale_f32(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
         return unscale_f32_run((const float *)src, (float *)dst, n, (float)inv, 1);
@@ -188,7 +173,7 @@ LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, 
 {
     const __m512d s = _mm512_set1_pd(inv);
     __m512i worst = _mm512_setzero_si512();
-    size_t i = elems_to_boundary(y, sizeof *y, CACHE_LINE, n);
+    size_t i = ls_elems_to_boundary(y, sizeof *y, CACHE_LINE, n);
     if (i)
         worst = unscale_f64_part(x, y, s, first8(i), check_inputs);
     for (; n - i >= 32; i += 32) {
@@ -205,7 +190,7 @@ LS_INLINE int unscale_f64_run(const double *x, double *y, size_t n, double inv, 
     return !_mm512_cmpge_epu64_mask(worst, _mm512_set1_epi64(0x7ff0000000000000ll));
 }
 
-static int unscale_f64_avx512(const void *src, void *dst, size_t n, double inv, unsigned flags)
+int ls_avx512_unscale_f64(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
         return unscale_f64_run((const double *)src, (double *)dst, n, inv, 1);
@@ -245,7 +230,7 @@ LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float in
 {
     const __m512 s = _mm512_set1_ps(inv);
     __m256i worst = _mm256_setzero_si256();
-    size_t i = elems_to_boundary(y, sizeof *y, 32, n);
+    size_t i = ls_elems_to_boundary(y, sizeof *y, 32, n);
     if (i)
         worst = unscale_f16_part(x, y, s, first16(i), check_inputs);
     for (; n - i >= 64; i += 64) {
@@ -262,7 +247,7 @@ LS_INLINE int unscale_f16_run(const uint16_t *x, uint16_t *y, size_t n, float in
     return !_mm256_cmpge_epu16_mask(worst, _mm256_set1_epi16(0x7c00));
 }
 
-static int unscale_f16_avx512(const void *src, void *dst, size_t n, double inv, unsigned flags)
+int ls_avx512_unscale_f16(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     if (flags & LS_CHECK_INPUTS)
         return unscale_f16_run((const uint16_t *)src, (uint16_t *)dst, n, (float)inv, 1);
@@ -271,122 +256,16 @@ static int unscale_f16_avx512(const void *src, void *dst, size_t n, double inv, 
 
 /* -------------------------------------------------------------- bfloat16 */
 
-/* How a float32 product goes back to bfloat16.  VCVTNEPS2BF16 rounds to
- * nearest-even but always reads float32 subnormals as zero, whatever MXCSR
- * says: right when flushing (FTZ already made every product normal or
- * zero), wrong for IEEE results, where ml_dtypes keeps subnormals.  So in
- * IEEE mode it is used only on vectors that hold no subnormal product. */
-enum bf16_rounding {
-    BF16_INTEGER,     /* no AVX512_BF16: round on the bits */
-    BF16_CVTNE,       /* flushing: every product is normal or zero */
-    BF16_CVTNE_GUARD, /* IEEE: the instruction where no lane is subnormal */
-};
-
-/* ls_f32_to_bf16 on sixteen lanes, the result in the low half of each
- * 32-bit lane.  Its NaN case is not needed: a NaN product of a bfloat16
- * has its low 16 bits clear (the multiply only quiets the NaN it was
- * given, or makes the default NaN), so rounding never carries it into
- * infinity. */
-static inline __m512i round_bf16(__m512 f)
-{
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
-    return _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-}
-
-static inline __mmask16 subnormal_lanes(__m512 f)
-{
-    const __m512i u = _mm512_castps_si512(f);
-    const __mmask16 exponent_zero = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_test_epi32_mask(exponent_zero, u, _mm512_set1_epi32(0x007fffff));
-}
-
-/* Interleaving with zeros widens within each 128-bit lane, and packus
- * narrows back within each lane the same way, so the integer path keeps
- * the element order without a shuffle.  VCVTNE2PS2BF16 packs its two
- * sources whole instead, so its quarters are put back in order. */
-LS_INLINE __m512i unscale32_bf16(__m512i h, __m512 s, enum bf16_rounding rounding)
-{
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, h)), s);
-    __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, h)), s);
-    if (rounding == BF16_INTEGER ||
-        (rounding == BF16_CVTNE_GUARD && (subnormal_lanes(lo) | subnormal_lanes(hi))))
-        return _mm512_packus_epi32(round_bf16(lo), round_bf16(hi));
-    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), packed);
-}
-
-LS_INLINE __m512i unscale_bf16_part(const uint16_t *x, uint16_t *y, __m512 s, __mmask32 m,
-                                    int check_inputs, enum bf16_rounding rounding)
-{
-    __m512i in = _mm512_maskz_loadu_epi16(m, x);
-    __m512i out = unscale32_bf16(in, s, rounding);
-    _mm512_mask_storeu_epi16(y, m, out);
-    return _mm512_and_si512(check_inputs ? in : out, _mm512_set1_epi16(0x7fff));
-}
-
-LS_INLINE __m512i unscale_bf16_vec(const uint16_t *x, uint16_t *y, __m512 s, int check_inputs,
-                                   enum bf16_rounding rounding)
-{
-    __m512i in = _mm512_loadu_si512(x);
-    __m512i out = unscale32_bf16(in, s, rounding);
-    _mm512_storeu_si512(y, out);
-    return _mm512_and_si512(check_inputs ? in : out, _mm512_set1_epi16(0x7fff));
-}
-
-LS_INLINE int unscale_bf16_run(const uint16_t *x, uint16_t *y, size_t n, float inv,
-                               int check_inputs, enum bf16_rounding r)
-{
-    const __m512 s = _mm512_set1_ps(inv);
-    __m512i worst = _mm512_setzero_si512();
-    size_t i = elems_to_boundary(y, sizeof *y, CACHE_LINE, n);
-    if (i)
-        worst = unscale_bf16_part(x, y, s, first32(i), check_inputs, r);
-    for (; n - i >= 64; i += 64) {
-        worst = _mm512_max_epu16(worst, unscale_bf16_vec(x + i, y + i, s, check_inputs, r));
-        worst = _mm512_max_epu16(worst, unscale_bf16_vec(x + i + 32, y + i + 32, s, check_inputs, r));
-    }
-    for (; n - i >= 32; i += 32)
-        worst = _mm512_max_epu16(worst, unscale_bf16_vec(x + i, y + i, s, check_inputs, r));
-    if (i < n)
-        worst = _mm512_max_epu16(
-            worst, unscale_bf16_part(x + i, y + i, s, first32(n - i), check_inputs, r));
-    return !_mm512_cmpge_epu16_mask(worst, _mm512_set1_epi16(0x7f80));
-}
-
-/* cpuid is slow (it traps in a virtual machine), so it is asked once; the
- * answer never changes, so racing threads all store the same value. */
-static int cpu_has_bf16(void)
-{
-    static int known = -1;
-    int has = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (has < 0) {
-        has = ls_cpu_has_avx512bf16();
-        __atomic_store_n(&known, has, __ATOMIC_RELAXED);
-    }
-    return has;
-}
-
 static int unscale_bf16_avx512(const void *src, void *dst, size_t n, double inv, unsigned flags)
 {
     const uint16_t *x = (const uint16_t *)src;
     uint16_t *y = (uint16_t *)dst;
-    const float s = (float)inv;
-    const int check_inputs = (flags & LS_CHECK_INPUTS) != 0;
-    if (!cpu_has_bf16())
-        return check_inputs ? unscale_bf16_run(x, y, n, s, 1, BF16_INTEGER)
-                            : unscale_bf16_run(x, y, n, s, 0, BF16_INTEGER);
-    if (flags & LS_FLUSH_DENORMALS)
-        return check_inputs ? unscale_bf16_run(x, y, n, s, 1, BF16_CVTNE)
-                            : unscale_bf16_run(x, y, n, s, 0, BF16_CVTNE);
-    return check_inputs ? unscale_bf16_run(x, y, n, s, 1, BF16_CVTNE_GUARD)
-                        : unscale_bf16_run(x, y, n, s, 0, BF16_CVTNE_GUARD);
+    if (flags & LS_CHECK_INPUTS)
+        return unscale_bf16_run(x, y, n, (float)inv, 1, BF16_INTEGER);
+    return unscale_bf16_run(x, y, n, (float)inv, 0, BF16_INTEGER);
 }
 
 const ls_kernel_set ls_kernels_avx512 = {
-    "avx512",
-    {check_f16_avx512, check_bf16_avx512, check_f32_avx512, check_f64_avx512},
-    {unscale_f16_avx512, unscale_bf16_avx512, unscale_f32_avx512, unscale_f64_avx512},
+    {ls_avx512_check_f16, ls_avx512_check_bf16, ls_avx512_check_f32, ls_avx512_check_f64},
+    {ls_avx512_unscale_f16, unscale_bf16_avx512, ls_avx512_unscale_f32, ls_avx512_unscale_f64},
 };

@@ -11,24 +11,6 @@
 #include "internal.h"
 #include "optim.h"
 
-static const ls_optim_kernels *optim_kernels_for(int level)
-{
-    switch (level) {
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-    case LS_SIMD_AVX512:
-        return &ls_optim_avx512;
-    case LS_SIMD_AVX2:
-        return &ls_optim_avx2;
-#endif
-#if defined(__aarch64__)
-    case LS_SIMD_NEON:
-        return &ls_optim_neon;
-#endif
-    default:
-        return &ls_optim_scalar;
-    }
-}
-
 static int finite_f(float x) { return x - x == 0.0f; }
 
 static int slots_needed(const ls_optim_config *c)
@@ -46,7 +28,10 @@ static int check_config(const ls_optim_config *c)
         return LS_ERR_ARG;
     if (c->unscale < LS_UNSCALE_NONE || c->unscale > LS_UNSCALE_MULTIPLY)
         return LS_ERR_ARG;
-    if (c->unscale != LS_UNSCALE_NONE && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
+    /* Keras 3 divides by whatever its scale has become (its rule has no
+     * floor: a scale flushed to 0 gives inf and NaN, in stock Keras too);
+     * TensorFlow 2.4's scale is finite and >= 1 by its rule. */
+    if (c->unscale == LS_UNSCALE_MULTIPLY && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
         return LS_ERR_ARG;
     if (!finite_f(c->learning_rate) || c->learning_rate < 0.0f || !finite_f(c->weight_decay))
         return LS_ERR_ARG;
@@ -73,7 +58,7 @@ static int check_param(const ls_param *p, int nslots)
         return LS_ERR_ARG;
     if (p->length == 0)
         return LS_OK;
-    const size_t gsize = p->grad_dtype == LS_FLOAT32 ? 4 : 2;
+    const size_t gsize = ls_dtype_size(p->grad_dtype);
     const void *bufs[5] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
     const size_t bytes[5] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
                              p->length * 4};
@@ -160,9 +145,8 @@ static void resolve(const ls_optim_config *c, ls_optim_args args[LS_NUM_DTYPES])
     }
 }
 
-/* Runs the kernels over [begin, end); assumes validated arguments. */
-static void run_range(const ls_optim_kernels *k, const ls_param *params, size_t count,
-                      const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
+void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                  const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
 {
     ls_fpenv env;
     ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
@@ -206,7 +190,23 @@ int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_con
         return LS_ERR_SIMD;
     if (begin > end || end > total_length(params, count))
         return LS_ERR_ARG;
-    run_range(optim_kernels_for(level), params, count, config, flags, begin, end);
+    ls_optim_run(ls_optim_kernels_at(level), params, count, config, flags, begin, end);
+    return 1;
+}
+
+/* The update over one part of the list, for the library's threads. */
+typedef struct optim_job {
+    const ls_optim_kernels *kernels;
+    const ls_param *params;
+    size_t count;
+    const ls_optim_config *config;
+    unsigned flags;
+} optim_job;
+
+static int optim_range(const void *ctx, size_t begin, size_t end)
+{
+    const optim_job *j = (const optim_job *)ctx;
+    ls_optim_run(j->kernels, j->params, j->count, j->config, j->flags, begin, end);
     return 1;
 }
 
@@ -234,7 +234,6 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
-    run_range(optim_kernels_for(level), params, count, config, flags, 0,
-              total_length(params, count));
-    return 1;
+    const optim_job job = {ls_optim_kernels_at(level), params, count, config, flags};
+    return ls_run_parallel(optim_range, &job, total_length(params, count));
 }

@@ -60,6 +60,13 @@ extern const ls_optim_kernels ls_optim_avx512;
 extern const ls_optim_kernels ls_optim_neon;
 #endif
 
+/* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
+ * cannot run it; and a run of `k` over [begin, end) of validated arguments,
+ * on the calling thread (the entry points and the fuzz target use it). */
+const ls_optim_kernels *ls_optim_kernels_at(int level);
+void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                  const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
+
 /* ------------------------------------------- the one-element reference */
 
 static inline float ls_optim_load_grad(const void *grad, size_t i, ls_dtype dt)
@@ -92,8 +99,20 @@ static inline float ls_optim_unscale1(float g, ls_dtype dt, const ls_optim_args 
     }
 }
 
-/* max as x86's MAXPS computes it, (a > b) ? a : b, on every ISA. */
+/* max(a, b) = (a > b) ? a : b, as x86's MAXPS computes it (the second
+ * operand when either is NaN).  On x86 through the instruction itself, as
+ * the vector sets and TensorFlow's Maximum use it: with DAZ on, a subnormal
+ * operand reads as zero and a subnormal result is flushed, which a compare
+ * and select would not do. */
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+static inline float ls_optim_max(float a, float b)
+{
+    return _mm_cvtss_f32(_mm_max_ss(_mm_set_ss(a), _mm_set_ss(b)));
+}
+#else
 static inline float ls_optim_max(float a, float b) { return a > b ? a : b; }
+#endif
 
 static inline float ls_optim_decay1(float w, const ls_optim_args *a)
 {

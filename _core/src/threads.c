@@ -19,11 +19,8 @@
 #define LS_MAX_THREADS 256
 
 typedef struct job {
-    const ls_kernel_set *kernels;
-    const ls_buffer *bufs;
-    size_t count;
-    const double *inv;
-    unsigned flags;
+    ls_range_fn range;
+    const void *ctx;
     size_t total;
     int parts;
 } job;
@@ -73,7 +70,7 @@ static int run_part(const job *j, int part)
 {
     size_t b, e;
     part_bounds(j, part, &b, &e);
-    return ls_run_range(j->kernels, j->bufs, j->count, j->inv, j->flags, b, e);
+    return j->range(j->ctx, b, e);
 }
 
 static void *worker(void *arg)
@@ -129,53 +126,53 @@ static void reset_after_fork(void)
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-static int run_job(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
-                   const double *inv, unsigned flags)
+int ls_run_parallel(ls_range_fn range, const void *ctx, size_t total)
 {
-    size_t total = ls_total_length(bufs, count);
     int threads = ls_get_num_threads();
     size_t by_size = total / LS_MIN_PER_THREAD;
     int parts = by_size < (size_t)threads ? (int)by_size : threads;
     pthread_once(&atfork_once, register_atfork);
     if (parts < 2 || pthread_mutex_trylock(&pool.busy) != 0)
-        return ls_run_range(k, bufs, count, inv, flags, 0, total);
+        return range(ctx, 0, total);
 
     pthread_mutex_lock(&pool.lock);
     parts = grow_pool(parts);
-    pool.current = (job){k, bufs, count, inv, flags, total, parts};
+    pool.current = (job){range, ctx, total, parts};
     pool.pending = parts - 1;
     pool.result = 1;
     pool.generation++;
     pthread_cond_broadcast(&pool.work);
     pthread_mutex_unlock(&pool.lock);
 
-    int finite = parts > 1 ? run_part(&pool.current, 0)
-                           : ls_run_range(k, bufs, count, inv, flags, 0, total);
+    int result = parts > 1 ? run_part(&pool.current, 0) : range(ctx, 0, total);
 
     pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.lock);
-    finite &= pool.result;
+    result &= pool.result;
     pthread_mutex_unlock(&pool.lock);
     pthread_mutex_unlock(&pool.busy);
-    return finite;
+    return result;
 }
 
-int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags)
+/* The unscale/check kernels over one part of a list. */
+typedef struct list_job {
+    const ls_kernel_set *kernels;
+    const ls_buffer *bufs;
+    size_t count;
+    const double *inv;
+    unsigned flags;
+} list_job;
+
+static int list_range(const void *ctx, size_t begin, size_t end)
 {
-    double inv[LS_NUM_DTYPES];
-    const ls_kernel_set *k;
-    int rc = ls_prepare(bufs, count, &inv_scale, flags, inv, &k);
-    if (rc != LS_OK)
-        return rc;
-    return run_job(k, bufs, count, inv, flags);
+    const list_job *j = (const list_job *)ctx;
+    return ls_run_range(j->kernels, j->bufs, j->count, j->inv, j->flags, begin, end);
 }
 
-int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags)
+int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
+                 const double *inv, unsigned flags)
 {
-    const ls_kernel_set *k;
-    int rc = ls_prepare(bufs, count, NULL, flags, NULL, &k);
-    if (rc != LS_OK)
-        return rc;
-    return run_job(k, bufs, count, NULL, flags);
+    const list_job j = {k, bufs, count, inv, flags};
+    return ls_run_parallel(list_range, &j, ls_total_length(bufs, count));
 }

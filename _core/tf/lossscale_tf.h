@@ -45,8 +45,6 @@ inline tf::Status CoreError(int rc, const char* what) {
         return tf::errors::InvalidArgument(what, ": unsupported dtype");
     case LS_ERR_SIMD:
         return tf::errors::InvalidArgument(what, ": ", ls_simd_error());
-    case LS_ERR_NOMEM:
-        return tf::errors::ResourceExhausted(what, ": out of memory");
     default:
         return tf::errors::InvalidArgument(what, ": invalid argument (core status ", rc, ")");
     }

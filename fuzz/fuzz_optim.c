@@ -1,0 +1,279 @@
+/*
+ * Coverage-guided fuzz target over the fused optimizer step.
+ *
+ * One input describes a list of variables (gradient dtype, weight-decay
+ * form, length, raw bytes of the variable, gradient and slots) and a whole
+ * configuration (optimizer, unscale mode, scale and every hyperparameter as
+ * raw bits, so non-finite and out-of-range values come up).  Checked:
+ *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
+ *     results need only be NaN: a compiler may swap the operands of a
+ *     commutative scalar operation, which picks the other NaN payload);
+ *   - ls_optim_step: a configuration ls_optim_validate refuses, or a
+ *     non-finite gradient, leaves every byte as it was; otherwise it
+ *     equals the scalar set;
+ *   - ls_optim_step_range over two parts equals one whole run;
+ *   - no byte outside the buffers moves (guard bytes), gradients are never
+ *     written, and the caller's floating-point control state comes back.
+ *
+ * Input layout (a short input reads as if padded with zeros):
+ *   0      bit 0 LS_FLUSH_DENORMALS, bit 1 Adam (else SGD), bit 2 amsgrad,
+ *          bit 3 Nesterov, bits 4-5 unscale mode (3: an invalid one),
+ *          bit 6 momentum forced to 0, bit 7 the caller runs with FTZ/DAZ
+ *   1..8   scale (double)
+ *   9..36  learning rate, weight decay, momentum, alpha, 1 - beta_1,
+ *          1 - beta_2, epsilon (float each)
+ *   37     variables: 1 + byte % 3
+ *   38     cut: where the range run splits, byte * total / 255
+ *   then per variable 4 bytes: gradient dtype (byte % 4: float16,
+ *          bfloat16, float32, float64 — refused), decay (byte % 4; 3 is
+ *          refused), length (u16 % 1500)
+ *   then the content, handed out to the buffers in order and repeated.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "optim.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_MXCSR 1
+#endif
+
+enum { MAX_VARS = 3, GUARD = 0xA5, PAD = 64 };
+
+typedef struct fuzz_input {
+    const uint8_t *data;
+    size_t size, pos;
+} fuzz_input;
+
+static uint8_t byte_at(const fuzz_input *in, size_t i) { return i < in->size ? in->data[i] : 0; }
+
+static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        ((uint8_t *)out)[i] = byte_at(in, at + i);
+}
+
+/* One list of buffers with guard bytes around each. */
+typedef struct arena {
+    ls_param params[MAX_VARS];
+    uint8_t *blocks[MAX_VARS][5]; /* var, grad, 3 slots: PAD guard + data + PAD guard */
+    size_t bytes[MAX_VARS][5];
+    size_t count;
+} arena;
+
+
+static char difference[160];
+
+static void fail(const char *what)
+{
+    fprintf(stderr, "fuzz_optim: %s %s\n", what, difference);
+    abort();
+}
+
+static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size_t content)
+{
+    *a = *layout;
+    size_t pos = content;
+    for (size_t i = 0; i < a->count; i++) {
+        for (int b = 0; b < 5; b++) {
+            size_t n = a->bytes[i][b];
+            uint8_t *block = malloc(n + 2 * PAD);
+            if (block == NULL)
+                fail("out of memory");
+            memset(block, GUARD, n + 2 * PAD);
+            for (size_t k = 0; k < n; k++) {
+                block[PAD + k] = in->size > content ? in->data[pos] : 0;
+                if (in->size > content && ++pos >= in->size)
+                    pos = content;
+            }
+            a->blocks[i][b] = block;
+        }
+        ls_param *p = &a->params[i];
+        p->var = (float *)(void *)(a->blocks[i][0] + PAD);
+        p->grad = a->blocks[i][1] + PAD;
+        for (int s = 0; s < 3; s++)
+            p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
+    }
+}
+
+static void arena_free(arena *a)
+{
+    for (size_t i = 0; i < a->count; i++)
+        for (int b = 0; b < 5; b++)
+            free(a->blocks[i][b]);
+}
+
+static void check_guards(const arena *a)
+{
+    for (size_t i = 0; i < a->count; i++)
+        for (int b = 0; b < 5; b++)
+            for (size_t k = 0; k < PAD; k++)
+                if (a->blocks[i][b][k] != GUARD || a->blocks[i][b][PAD + a->bytes[i][b] + k] != GUARD)
+                    fail("a byte outside a buffer was written");
+}
+
+
+/* Same bytes, except that a NaN float32 may be any NaN. */
+static int same_results(const arena *x, const arena *y)
+{
+    for (size_t i = 0; i < x->count; i++)
+        for (int b = 0; b < 5; b++) {
+            const uint8_t *p = x->blocks[i][b], *q = y->blocks[i][b];
+            if (memcmp(p, q, x->bytes[i][b] + 2 * PAD) == 0)
+                continue;
+            if (b == 1)
+                return 0;
+            for (size_t k = 0; k < x->bytes[i][b]; k += 4) {
+                float u = ls_load_f32(p + PAD + k), v = ls_load_f32(q + PAD + k);
+                if (memcmp(&u, &v, 4) != 0 && !(isnan(u) && isnan(v))) {
+                    snprintf(difference, sizeof difference,
+                             "variable %zu, buffer %d, element %zu: %a vs %a", i, b, k / 4,
+                             (double)u, (double)v);
+                    return 0;
+                }
+            }
+        }
+    return 1;
+}
+
+static int identical(const arena *x, const arena *y)
+{
+    for (size_t i = 0; i < x->count; i++)
+        for (int b = 0; b < 5; b++)
+            if (memcmp(x->blocks[i][b], y->blocks[i][b], x->bytes[i][b] + 2 * PAD) != 0)
+                return 0;
+    return 1;
+}
+
+/* Every gradient element finite, read one at a time. */
+static int gradients_finite(const arena *a)
+{
+    for (size_t i = 0; i < a->count; i++) {
+        const ls_param *p = &a->params[i];
+        if (p->grad_dtype == LS_FLOAT64)
+            continue;
+        for (size_t k = 0; k < p->length; k++)
+            if (!isfinite(ls_optim_load_grad(p->grad, k, p->grad_dtype)))
+                return 0;
+    }
+    return 1;
+}
+
+static unsigned read_csr(void)
+{
+#ifdef HAVE_MXCSR
+    return _mm_getcsr();
+#else
+    return 0;
+#endif
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    fuzz_input in = {data, size, 0};
+    const uint8_t mode = byte_at(&in, 0);
+    ls_optim_config c;
+    memset(&c, 0, sizeof c);
+    c.optimizer = (mode & 2) ? LS_OPTIM_ADAM : LS_OPTIM_SGD;
+    c.amsgrad = (mode >> 2) & 1;
+    c.nesterov = (mode >> 3) & 1;
+    c.unscale = (mode >> 4) & 3;
+    read_bytes(&in, 1, &c.scale, 8);
+    float *fields[] = {&c.learning_rate, &c.weight_decay, &c.momentum, &c.alpha,
+                       &c.one_minus_beta_1, &c.one_minus_beta_2, &c.epsilon};
+    for (int f = 0; f < 7; f++)
+        read_bytes(&in, 9 + 4 * f, fields[f], 4);
+    if (mode & 64)
+        c.momentum = 0.0f;
+    const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
+
+    arena layout;
+    memset(&layout, 0, sizeof layout);
+    layout.count = 1 + byte_at(&in, 37) % MAX_VARS;
+    size_t at = 39, total = 0;
+    for (size_t i = 0; i < layout.count; i++, at += 4) {
+        ls_param *p = &layout.params[i];
+        p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
+        p->decay = byte_at(&in, at + 1) % 4;
+        p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
+        total += p->length;
+        layout.bytes[i][0] = p->length * 4;
+        layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);
+        for (int s = 0; s < 3; s++)
+            layout.bytes[i][2 + s] = p->length * 4;
+    }
+    const size_t cut = byte_at(&in, 38) * total / 255;
+
+#ifdef HAVE_MXCSR
+    const unsigned caller_csr = (mode & 128) ? (read_csr() | 0x8040u) : (read_csr() & ~0x8040u);
+    _mm_setcsr(caller_csr);
+#else
+    const unsigned caller_csr = read_csr();
+#endif
+    const unsigned saved_csr = read_csr();
+    arena before, ref, got;
+    arena_fill(&before, &layout, &in, at);
+    arena_fill(&ref, &layout, &in, at);
+    const int valid = ls_optim_validate(before.params, before.count, &c) == LS_OK;
+    if (valid) {
+        ls_optim_run(&ls_optim_scalar, ref.params, ref.count, &c, flags, 0, total);
+        check_guards(&ref);
+        /* every kernel set this CPU runs */
+        for (int level = 0; level < ls_simd_count(); level++) {
+            const ls_optim_kernels *k = ls_optim_kernels_at(level);
+            if (k == NULL || k == &ls_optim_scalar)
+                continue;
+            arena_fill(&got, &layout, &in, at);
+            ls_optim_run(k, got.params, got.count, &c, flags, 0, total);
+            check_guards(&got);
+            if (!same_results(&got, &ref))
+                fail("a kernel set differs from the scalar set");
+            arena_free(&got);
+        }
+        /* two ranges make the whole */
+        arena_fill(&got, &layout, &in, at);
+        if (ls_optim_step_range(got.params, got.count, &c, flags, 0, cut) != 1 ||
+            ls_optim_step_range(got.params, got.count, &c, flags, cut, total) != 1)
+            fail("ls_optim_step_range refused a valid call");
+        check_guards(&got);
+        if (ls_simd_level() >= 0 && !same_results(&got, &ref))
+            fail("two ranges differ from one whole run");
+        arena_free(&got);
+    }
+
+    /* the whole step: check first, then all or nothing */
+    arena_fill(&got, &layout, &in, at);
+    const int rc = ls_optim_step(got.params, got.count, &c, flags);
+    check_guards(&got);
+    /* control bits only: the status flags (bits 0-5) are sticky by design */
+    if ((read_csr() & ~0x3fu) != (caller_csr & ~0x3fu))
+        fail("the caller's floating-point control state was not restored");
+    if (rc <= 0) {
+        if (rc < 0 && valid && ls_simd_level() >= 0)
+            fail("ls_optim_step refused a valid call");
+        if (rc == 0 && gradients_finite(&before))
+            fail("ls_optim_step skipped a step whose gradients are finite");
+        if (!identical(&got, &before))
+            fail("a refused or skipped step wrote something");
+    } else {
+        if (!gradients_finite(&before))
+            fail("ls_optim_step applied non-finite gradients");
+        if (!valid)
+            fail("ls_optim_step took an invalid call");
+        if (!same_results(&got, &ref))
+            fail("ls_optim_step differs from the scalar set");
+    }
+    arena_free(&got);
+    arena_free(&ref);
+    arena_free(&before);
+#ifdef HAVE_MXCSR
+    _mm_setcsr(saved_csr);
+#endif
+    return 0;
+}

@@ -1,0 +1,169 @@
+"""Every private TensorFlow and Keras name this package relies on, in one place.
+
+The rest of the package uses only public APIs and the functions below, so a
+TensorFlow or Keras upgrade means reading this file (and running
+``tests/test_compat.py``, which checks each of these against the installed
+versions and names the one that moved).  Each function says what it reaches
+into and why no public API does the job.
+
+What stays elsewhere, on purpose: the optimizer overrides the hooks of its
+base class (``_tf_apply``, ``_common_apply``, ``build``'s ``_variables``,
+``_iterations``), which is the contract of subclassing
+``keras.optimizers.LossScaleOptimizer``; and ``LossScale`` implements
+``Trackable``'s checkpoint hooks (``_trackable_children``,
+``_lookup_dependency``, ``_handle_deferred_dependencies``), the contract of
+subclassing ``Trackable``.
+"""
+
+import sys
+
+import tensorflow as tf
+
+__all__ = [
+    "Trackable", "trainer_class", "no_automatic_dependency_tracking", "register_serialized_name",
+    "caller_is_keras", "graph_key", "in_xla_context", "strategy_supports_no_merge_call",
+    "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
+    "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
+    "overwrites_with_gradient", "optimizer_iterations", "optimizer_slots",
+    "uses_weight_decay",
+]
+
+# ------------------------------------------------------------- TensorFlow
+
+# The base class of TensorFlow's own LossScale: what tf.train.Checkpoint
+# saves and restores.  Only exported under tf.__internal__.
+Trackable = tf.__internal__.tracking.Trackable
+
+
+def graph_key():
+    """Key of the graph variables are created in (None when eager), as
+    TensorFlow's ``LossScale`` keys its weights: a graph's ``_graph_key``."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()._graph_key  # pylint: disable=protected-access
+
+
+def in_xla_context():
+    """Whether the graph being built is compiled by XLA (``jit_compile=True``),
+    which has no kernel for a custom op.  No public API says so."""
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - private API moved
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+
+
+def strategy_supports_no_merge_call():
+    """Whether the current strategy runs without merge calls (multi-worker),
+    as Keras's own optimizers ask it."""
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def on_device_or_primary(variable):
+    """The copy of a mirrored variable for the current replica's device, as
+    a replica sees it (public only through a read, not as a variable)."""
+    return variable._get_on_device_or_primary()  # pylint: disable=protected-access
+
+
+def tensorflow_loss_scale_module():
+    """TensorFlow's own (deprecated) loss-scale module, or None where it is gone."""
+    try:
+        from tensorflow.python.training.experimental import loss_scale as module
+    except ImportError:  # pragma: no cover - TensorFlow without the v1 classes
+        return None
+    return module
+
+
+def tensorflow_dynamic_loss_scale_state(reference):
+    """``(weights, current_loss_scale, good_steps)`` of TensorFlow's
+    ``DynamicLossScale``: its ``{(name, graph key): variable}`` dict and its
+    two variables, which it exposes only as private members."""
+    # pylint: disable=protected-access
+    return reference._weights, reference._current_loss_scale, reference._num_good_steps
+
+
+# ------------------------------------------------------------------ Keras
+# Imported where used: this module is imported by the parts of the package
+# that need no Keras.
+
+def trainer_class():
+    """The class whose ``compile`` every Keras model's ``compile`` is
+    (``keras.src.trainers.trainer.Trainer``); public Keras exposes only the
+    backend-specific subclasses."""
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer
+
+
+def no_automatic_dependency_tracking(method):
+    """Keras's decorator that keeps a method's attribute assignments out of
+    the object's tracked state (``keras.src.utils.tracking``)."""
+    from keras.src.utils import tracking
+
+    return tracking.no_automatic_dependency_tracking(method)
+
+
+def register_serialized_name(cls, public_cls):
+    """Have Keras write ``cls`` under the registered name of ``public_cls``.
+
+    Only the class -> name direction is registered (Keras's export registry,
+    ``keras.src.api_export``): Keras still reads that name as ``public_cls``.
+    """
+    from keras.src import api_export
+
+    api_export.REGISTERED_OBJS_TO_NAMES[cls] = api_export.get_name_from_symbol(public_cls)
+
+
+def caller_is_keras():
+    """True when the function that called ours was called from Keras itself.
+
+    Keras's serializers call ``get_config`` with no argument saying who asks;
+    the caller's module (two frames up: ours, then the ``get_config`` that
+    asks) is the only way to tell.
+    """
+    caller = sys._getframe(2).f_globals.get("__name__", "")  # pylint: disable=protected-access
+    return caller == "keras" or caller.startswith("keras.")
+
+
+def wrapped_tf_variable(variable):
+    """The ``tf.Variable`` inside a ``keras.Variable`` on the TensorFlow
+    backend (its ``_value``), or None; ``keras.Variable.value`` would read it."""
+    inner = getattr(variable, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else None
+
+
+def optimizer_trainable_variables(optimizer):
+    """The variables a built Keras optimizer was built for, in order."""
+    return optimizer._trainable_variables  # pylint: disable=protected-access
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """Whether Keras assigns the gradient to ``variable`` instead of applying
+    it (``overwrite_with_gradient`` variables, e.g. float8 scales)."""
+    return optimizer._overwrite_variable_with_gradient(variable)  # pylint: disable=protected-access
+
+
+def optimizer_iterations(optimizer):
+    """The variable behind ``optimizer.iterations`` (the property only reads it)."""
+    return optimizer._iterations  # pylint: disable=protected-access
+
+
+def optimizer_slots(optimizer, kind, variables):
+    """The slot variables of ``variables`` in a stock Keras optimizer, where
+    its ``update_step`` finds them: ``"momentum"`` (SGD), ``"m"``, ``"v"``,
+    ``"v_hat"`` (Adam).  Keras keeps them in private lists indexed by
+    ``_get_variable_index``."""
+    attribute = {"momentum": "momentums", "m": "_momentums", "v": "_velocities",
+                 "v_hat": "_velocity_hats"}[kind]
+    slots = getattr(optimizer, attribute)
+    return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
+            for v in variables]
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether Keras applies ``weight_decay`` to ``variable`` (not excluded
+    by ``exclude_from_weight_decay``)."""
+    return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access

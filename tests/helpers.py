@@ -1,0 +1,209 @@
+"""What several test modules need alike: exact comparison of values,
+TensorFlow 2.4's loss scaling as an oracle, and the small model and custom
+training loops run side by side with it.
+
+``bits`` turns a value into a comparable key of its raw bytes (NaN equals
+the same NaN, -0.0 differs from 0.0); ``bit_patterns`` gives the unsigned
+integer of each element, and ``same_bits`` / ``assert_same_bits`` compare
+arrays bit for bit except that any NaN meets any NaN.  ``tf_dynamic`` and
+``tf_fixed`` are TensorFlow's own ``tf.compat.v1.mixed_precision`` loss
+scales, and ``tf24_reference_step`` is TensorFlow 2.4's
+``LossScaleOptimizer`` step written with TensorFlow's ops and such a loss
+scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
+(``keras3_train_step``, ``tf24_train_step``, both on ``scaled_gradients``)
+are that model and loop; ``child_env`` and ``two_cpu_replicas`` set up
+the child processes some tests start.  TensorFlow and Keras are imported
+only by the functions that need them, so that the tests of the C core can
+use this module without them, and the child processes that configure
+TensorFlow before importing it can too.
+"""
+
+import os
+
+import numpy as np
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(x):
+    """The raw bytes of ``x`` with its dtype and shape, as one comparable key:
+    NaN equals the same NaN, -0.0 differs from 0.0."""
+    a = np.ascontiguousarray(np.asarray(x))
+    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
+
+
+def bit_patterns(a):
+    """Each element of the array ``a`` as the unsigned integer of its bits."""
+    return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
+
+
+def nan_blind_equal(a, b):
+    """Element by element, flattened: the same bits, or both NaN (NaN payloads
+    are free)."""
+    a, b = np.asarray(a), np.asarray(b)
+    both_nan = np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64))
+    return (bit_patterns(a).reshape(-1) == bit_patterns(b).reshape(-1)) | both_nan.reshape(-1)
+
+
+def same_bits(a, b):
+    """The same dtype, shape and bits, except that any NaN equals any NaN."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(nan_blind_equal(a, b).all())
+
+
+def assert_same_bits(got, want, what=""):
+    """``same_bits(got, want)``, or an error that shows the first differences."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    bad = np.flatnonzero(~nan_blind_equal(got, want))
+    if bad.size:
+        k = bad[:8]
+        g, w = got.reshape(-1), want.reshape(-1)
+        raise AssertionError(
+            f"{what}: {bad.size} of {got.size} differ; first at {k.tolist()}: "
+            f"got {g[k].tolist()} (bits {[hex(int(v)) for v in bit_patterns(g)[k]]}) "
+            f"want {w[k].tolist()} (bits {[hex(int(v)) for v in bit_patterns(w)[k]]})")
+
+
+def tf_dynamic(*args, **kwargs):
+    """``tf.compat.v1.mixed_precision.DynamicLossScale``, without its
+    deprecation warning."""
+    import tensorflow as tf
+    from tensorflow.python.util import deprecation
+    with deprecation.silence():
+        return tf.compat.v1.mixed_precision.DynamicLossScale(*args, **kwargs)
+
+
+def tf_fixed(value):
+    """``tf.compat.v1.mixed_precision.FixedLossScale``, without its deprecation
+    warning."""
+    import tensorflow as tf
+    from tensorflow.python.util import deprecation
+    with deprecation.silence():
+        return tf.compat.v1.mixed_precision.FixedLossScale(value)
+
+
+def mixed_mlp(seed, hidden):
+    """A mixed_float16 Dense(hidden, tanh) on 6 inputs and a float32 Dense(1),
+    its weights drawn from ``seed``."""
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(hidden, activation="tanh", dtype="mixed_float16"),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+
+
+def mse_loss(model, x, y, factor):
+    """The tests' training loss: mean squared error in float32, times ``factor``
+    (a large or non-finite factor forces an overflow)."""
+    import tensorflow as tf
+    pred = tf.cast(model(x, training=True), tf.float32)
+    return tf.reduce_mean(tf.square(pred - y)) * factor
+
+
+def scaled_gradients(model, loss_of, scale, x, y, factor, edit=None):
+    """``(loss, gradients of scale(loss))`` for ``loss_of(model, x, y,
+    factor)``; the gradients passed through ``edit`` when given (a test
+    spoiling one of them)."""
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        loss = loss_of(model, x, y, factor)
+        scaled = scale(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    return loss, (grads if edit is None else edit(grads))
+
+
+def tf24_reference_step(model, inner, loss_scale, loss_of=mse_loss, *, count_skipped=False):
+    """TensorFlow 2.4's ``LossScaleOptimizer`` step with TensorFlow's ops.
+
+    ``loss_scale`` is a ``tf.compat.v1`` loss scale and ``inner`` a Keras
+    optimizer built for ``model``.  The returned ``step(x, y, factor,
+    edit=None)`` takes the gradients of the scaled loss, multiplies them by
+    ``1 / scale`` in their own dtype, updates the loss scale and applies them
+    when they were finite; ``count_skipped``: a skipped step still counts in
+    ``inner.iterations``, as TensorFlow 2.4's did.  It returns the
+    should-apply flag, and runs in whatever context calls it (eager or a
+    ``tf.function``).
+    """
+    import tensorflow as tf
+
+    def scale(loss):
+        return loss * tf.cast(loss_scale(), loss.dtype)
+
+    def step(x, y, factor, edit=None):
+        _, grads = scaled_gradients(model, loss_of, scale, x, y, factor, edit)
+        inv = 1.0 / loss_scale()
+        grads = [g * tf.cast(inv, g.dtype) for g in grads]
+        _, should_apply = loss_scale.update(grads)
+
+        def apply():
+            inner.apply(grads, model.trainable_variables)
+
+        def skip():
+            if count_skipped:
+                inner.iterations.assign_add(1)
+
+        tf.cond(should_apply, apply, skip)
+        return should_apply
+
+    return step
+
+
+def keras3_train_step(model, optimizer, loss_of=mse_loss):
+    """Keras 3's custom-loop step: ``scale_loss``, then ``apply`` on the scaled
+    gradients; ``step(x, y, factor, edit=None)`` returns the loss."""
+
+    def step(x, y, factor, edit=None):
+        loss, grads = scaled_gradients(model, loss_of, optimizer.scale_loss, x, y, factor, edit)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    return step
+
+
+def tf24_train_step(model, optimizer, loss_of=mse_loss):
+    """TensorFlow 2.4's custom-loop step: ``get_scaled_loss``,
+    ``get_unscaled_gradients``, ``apply_gradients``; ``step(x, y, factor,
+    edit=None)`` returns the loss."""
+
+    def step(x, y, factor, edit=None):
+        loss, grads = scaled_gradients(model, loss_of, optimizer.get_scaled_loss, x, y, factor,
+                                       edit)
+        grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+# ------------------------------------------------------------ child processes
+
+def child_env(drop=(), **values):
+    """The environment of a test's child Python process: the source tree and
+    the tests first on PYTHONPATH, TensorFlow quiet and on the CPU unless
+    this environment says otherwise, the variables in ``drop`` removed, and
+    ``values`` set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    for name in drop:
+        env.pop(name, None)
+    env.update(values)
+    return env
+
+
+def two_cpu_replicas():
+    """A MirroredStrategy over two logical CPUs.  TensorFlow fixes its devices
+    when it initialises, so this is the first thing a fresh process does
+    with TensorFlow."""
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
