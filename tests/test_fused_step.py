@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import lossscale
-from test_optimizer import as_bits
+from helpers import bits, keras3_train_step, tf24_reference_step, tf24_train_step, tf_dynamic
 from test_optimizer_distributed import run_worker
 
 if not hasattr(lossscale.LossScaleOptimizer(keras.optimizers.SGD()), "step_path"):
@@ -123,17 +123,14 @@ def batches(steps, seed=0):
 
 
 def step_fn(model, opt, eager=False):
-    def step(x, y, f):
-        with tf.GradientTape() as tape:
-            pred = tf.cast(model(x, training=True), tf.float32)
-            loss = opt.scale_loss(tf.reduce_mean(tf.square(pred - y)) * f)
-        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    """Keras 3's custom loop: ``scale_loss``, then ``apply`` on the scaled gradients."""
+    step = keras3_train_step(model, opt)
     return step if eager else tf.function(step)
 
 
 def state(model, opt):
     """(path, bits) of every model variable and every optimizer variable."""
-    return [(v.path, as_bits(v.numpy())) for v in list(model.variables) + list(opt.variables)]
+    return [(v.path, bits(v.numpy())) for v in list(model.variables) + list(opt.variables)]
 
 
 def state_reader(model, opt):
@@ -141,7 +138,7 @@ def state_reader(model, opt):
     costs more than the training step itself."""
     variables = list(model.variables) + list(opt.variables)
     read = tf.function(lambda: [tf.identity(v.value) for v in variables])
-    return lambda: [(v.path, as_bits(t.numpy())) for v, t in zip(variables, read())]
+    return lambda: [(v.path, bits(t.numpy())) for v, t in zip(variables, read())]
 
 
 def assert_same_state(a, b, where):
@@ -233,45 +230,17 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
     gradients against TensorFlow 2.4's arithmetic: TensorFlow's own
     ``DynamicLossScale`` checks the unscaled gradients, the stock inner
     optimizer applies them, and a skipped step still advances ``iterations``."""
-    from tensorflow.python.util import deprecation
-
     from lossscale import experimental
 
     models = twin_models("mixed_float16")
     opt = experimental.LossScaleOptimizer(INNERS[name](), experimental.DynamicLossScale(
         2.0**10, 5))
-    with deprecation.silence():
-        reference_scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-            initial_loss_scale=2.0**10, increment_period=5)
+    reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
     reference_inner = INNERS[name]()
     reference_inner.build(models[0].trainable_variables)
-
-    @tf.function
-    def reference_step(x, y, f):
-        model = models[0]
-        with tf.GradientTape() as tape:
-            pred = tf.cast(model(x, training=True), tf.float32)
-            scaled = tf.reduce_mean(tf.square(pred - y)) * f * reference_scale()
-        grads = tape.gradient(scaled, model.trainable_variables)
-        inv = 1.0 / reference_scale()
-        grads = [g * tf.cast(inv, g.dtype) for g in grads]
-        _, should_apply = reference_scale.update(grads)
-        def apply():
-            reference_inner.apply(grads, model.trainable_variables)
-
-        def skip():
-            reference_inner.iterations.assign_add(1)
-
-        tf.cond(should_apply, apply, skip)
-
-    @tf.function
-    def step(x, y, f):
-        model = models[1]
-        with tf.GradientTape() as tape:
-            pred = tf.cast(model(x, training=True), tf.float32)
-            scaled = opt.get_scaled_loss(tf.reduce_mean(tf.square(pred - y)) * f)
-        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
+                                                     reference_scale, count_skipped=True))
+    step = tf.function(tf24_train_step(models[1], opt))
 
     def slots(inner):
         return [v for v in inner.variables if v is not inner.iterations]
@@ -281,12 +250,12 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
         reference_step(x, y, f)
         step(x, y, f)
         where = f"step {i}"
-        assert as_bits(opt.loss_scale.numpy()) == as_bits(reference_scale().numpy()), where
+        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), where
         assert int(opt.dynamic_counter.numpy()) == int(reference_scale._num_good_steps.numpy())
         assert int(opt.iterations.numpy()) == int(reference_inner.iterations.numpy()) == i + 1
         assert_same_state(
-            [(v.path, as_bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
-            [(v.path, as_bits(v.numpy()))
+            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
+            [(v.path, bits(v.numpy()))
              for v in models[1].variables + slots(opt.inner_optimizer)], where)
     assert_fused(opt)
 
@@ -441,18 +410,15 @@ def test_bad_learning_rate_raises_and_changes_nothing(family, source, lr, mode):
 
 WORKER = r'''
 import json, sys
-import numpy as np
 import tensorflow as tf
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from helpers import two_cpu_replicas
 
+strategy = two_cpu_replicas()
 import keras
-sys.path.insert(0, "tests")  # the worker runs in the repository root
 import lossscale
 from test_fused_step import INNERS, batches, build_model, factor, step_fn
 
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 report = {"replicas": strategy.num_replicas_in_sync, "mismatch": {}, "paths": {},
           "copies_agree": {}}
 
