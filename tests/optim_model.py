@@ -1,0 +1,203 @@
+"""An independent numpy float32 model of Keras 3's SGD / Adam / AdamW step.
+
+The oracle of the fused optimizer step at every layer that runs it.  Written
+from Keras' own source (``BaseOptimizer._apply_weight_decay`` then each
+optimizer's ``update_step``): every elementwise op is one numpy float32 op,
+in Keras' order, so each result is rounded on its own as TensorFlow's
+op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
+the IEEE (``flush_denormals=False``) model.  Also here: the cases the tests
+share with their subprocesses, and one call of the core for a case.
+"""
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+BF16 = np.dtype(ml_dtypes.bfloat16)
+GRAD_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+               "bfloat16": BF16}
+
+# Optimizer configurations: Keras' defaults where the test does not care.
+CONFIGS = {
+    "sgd": dict(opt="sgd", lr=0.01, momentum=0.0, nesterov=False),
+    "sgd_momentum": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=False),
+    "sgd_nesterov": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=True),
+    "sgd_momentum_decay": dict(opt="sgd", lr=0.05, momentum=0.5, nesterov=False,
+                               weight_decay=0.01, mask=True),
+    "adam": dict(opt="adam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 amsgrad=False),
+    "adam_amsgrad": dict(opt="adam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                         amsgrad=True),
+    "adamw": dict(opt="adam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                  amsgrad=False, weight_decay=0.004, mask=True),
+    "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
+                              amsgrad=True, weight_decay=0.1, mask=True),
+}
+
+
+def slot_names(cfg):
+    if cfg["opt"] == "sgd":
+        return ["momentum"] if cfg["momentum"] != 0 else []
+    return ["m", "v", "v_hat"] if cfg["amsgrad"] else ["m", "v"]
+
+
+def decay_mask(cfg, n):
+    """Which variables decay: all but every third one (AdamW's exclusions)."""
+    if cfg.get("weight_decay") is None:
+        return None
+    return [i % 3 != 1 for i in range(n)] if cfg.get("mask") else [True] * n
+
+
+def adam_alpha(lr, beta_1, beta_2, t):
+    """Keras' ``lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`` in float32."""
+    t = F32(t)
+    b1p = np.power(F32(beta_1), t)
+    b2p = np.power(F32(beta_2), t)
+    return F32(F32(lr) * np.sqrt(F32(1) - b2p)) / (F32(1) - b1p)
+
+
+def unscaled(grad, scale, mode):
+    """The float32 gradient the optimizer sees.
+
+    divide: Keras 3, ``float32(g) / float32(scale)``.  multiply: TensorFlow
+    2.4, ``g * (1 / scale)`` with the float32 reciprocal rounded to the
+    gradient's dtype and the product rounded to it."""
+    if scale is None:
+        return grad.astype(F32)
+    if mode == "divide":
+        return grad.astype(F32) / F32(scale)
+    reciprocal = (F32(1) / F32(scale)).astype(grad.dtype)
+    return (grad * reciprocal).astype(grad.dtype).astype(F32)
+
+
+def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"):
+    """Keras' step on copies: ``(variables, slots)`` after it.  ``slots`` is a
+    dict name -> list of arrays; ``lr`` the float32 learning rate of this
+    step, ``t`` Adam's ``iterations + 1``."""
+    lr = F32(lr)
+    out_vars = [v.copy() for v in variables]
+    out_slots = {k: [a.copy() for a in arrays] for k, arrays in slots.items()}
+    mask = decay_mask(cfg, len(variables))
+    with np.errstate(all="ignore"):
+        if mask is not None:
+            wd = F32(cfg["weight_decay"])
+            for i, w in enumerate(out_vars):
+                if mask[i]:
+                    out_vars[i] = w - (w * wd) * lr
+        for i, grad in enumerate(grads):
+            g = unscaled(grad, scale, mode)
+            w = out_vars[i]
+            if cfg["opt"] == "sgd":
+                if cfg["momentum"] != 0:
+                    mu = F32(cfg["momentum"])
+                    m = out_slots["momentum"][i] * mu - g * lr
+                    out_slots["momentum"][i] = m
+                    if cfg["nesterov"]:
+                        w = w + (m * mu - g * lr)
+                    else:
+                        w = w + m
+                else:
+                    w = w - g * lr
+            else:
+                alpha = adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)
+                m = out_slots["m"][i]
+                v = out_slots["v"][i]
+                m = m + (g - m) * F32(1 - cfg["beta_1"])
+                v = v + (g * g - v) * F32(1 - cfg["beta_2"])
+                out_slots["m"][i], out_slots["v"][i] = m, v
+                if cfg["amsgrad"]:
+                    v = np.maximum(out_slots["v_hat"][i], v)
+                    out_slots["v_hat"][i] = v
+                w = w - (m * alpha) / (np.sqrt(v) + F32(cfg["epsilon"]))
+            out_vars[i] = w
+    return out_vars, out_slots
+
+
+def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
+              flush_denormals=False):
+    """The same step through ``core.sgd_step_`` / ``core.adam_step_``, in place."""
+    common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
+                  decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
+                  flush_denormals=flush_denormals)
+    if cfg["opt"] == "sgd":
+        return core.sgd_step_(variables, grads, slots.get("momentum"),
+                              momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)
+    return core.adam_step_(variables, grads, slots["m"], slots["v"], slots.get("v_hat"),
+                           alpha=float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)),
+                           beta_1=cfg["beta_1"], beta_2=cfg["beta_2"],
+                           epsilon=cfg["epsilon"], **common)
+
+
+def random_values(rng, shape, *, scale=1.0, special=False):
+    """float32 normal values times ``scale`` with some zeros and, with
+    ``special``, subnormal and huge magnitudes."""
+    a = (rng.standard_normal(shape) * scale).astype(F32)
+    flat = a.reshape(-1)
+    k = max(1, flat.size // 10)
+    flat[rng.integers(0, flat.size, k)] = 0.0
+    if special:
+        tiny = float(np.finfo(F32).tiny)
+        flat[rng.integers(0, flat.size, k)] = (rng.standard_normal(k) * tiny / 64).astype(F32)
+        flat[rng.integers(0, flat.size, k)] = (rng.standard_normal(k) * 1e37).astype(F32)
+    return a
+
+
+def make_grads(rng, shapes, dtype, scale, *, special=False):
+    """Gradients as a scaled loss makes them: true values times ``scale``,
+    rounded to ``dtype``, kept finite."""
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    out = []
+    for shape in shapes:
+        g = rng.standard_normal(shape) * 0.05 * (1.0 if scale is None else scale)
+        flat = g.reshape(-1)
+        k = max(1, flat.size // 10)
+        flat[rng.integers(0, flat.size, k)] = 0.0
+        if special:
+            tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
+            flat[rng.integers(0, flat.size, k)] = rng.standard_normal(k) * tiny / 8
+            flat[rng.integers(0, flat.size, k)] = rng.standard_normal(k) * fmax / 4
+        out.append(np.clip(g, -fmax, fmax).astype(dtype))
+    return out
+
+
+def make_state(rng, cfg, shapes, *, special=False):
+    """Variables and slots as after some training: v and v_hat >= 0, v_hat >= v."""
+    variables = [random_values(rng, s, special=special) for s in shapes]
+    slots = {}
+    for name in slot_names(cfg):
+        if name == "momentum" or name == "m":
+            slots[name] = [random_values(rng, s, scale=0.01, special=special) for s in shapes]
+        elif name == "v":
+            slots[name] = [np.abs(random_values(rng, s, scale=1e-4, special=special))
+                           for s in shapes]
+        else:
+            slots[name] = [np.maximum(v, np.abs(random_values(rng, v.shape, scale=1e-4)))
+                           for v in slots["v"]]
+    return variables, slots
+
+
+# The cases every SIMD level runs: lengths around every vector width (4, 8
+# and 16 floats) and their multiples, subnormal and huge values, both modes.
+SIMD_SHAPES = [(n,) for n in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65,
+                              127, 1000)] + [(13, 7)]
+SIMD_UNSCALES = [(None, "divide"), (2.0**15, "divide"), (3.0, "divide"),
+                 (2.0**-3, "multiply"), (1000.0, "multiply")]
+SIMD_STEPS = 2
+
+
+def simd_cases():
+    """``(key, cfg, grad dtype, scale, mode, flush_denormals, seed)`` for each case."""
+    seed = 0
+    for name, cfg in CONFIGS.items():
+        for dtype in GRAD_DTYPES:
+            for scale, mode in SIMD_UNSCALES:
+                for flush in (False, True):
+                    seed += 1
+                    yield (f"{name}/{dtype}/{mode}-{scale}/flush={flush}", cfg, dtype, scale,
+                           mode, flush, seed)
+
+
+def flat_bits(variables, slots):
+    """Every variable then every slot (by name), as one uint32 array."""
+    arrays = variables + [a for k in sorted(slots) for a in slots[k]]
+    return np.concatenate([a.reshape(-1) for a in arrays]).view(np.uint32)

@@ -1,0 +1,480 @@
+"""The fused optimizer step of lossscale.LossScaleOptimizer against stock Keras.
+
+The oracle is stock ``keras.optimizers.LossScaleOptimizer(inner)``: twin
+models built under the ``mixed_float16`` and the ``mixed_bfloat16`` global
+policy, identical weights and batches, overflow forced on chosen steps (some
+of them consecutive), one trained with the stock optimizer and one with
+ours.  After every step every model variable, every slot (``momentum``,
+``m``, ``v``, ``v_hat``), ``iterations``, ``dynamic_scale`` and
+``step_counter`` must be bit-identical, for SGD (plain, momentum, Nesterov,
+weight decay), Adam (amsgrad off and on) and AdamW with an exclusion, with
+constant and scheduled learning rates, in ``tf.function`` and eagerly, under
+``MirroredStrategy`` over two logical CPUs, across a ``.keras`` save and
+load, and with a scale whose reciprocal is inexact.  The TensorFlow 2.4 loop
+of ``experimental.LossScaleOptimizer`` is checked against TensorFlow's own
+``DynamicLossScale`` driving the stock inner optimizer.  Bad input (a gradient
+of the wrong shape or dtype, a variable list that does not match, a
+non-finite or negative learning rate) must raise and change nothing.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lossscale
+from helpers import bits, keras3_train_step, tf24_reference_step, tf24_train_step, tf_dynamic
+from test_optimizer_distributed import run_worker
+
+if not hasattr(lossscale.LossScaleOptimizer(keras.optimizers.SGD()), "step_path"):
+    pytest.skip("LossScaleOptimizer has no step_path yet (the fused step is not wired in)",
+                allow_module_level=True)
+
+Stock = keras.optimizers.LossScaleOptimizer
+Ours = lossscale.LossScaleOptimizer
+INF, NAN = float("inf"), float("nan")
+
+
+# ------------------------------------------------------ the path taken
+# ``step_path`` is the optimizer's own report of the path it took ("fused
+# ..." or "stock ..." and why); every expectation about its text is here.
+
+STOCK_REASONS = {"fused=False": "fused=False", "clipnorm": "clipnorm",
+                 "update_step": "SGDWithOwnUpdate"}
+
+
+def assert_fused(opt):
+    assert opt.step_path.startswith("fused"), opt.step_path
+
+
+def assert_stock(opt, why):
+    assert opt.step_path.startswith("stock"), opt.step_path
+    assert STOCK_REASONS[why] in opt.step_path, opt.step_path
+
+
+# ------------------------------------------------------------- helpers
+
+
+def build_model(policy, seed=0):
+    """A small Conv2D + Dense model made under ``policy``, restoring the old one."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(3, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1, dtype="float32"),
+        ])
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def twin_models(policy):
+    a, b = build_model(policy, 0), build_model(policy, 1)
+    b.set_weights(a.get_weights())
+    return a, b
+
+
+def schedule():
+    return keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=7, decay_rate=0.9)
+
+
+def adamw_excluding_biases(**kw):
+    opt = keras.optimizers.AdamW(**kw)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+INNERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.02, momentum=0.9),
+    "sgd_nesterov_schedule": lambda: keras.optimizers.SGD(schedule(), momentum=0.9,
+                                                          nesterov=True),
+    "sgd_weight_decay": lambda: keras.optimizers.SGD(0.02, momentum=0.5, weight_decay=0.01),
+    "adam": lambda: keras.optimizers.Adam(0.003),
+    "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
+    "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+}
+
+# Steps whose loss is multiplied by a non-finite or huge factor; some in a
+# row.  1e30 keeps a float32 loss finite and overflows float16 gradients
+# on the way back; under bfloat16 it is raised until the scaled loss
+# overflows float32.
+OVERFLOWS = {3: INF, 4: INF, 5: NAN, 29: -INF, 60: 1e30, 61: 1e30, 100: NAN, 150: INF,
+             151: 1e30, 152: NAN, 153: INF, 220: 1e30, 290: NAN}
+
+
+def factor(step, policy):
+    f = OVERFLOWS.get(step, 1.0)
+    if f == 1e30 and policy == "mixed_bfloat16":
+        f = 1e38
+    return np.float32(f)
+
+
+def batches(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((4, 6, 6, 2)).astype(np.float32),
+             rng.standard_normal((4, 1)).astype(np.float32)) for _ in range(steps)]
+
+
+def step_fn(model, opt, eager=False):
+    """Keras 3's custom loop: ``scale_loss``, then ``apply`` on the scaled gradients."""
+    step = keras3_train_step(model, opt)
+    return step if eager else tf.function(step)
+
+
+def state(model, opt):
+    """(path, bits) of every model variable and every optimizer variable."""
+    return [(v.path, bits(v.numpy())) for v in list(model.variables) + list(opt.variables)]
+
+
+def state_reader(model, opt):
+    """``state`` as one graph call: reading ~40 variables one by one eagerly
+    costs more than the training step itself."""
+    variables = list(model.variables) + list(opt.variables)
+    read = tf.function(lambda: [tf.identity(v.value) for v in variables])
+    return lambda: [(v.path, bits(t.numpy())) for v, t in zip(variables, read())]
+
+
+def assert_same_state(a, b, where):
+    """Twins' variables line up by position (their paths differ by the layer numbers)."""
+    assert len(a) == len(b), f"{where}: {len(a)} variables against {len(b)}"
+    bad = [p for (_, x), (p, y) in zip(a, b) if x != y]
+    assert not bad, f"{where}: {bad} differ from stock"
+
+
+def lockstep(models, opts, data, policy, *, eager=False, first=0):
+    """Steps both twins over ``data``, comparing after every step; returns scales."""
+    steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
+    readers = [state_reader(m, o) for m, o in zip(models, opts)]
+    scales = []
+    for i, (x, y) in enumerate(data, start=first):
+        f = tf.constant(factor(i, policy))
+        for step in steps:
+            step(tf.constant(x), tf.constant(y), f)
+        assert_same_state(readers[0](), readers[1](), f"step {i}")
+        scales.append(float(opts[0].dynamic_scale.numpy()))
+    return scales
+
+
+def make_pair(name, models, **kw):
+    opts = [Stock(INNERS[name](), **kw), Ours(INNERS[name](), **kw)]
+    for model, opt in zip(models, opts):
+        opt.build(model.trainable_variables)
+    return opts
+
+
+# ----------------------------------------------------- lockstep with stock
+
+
+# Eagerly on one policy only: what eager changes (the ops' dispatch) does
+# not depend on the gradients' dtype, and the file's run time stays short.
+RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
+
+
+@pytest.mark.parametrize("name", list(INNERS))
+@pytest.mark.parametrize("policy,eager", RUNS,
+                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+def test_bit_identical_to_stock_every_step(policy, eager, name):
+    models = twin_models(policy)
+    opts = make_pair(name, models, dynamic_growth_steps=10)
+    steps = 40 if eager else 320
+    scales = lockstep(models, opts, batches(steps), policy, eager=eager)
+    assert_fused(opts[1])
+    # Steps were skipped, and the scale moved both ways.
+    assert 0 < int(opts[1].iterations.numpy()) <= steps - sum(i in OVERFLOWS for i in range(steps))
+    moves = [b / a for a, b in zip(scales, scales[1:]) if a != b]
+    assert min(moves) < 1 and (eager or max(moves) > 1), scales
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule"])
+def test_inexact_reciprocal_scale_divides_as_stock(name):
+    models = twin_models("mixed_float16")
+    opts = make_pair(name, models, initial_scale=1000.0, dynamic_growth_steps=1000)
+    lockstep(models, opts, batches(120, seed=3), "mixed_float16")
+    assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
+    assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("name", ["sgd_nesterov_schedule", "adamw_exclude"])
+def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
+    policy = "mixed_float16"
+    models = twin_models(policy)
+    opts = make_pair(name, models, dynamic_growth_steps=5)
+    for model, opt in zip(models, opts):
+        model.compile(optimizer=opt, loss="mse")
+    data = batches(120, seed=5)
+    lockstep(models, opts, data[:60], policy)
+    loaded = []
+    for which, model in zip(("stock", "ours"), models):
+        model.save(tmp_path / f"{which}.keras")
+        loaded.append(keras.saving.load_model(tmp_path / f"{which}.keras"))
+    assert type(loaded[1].optimizer) is Ours
+    before = state(models[1], opts[1])
+    assert_same_state(before, state(loaded[1], loaded[1].optimizer), "after load")
+    lockstep(loaded, [m.optimizer for m in loaded], data[60:], policy, first=60)
+    assert_fused(loaded[1].optimizer)
+
+
+# ------------------------------------- TensorFlow 2.4's loop, experimental
+
+
+@pytest.mark.parametrize("name", list(INNERS))
+def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
+    """``experimental.LossScaleOptimizer.apply_gradients`` on unscaled
+    gradients against TensorFlow 2.4's arithmetic: TensorFlow's own
+    ``DynamicLossScale`` checks the unscaled gradients, the stock inner
+    optimizer applies them, and a skipped step still advances ``iterations``."""
+    from lossscale import experimental
+
+    models = twin_models("mixed_float16")
+    opt = experimental.LossScaleOptimizer(INNERS[name](), experimental.DynamicLossScale(
+        2.0**10, 5))
+    reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
+    reference_inner = INNERS[name]()
+    reference_inner.build(models[0].trainable_variables)
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
+                                                     reference_scale, count_skipped=True))
+    step = tf.function(tf24_train_step(models[1], opt))
+
+    def slots(inner):
+        return [v for v in inner.variables if v is not inner.iterations]
+
+    for i, (x, y) in enumerate(batches(100, seed=6)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        where = f"step {i}"
+        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), where
+        assert int(opt.dynamic_counter.numpy()) == int(reference_scale._num_good_steps.numpy())
+        assert int(opt.iterations.numpy()) == int(reference_inner.iterations.numpy()) == i + 1
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
+            [(v.path, bits(v.numpy()))
+             for v in models[1].variables + slots(opt.inner_optimizer)], where)
+    assert_fused(opt)
+
+
+# ------------------------------------------------------- the stock path
+
+
+class SGDWithOwnUpdate(keras.optimizers.SGD):
+    """A subclass with its own update rule: the fused step must not run."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient * 0.5, variable, learning_rate)
+
+
+@pytest.mark.parametrize("why,make_inner,ours_kw", [
+    ("fused=False", lambda: keras.optimizers.Adam(0.003), {"fused": False}),
+    ("clipnorm", lambda: keras.optimizers.SGD(0.02, momentum=0.9, clipnorm=1.0), {}),
+    ("update_step", lambda: SGDWithOwnUpdate(0.02, momentum=0.9), {}),
+])
+def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):
+    models = twin_models("mixed_float16")
+    opts = [Stock(make_inner(), dynamic_growth_steps=10),
+            Ours(make_inner(), dynamic_growth_steps=10, **ours_kw)]
+    lockstep(models, opts, batches(24, seed=9), "mixed_float16")
+    assert_stock(opts[1], why)
+
+
+# ------------------------------------------------------------ bad input
+
+
+class ConstantSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, step):
+        return tf.constant(self.value, tf.float32) + 0.0 * tf.cast(step, tf.float32)
+
+    def get_config(self):
+        return {"value": self.value}
+
+
+def bad_setup(make_inner):
+    model = build_model("mixed_float16")
+    opt = Ours(make_inner(), dynamic_growth_steps=10)
+    opt.build(model.trainable_variables)
+    # A few good steps first, so slots, iterations and the counter are not zero.
+    step = step_fn(model, opt, eager=True)
+    for x, y in batches(3, seed=4):
+        step(x, y, tf.constant(1.0))
+    with tf.GradientTape() as tape:
+        x, y = batches(1, seed=8)[0]
+        pred = tf.cast(model(x, training=True), tf.float32)
+        loss = opt.scale_loss(tf.reduce_mean(tf.square(pred - y)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return model, opt, grads
+
+
+def apply_in(mode, opt, grads, variables):
+    if mode == "eager":
+        return opt.apply(grads, variables)
+    return tf.function(lambda: opt.apply(grads, variables))()
+
+
+BAD_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("inner", ["sgd_momentum", "adam_amsgrad_schedule"])
+@pytest.mark.parametrize("bad", ["transposed", "broadcastable", "extra_dim"])
+def test_gradient_of_wrong_shape_raises_and_changes_nothing(bad, inner, mode):
+    model, opt, grads = bad_setup(INNERS[inner])
+    variables = model.trainable_variables
+    k = 2  # the Dense kernel
+    g = grads[k]
+    grads = list(grads)
+    grads[k] = {"transposed": tf.transpose(g), "broadcastable": g[:1, :1],
+                "extra_dim": g[None]}[bad]
+    before = state(model, opt)
+    with pytest.raises(BAD_ERRORS, match=variables[k].name):
+        apply_in(mode, opt, grads, variables)
+    assert_same_state(state(model, opt), before, "after the bad call")
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.int32, tf.complex64])
+def test_gradient_of_other_dtype_as_stock_or_clear_error(dtype, mode):
+    """Stock Keras casts some dtypes: ours gives its bits, or raises and changes nothing."""
+    models = twin_models("mixed_float16")
+    opts = make_pair("adam", models, dynamic_growth_steps=10)
+    grads = []
+    for model, opt in zip(models, opts):
+        with tf.GradientTape() as tape:
+            x, y = batches(1, seed=8)[0]
+            pred = tf.cast(model(x, training=True), tf.float32)
+            loss = opt.scale_loss(tf.reduce_mean(tf.square(pred - y)))
+        g = list(tape.gradient(loss, model.trainable_variables))
+        g[1] = tf.cast(g[1], dtype)
+        grads.append(g)
+    try:
+        apply_in(mode, opts[0], grads[0], models[0].trainable_variables)
+        stock_error = None
+    except Exception as e:  # noqa: BLE001 - whatever stock raises, ours must raise too
+        stock_error = e
+    before = state(models[1], opts[1])
+    if stock_error is None:
+        apply_in(mode, opts[1], grads[1], models[1].trainable_variables)
+        assert_same_state(state(*[models[0], opts[0]]), state(models[1], opts[1]), "after")
+    else:
+        with pytest.raises(BAD_ERRORS):
+            apply_in(mode, opts[1], grads[1], models[1].trainable_variables)
+        assert_same_state(state(models[1], opts[1]), before, "after the bad call")
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("bad", ["too_few_grads", "unknown_variable", "swapped"])
+def test_variable_list_not_matching_raises_and_changes_nothing(bad, mode):
+    model, opt, grads = bad_setup(INNERS["adam"])
+    variables = list(model.trainable_variables)
+    grads = list(grads)
+    if bad == "too_few_grads":
+        grads = grads[:-1]
+    elif bad == "unknown_variable":
+        stranger = keras.Variable(np.zeros(variables[1].shape, np.float32), name="stranger")
+        variables[1] = stranger
+    else:
+        variables[0], variables[2] = variables[2], variables[0]
+    before = state(model, opt)
+    # Stock Keras names the variable it does not know in a ValueError.
+    with pytest.raises(BAD_ERRORS, match="stranger" if bad == "unknown_variable" else ""):
+        apply_in(mode, opt, grads, variables)
+    assert_same_state(state(model, opt), before, "after the bad call")
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("lr", [NAN, INF, -1.0], ids=["nan", "inf", "negative"])
+@pytest.mark.parametrize("source", ["schedule", "variable"])
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_bad_learning_rate_raises_and_changes_nothing(family, source, lr, mode):
+    """A schedule returning it, or the learning-rate variable assigned it."""
+    cls = keras.optimizers.SGD if family == "sgd" else keras.optimizers.Adam
+    kw = {"momentum": 0.9} if family == "sgd" else {}
+    first = ConstantSchedule(0.01) if source == "schedule" else 0.01
+    model, opt, grads = bad_setup(lambda: cls(first, **kw))
+    opt.inner_optimizer.learning_rate = ConstantSchedule(lr) if source == "schedule" else lr
+    before = state(model, opt)
+    with pytest.raises(BAD_ERRORS, match="(?i)learning.?rate"):
+        apply_in(mode, opt, grads, model.trainable_variables)
+    assert_same_state(state(model, opt), before, "after the bad call")
+
+
+# ------------------------------------------------- two replicas, one step
+
+WORKER = r'''
+import json, sys
+import tensorflow as tf
+
+from helpers import two_cpu_replicas
+
+strategy = two_cpu_replicas()
+import keras
+import lossscale
+from test_fused_step import INNERS, batches, build_model, factor, step_fn
+
+report = {"replicas": strategy.num_replicas_in_sync, "mismatch": {}, "paths": {},
+          "copies_agree": {}}
+
+
+def copies_state(model, opt):
+    out = []
+    for v in list(model.variables) + list(opt.variables):
+        value = v.value if isinstance(v, keras.Variable) else v
+        out.append([c.numpy().tobytes().hex() for c in getattr(value, "values", [value])])
+    return out
+
+
+def replicated_step_fn(model, opt):
+    replica = step_fn(model, opt, eager=True)
+
+    @tf.function
+    def step(x, y, f):
+        strategy.run(replica, args=(x, y, f))
+    return step
+
+
+for name in ("sgd_momentum", "adam_amsgrad_schedule", "adamw_exclude"):
+    pairs = []
+    for cls in (keras.optimizers.LossScaleOptimizer, lossscale.LossScaleOptimizer):
+        with strategy.scope():
+            model = build_model("mixed_float16", 0)
+            opt = cls(INNERS[name](), dynamic_growth_steps=5)
+            opt.build(model.trainable_variables)
+        pairs.append((model, opt))
+    steps = [replicated_step_fn(m, o) for m, o in pairs]
+    bad = []
+    for i, (x, y) in enumerate(batches(40, seed=2)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        for step in steps:
+            step(x, y, f)
+        if copies_state(*pairs[0]) != copies_state(*pairs[1]):
+            bad.append(i)
+    report["mismatch"][name] = bad
+    report["paths"][name] = pairs[1][1].step_path
+    report["copies_agree"][name] = all(len(set(c)) == 1 for c in copies_state(*pairs[1]))
+json.dump(report, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def mirrored_report():
+    return run_worker(WORKER)
+
+
+def test_mirrored_strategy_two_cpus_bit_identical_to_stock(mirrored_report):
+    assert mirrored_report["replicas"] == 2
+    mismatch = mirrored_report["mismatch"]
+    assert mismatch == {k: [] for k in mismatch}, mismatch
+    assert all(mirrored_report["copies_agree"].values()), mirrored_report["copies_agree"]
+
+
+def test_mirrored_strategy_two_cpus_takes_fused_path(mirrored_report):
+    for path in mirrored_report["paths"].values():
+        assert path.startswith("fused"), path
