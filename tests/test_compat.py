@@ -5,8 +5,8 @@ One test per trick; a failure names the trick and the private name that
 moved, so a TensorFlow or Keras upgrade that breaks one says which.
 """
 
-import pytest
 import keras
+import pytest
 import tensorflow as tf
 
 from lossscale import _compat
