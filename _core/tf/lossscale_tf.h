@@ -55,8 +55,8 @@ inline tf::Status CoreError(int rc, const char* what) {
 // results as the core's entry points do: the AND of the finite flags, or the
 // first negative status.  Returns 1, 0 or a negative ls_status.
 inline int RunOverRange(tf::OpKernelContext* ctx, size_t total,
-                        const std::function<int(size_t, size_t)>& range,
-                        size_t block = kElementsPerBlock) {
+                        const std::function<int(size_t, size_t)>& range) {
+    const size_t block = kElementsPerBlock;
     const size_t blocks = (total + block - 1) / block;
     if (blocks <= 1)
         return range(0, total);
