@@ -25,6 +25,7 @@ __all__ = [
     "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
     "overwrites_with_gradient", "optimizer_iterations",
+    "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -148,3 +149,25 @@ def overwrites_with_gradient(optimizer, variable):
 def optimizer_iterations(optimizer):
     """The variable behind ``optimizer.iterations`` (the property only reads it)."""
     return optimizer._iterations  # pylint: disable=protected-access
+
+
+# --------------------------------------------------------------- tf_keras
+# Legacy Keras 2 (lossscale._tf_keras), imported only where it is in use.
+
+def tf_keras_loss_scale_optimizer_module():
+    """``tf_keras``'s loss-scale optimizer module: its ``LossScaleOptimizerV3``,
+    legacy ``LossScaleOptimizer``, ``BaseLossScaleOptimizer`` and the
+    ``_DynamicLossScaleState`` their dynamic scale lives in, which the public
+    ``tf_keras.mixed_precision.LossScaleOptimizer`` (a factory) does not name."""
+    from tf_keras.src.mixed_precision import loss_scale_optimizer
+
+    return loss_scale_optimizer
+
+
+def tf_keras_model_class():
+    """The class whose ``_get_optimizer`` every ``tf_keras`` model's ``compile``
+    wraps its optimizer with (``tf_keras.src.engine.training.Model``); no
+    public hook decides the loss-scale wrapping."""
+    from tf_keras.src.engine import training
+
+    return training.Model
