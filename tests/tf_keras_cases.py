@@ -336,3 +336,17 @@ def test_loss_scale_monitor_in_tf_keras_fit():
     want = [sum(s for _, s in seen[:STEPS]), sum(s for _, s in seen)]
     assert want[1] > 0
     assert history.history["skipped_steps"] == want
+
+
+# ------------------------------------------------------------- README
+
+def test_readme_keras_versions_example():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md"), encoding="utf-8") as f:
+        section = f.read().split("### Keras versions", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+    model = namespace["model"]
+    assert isinstance(model.optimizer, _tf_keras.LegacyLossScaleOptimizer)
+    assert model.layers[0].compute_dtype == "float16"
