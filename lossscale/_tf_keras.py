@@ -116,13 +116,6 @@ class _NativeDynamicLossScaleState(_lso._DynamicLossScaleState):  # pylint: disa
         return self._step(is_finite, self.current_loss_scale, self.counter), is_finite
 
 
-def _unscale(optimizer, grads):
-    # tf_keras multiplies by tf.cast(1 / scale, g.dtype): the native op's result.
-    optimizer._gradients_have_been_unscaled = True  # pylint: disable=protected-access
-    unscaled, _ = ops.unscale_and_check(list(grads), optimizer.loss_scale)
-    return unscaled
-
-
 def _use_native_state(optimizer):
     # The state tf_keras made (variables, tracking) stays; only its update changes.
     state = optimizer._loss_scale  # pylint: disable=protected-access
@@ -130,31 +123,31 @@ def _use_native_state(optimizer):
         state.__class__ = _NativeDynamicLossScaleState
 
 
+class _NativeOps:
+    """What ours changes in a ``tf_keras`` loss-scale optimizer: the unscaling
+    (tf_keras multiplies by ``tf.cast(1 / scale, g.dtype)``, which is what
+    the native op computes) and the dynamic state's update."""
+
+    def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
+                 dynamic_growth_steps=None):
+        super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
+        _use_native_state(self)
+
+    def get_unscaled_gradients(self, grads):
+        self._gradients_have_been_unscaled = True
+        unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
+        return unscaled
+
+
 @tf_keras.saving.register_keras_serializable(package="lossscale")
-class LossScaleOptimizerV3(_lso.LossScaleOptimizerV3):
+class LossScaleOptimizerV3(_NativeOps, _lso.LossScaleOptimizerV3):
     """``tf_keras``'s ``LossScaleOptimizerV3`` (for ``tf_keras.optimizers.*``) on the native ops."""
 
-    def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
-                 dynamic_growth_steps=None):
-        super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
-        _use_native_state(self)
-
-    def get_unscaled_gradients(self, grads):
-        return _unscale(self, grads)
-
 
 @tf_keras.saving.register_keras_serializable(package="lossscale")
-class LegacyLossScaleOptimizer(_lso.LossScaleOptimizer):
+class LegacyLossScaleOptimizer(_NativeOps, _lso.LossScaleOptimizer):
     """``tf_keras``'s legacy ``LossScaleOptimizer`` (for ``tf_keras.optimizers.legacy.*``)
     on the native ops."""
-
-    def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
-                 dynamic_growth_steps=None):
-        super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
-        _use_native_state(self)
-
-    def get_unscaled_gradients(self, grads):
-        return _unscale(self, grads)
 
 
 class _Dispatch(type):
