@@ -203,24 +203,45 @@ def test_custom_loop_bit_identical(kind, use_function):
     _assert_same_states(runs[1], runs[0])
 
 
-def _fit(opt, x, y, strategy=None, epochs=1):
+def test_native_ops_do_the_work(monkeypatch):
+    from lossscale import ops  # pylint: disable=import-outside-toplevel
+
+    assert ops.native_available(), "the native op library did not load"
+    calls = {"unscale_and_check": 0, "all_finite": 0, "update_loss_scale": 0}
+    for name in calls:
+        def spy(*args, _name=name, _original=getattr(ops, name), **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(ops, name, spy)
+    x, y = _data()
+    for kind in ("adam", "legacy_adam"):
+        opt = lossscale.LossScaleOptimizer(_inner(kind), dynamic_growth_steps=GROWTH)
+        _custom_loop(opt, _model(), x, y, use_function=False)
+    assert calls == dict.fromkeys(calls, 2 * STEPS)
+
+
+def _fit(opt, x, y, strategy=None, epochs=1, jit_compile=None):
     scope = strategy.scope() if strategy is not None else tf.name_scope("fit")
     with scope:
         model = _model()
-        model.compile(opt() if callable(opt) else opt, "mse")
+        model.compile(opt() if callable(opt) else opt, "mse", jit_compile=jit_compile)
     recorder = _Recorder()
     model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[recorder])
     return model, recorder.states
 
 
-@pytest.mark.parametrize("kind", ["adam", "legacy_sgd"])
-def test_fit_bit_identical(kind):
+@pytest.mark.parametrize("kind, jit_compile", [("adam", None), ("legacy_sgd", None),
+                                               ("adam", True)])
+def test_fit_bit_identical(kind, jit_compile):
+    # jit_compile: XLA has no kernel for the native ops, which then run as
+    # TensorFlow ops, still bit for bit.
     x, y = _data()
-    _, want = _fit(lambda: STOCK(_inner(kind), dynamic_growth_steps=GROWTH), x, y, epochs=2)
+    _, want = _fit(lambda: STOCK(_inner(kind), dynamic_growth_steps=GROWTH), x, y, epochs=2,
+                   jit_compile=jit_compile)
     model, got = _fit(lambda: lossscale.LossScaleOptimizer(_inner(kind),
                                                            dynamic_growth_steps=GROWTH),
-                      x, y, epochs=2)
+                      x, y, epochs=2, jit_compile=jit_compile)
     _assert_native(model.optimizer)
     _assert_same_states(got, want)
 
@@ -237,7 +258,7 @@ def test_mirrored_strategy_bit_identical(kind):
     _assert_same_states(got, want)
 
 
-@pytest.mark.parametrize("kind, fmt", [("adam", "tf"), ("adam", "keras"),
+@pytest.mark.parametrize("kind, fmt", [("adam", "tf"), ("adam", "keras"), ("adam", "h5"),
                                        ("legacy_adam", "tf"), ("legacy_adam", "h5")])
 def test_save_load_then_train_bit_identical(kind, fmt, tmp_path):
     x, y = _data()
@@ -315,7 +336,8 @@ def test_patch_keras_hooks_tf_keras_compile():
 
 # ----------------------------------------------------------- callback
 
-def test_loss_scale_monitor_in_tf_keras_fit():
+@pytest.mark.parametrize("ours", [False, True], ids=["stock", "ours"])
+def test_loss_scale_monitor_in_tf_keras_fit(ours):
     x, y = _data()
     seen = []
 
@@ -329,7 +351,8 @@ def test_loss_scale_monitor_in_tf_keras_fit():
             seen.append((float(self.model.optimizer.loss_scale), skipped))
 
     model = _model()
-    model.compile(STOCK(_inner("sgd"), dynamic_growth_steps=GROWTH), "mse")
+    model.compile((lossscale.LossScaleOptimizer if ours else STOCK)(
+        _inner("sgd"), dynamic_growth_steps=GROWTH), "mse")
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         callbacks=[lossscale.LossScaleMonitor(), Oracle()])
     assert history.history["loss_scale"] == [seen[STEPS - 1][0], seen[-1][0]]
