@@ -1,5 +1,7 @@
 # One way to build and test: these targets are what CI runs.
-#   make test   create .venv, install, build, run the whole suite
+#   make test   create .venv, install, build, run the whole suite (tf_keras
+#               included: tests/test_tf_keras.py runs its checks in a child
+#               process with TF_USE_LEGACY_KERAS=1)
 #   make bench  the same set-up, then the benchmarks -> bench/results/
 #               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 #   make sanitize  the core and lossscale.core under ASan+UBSan (+LSan, TSan

@@ -35,6 +35,12 @@ def __getattr__(name):
 
     if module != "lossscale.loss_scale":
         _register_keras_objects()
+    if name in ("Policy", "LossScaleOptimizer"):
+        from lossscale import _which_keras
+
+        if _which_keras.tf_keras_in_use():
+            # tf.keras is tf_keras: its layers and models take these.
+            module = "lossscale._tf_keras"
 
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -53,9 +59,12 @@ def _register_keras_objects():
     before a model is loaded.  Done at import when Keras is already loaded
     (it is then cheap), and otherwise on first use of the Keras API."""
     import importlib
+    import sys
 
     for module in ("lossscale.optimizer", "lossscale.experimental", "lossscale.policy"):
         importlib.import_module(module)
+    if "tf_keras" in sys.modules:
+        importlib.import_module("lossscale._tf_keras")
 
 
 import sys as _sys  # noqa: E402

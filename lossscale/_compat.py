@@ -26,6 +26,7 @@ __all__ = [
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
     "overwrites_with_gradient", "optimizer_iterations", "optimizer_slots",
     "uses_weight_decay", "check_variables_are_known",
+    "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -173,3 +174,25 @@ def check_variables_are_known(optimizer, variables):
     """Raises Keras' own ValueError (naming the variable) when ``optimizer``
     was not built with every one of ``variables``, as its ``apply`` does."""
     optimizer._check_variables_are_known(variables)  # pylint: disable=protected-access
+
+
+# --------------------------------------------------------------- tf_keras
+# Legacy Keras 2 (lossscale._tf_keras), imported only where it is in use.
+
+def tf_keras_loss_scale_optimizer_module():
+    """``tf_keras``'s loss-scale optimizer module: its ``LossScaleOptimizerV3``,
+    legacy ``LossScaleOptimizer``, ``BaseLossScaleOptimizer`` and the
+    ``_DynamicLossScaleState`` their dynamic scale lives in, which the public
+    ``tf_keras.mixed_precision.LossScaleOptimizer`` (a factory) does not name."""
+    from tf_keras.src.mixed_precision import loss_scale_optimizer
+
+    return loss_scale_optimizer
+
+
+def tf_keras_model_class():
+    """The class whose ``_get_optimizer`` every ``tf_keras`` model's ``compile``
+    wraps its optimizer with (``tf_keras.src.engine.training.Model``); no
+    public hook decides the loss-scale wrapping."""
+    from tf_keras.src.engine import training
+
+    return training.Model

@@ -9,6 +9,7 @@ scale is a run that has diverged.
 
 import math
 import numbers
+import sys
 import warnings
 
 import keras
@@ -21,6 +22,12 @@ def _is_finite(number):
         return math.isfinite(number)
     except OverflowError:  # an int beyond the float range
         return False
+
+
+def _tf_keras():
+    from lossscale import _tf_keras as module  # pylint: disable=import-outside-toplevel
+
+    return module
 
 
 def _read(value):
@@ -77,12 +84,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.min_scale = min_scale
         self.log_batches = log_batches
         self._optimizer = None
+        self._tf_keras = False
 
     # ------------------------------------------------------------------
     # Reading the optimizer
 
     def _scale(self):
         opt = self._optimizer
+        if self._tf_keras:
+            return _read(opt.loss_scale)
         loss_scale_object = getattr(opt, "loss_scale_object", None)
         if loss_scale_object is not None:
             return _read(loss_scale_object())
@@ -96,6 +106,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         from lossscale import loss_scale as loss_scale_module  # pylint: disable=import-outside-toplevel
 
         loss_scale_object = getattr(self._optimizer, "loss_scale_object", None)
+        if self._tf_keras and not self._optimizer.dynamic:
+            return None
         if isinstance(loss_scale_object, loss_scale_module.FixedLossScale):
             return None
         if isinstance(loss_scale_object, loss_scale_module.DynamicLossScale):
@@ -137,9 +149,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
     # ------------------------------------------------------------------
     # Callback hooks
 
+    # What tf_keras' CallbackList asks a callback (it calls the hooks it says).
+
+    def _implements_train_batch_hooks(self):
+        return True
+
+    def _implements_test_batch_hooks(self):
+        return False
+
+    def _implements_predict_batch_hooks(self):
+        return False
+
     def on_train_begin(self, logs=None):
         opt = getattr(self.model, "optimizer", None)
-        if not isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        # tf_keras' optimizers (stock or ours) advance iterations on skipped steps.
+        self._tf_keras = "tf_keras" in sys.modules and _tf_keras().is_loss_scale_optimizer(opt)
+        if not (self._tf_keras or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
             warnings.warn(f"LossScaleMonitor: the model's optimizer ({type(opt).__name__}) is "
                           "not a loss-scale optimizer; there is nothing to monitor.",
                           stacklevel=2)
@@ -150,7 +175,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._counter_variable = getattr(opt, "skipped_steps", None)
         self._counter_at_start = (int(_read(self._counter_variable))
                                   if self._counter_variable is not None else 0)
-        self._iterations_skip_too = getattr(opt, "_skipped_steps_advance_iterations", False)
+        self._iterations_skip_too = (self._tf_keras or getattr(
+            opt, "_skipped_steps_advance_iterations", False))
         self._iterations_at_start = int(_read(opt.iterations))
         self._steps_before_epoch = 0
         self._steps_this_epoch = 0

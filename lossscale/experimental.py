@@ -14,9 +14,12 @@ loss scale by the ``LossScale`` object's rule and skips the step on overflow.
 ``set_policy``, ``global_policy`` and ``get_layer_policy`` are there too.
 """
 
+import warnings
+
 import tensorflow as tf
 
 from lossscale import _step
+from lossscale import _which_keras
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale import optimizer as optimizer_module
@@ -31,7 +34,10 @@ __all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "Policy", "LossSca
 def __getattr__(name):
     # The Policy lives in its own module, imported on first use.
     if name == "Policy":
-        from lossscale.policy import Policy
+        if _which_keras.tf_keras_in_use():
+            from lossscale._tf_keras import Policy
+        else:
+            from lossscale.policy import Policy
 
         globals()["Policy"] = Policy
         return Policy
@@ -68,6 +74,15 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     """
 
     _skipped_steps_advance_iterations = True
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        if optimizer is not None and _which_keras.is_tf_keras_object(optimizer):
+            # TensorFlow 2.4's optimizer for a tf_keras one: tf_keras' drop-in.
+            from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+
+            loss_scale = kwargs.get("loss_scale", args[0] if args else "dynamic")
+            return _tf_keras.from_loss_scale(optimizer, loss_scale)
+        return super().__new__(cls)
 
     def __init__(self, optimizer, loss_scale="dynamic", name=None):
         if loss_scale is None:
@@ -262,19 +277,36 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
 
 
 def set_policy(policy):
-    """Sets the global dtype policy; a name makes a ``lossscale.Policy``."""
+    """Sets the global dtype policy; a name makes a ``lossscale.Policy``.
+
+    Under ``tf_keras`` (``TF_USE_LEGACY_KERAS=1``), or given a ``tf_keras``
+    policy, it is ``tf_keras``' global policy that is set."""
+    if _which_keras.wants_tf_keras(policy):
+        from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+
+        return _tf_keras.set_policy(policy)
+    if _which_keras.tf_keras_in_use():
+        warnings.warn(f"set_policy: {policy!r} is a Keras 3 policy: it sets Keras 3's global "
+                      f"policy, while tf.keras is {_which_keras.KERAS_NAME} "
+                      "(TF_USE_LEGACY_KERAS is set), whose layers do not see it.", stacklevel=2)
     if isinstance(policy, str):
         policy = __getattr__("Policy")(policy)
     keras.mixed_precision.set_global_policy(policy)
 
 
 def global_policy():
-    """The global dtype policy."""
+    """The global dtype policy (``tf_keras``' when it is the Keras in use)."""
+    if _which_keras.tf_keras_in_use():
+        from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+
+        return _tf_keras.global_policy()
     return keras.mixed_precision.global_policy()
 
 
 def get_layer_policy(layer):
     """The dtype policy of ``layer``."""
+    if _which_keras.is_tf_keras_object(layer) and hasattr(layer, "dtype_policy"):
+        return layer.dtype_policy
     if not isinstance(layer, keras.layers.Layer):
         raise ValueError(f"get_policy can only be called on a layer, but got: {layer}")
     return layer.dtype_policy

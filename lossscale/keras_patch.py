@@ -18,18 +18,22 @@ the original with ``auto_scale_loss=False``:
 
 Everything else ``compile`` does is the original's, including what it
 records for ``get_compile_config`` (the unwrapped optimizer, as stock
-Keras records it).  ``unpatch_keras()`` puts the original method back, the
-very same function object.  Both are idempotent.  Nothing is patched on
+Keras records it).  Under ``tf_keras`` (the Keras in use, or loaded),
+``patch_keras()`` hooks its ``Model.compile`` the same way (see
+``lossscale._tf_keras``).  ``unpatch_keras()`` puts the original methods
+back, the very same function objects.  Both are idempotent.  Nothing is patched on
 import: call ``patch_keras()`` explicitly.
 """
 
 import functools
 import inspect
+import sys
 import warnings
 
 import keras
 
 from lossscale import _compat
+from lossscale import _which_keras
 
 Trainer = _compat.trainer_class()
 
@@ -111,10 +115,20 @@ def patch_keras():
     """
     global _ORIGINAL_COMPILE, _PATCHED_COMPILE
     if is_keras_patched():
+        _hook_tf_keras()
         return
     _ORIGINAL_COMPILE = Trainer.__dict__["compile"]
     _PATCHED_COMPILE = _make_patched_compile(_ORIGINAL_COMPILE)
     Trainer.compile = _PATCHED_COMPILE
+    _hook_tf_keras()
+
+
+def _hook_tf_keras():
+    # tf_keras' compile too, when it is the Keras in use or already loaded.
+    if _which_keras.tf_keras_in_use() or "tf_keras" in sys.modules:
+        from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+
+        _tf_keras.hook_compile(wrap_mixed_float16=True)
 
 
 def unpatch_keras():
@@ -125,6 +139,8 @@ def unpatch_keras():
     is, with a warning.
     """
     global _ORIGINAL_COMPILE, _PATCHED_COMPILE
+    if "lossscale._tf_keras" in sys.modules:
+        sys.modules["lossscale._tf_keras"].unhook_compile()
     if _PATCHED_COMPILE is None:
         return
     if not is_keras_patched():

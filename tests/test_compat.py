@@ -221,3 +221,44 @@ def test_check_variables_are_known():
     _compat.check_variables_are_known(opt, [known])
     with pytest.raises(ValueError, match="stranger"):
         _compat.check_variables_are_known(opt, [stranger])
+
+
+def test_tf_keras_loss_scale_optimizer_module():
+    import tf_keras  # pylint: disable=import-outside-toplevel
+
+    module = _compat.tf_keras_loss_scale_optimizer_module()
+    for name in ("LossScaleOptimizerV3", "LossScaleOptimizer", "BaseLossScaleOptimizer",
+                 "_DynamicLossScaleState"):
+        assert hasattr(module, name), (
+            f"tf_keras_loss_scale_optimizer_module: tf_keras' module has no {name} any more")
+    assert tf_keras.mixed_precision.LossScaleOptimizer is module.BaseLossScaleOptimizer
+    lso = module.BaseLossScaleOptimizer(tf_keras.optimizers.SGD())
+    assert type(lso) is module.LossScaleOptimizerV3
+    assert type(lso._loss_scale) is module._DynamicLossScaleState, (  # pylint: disable=protected-access
+        "tf_keras' dynamic LossScaleOptimizer no longer keeps its state in a "
+        "_DynamicLossScaleState in _loss_scale")
+    assert callable(module._DynamicLossScaleState.update)  # pylint: disable=protected-access
+
+
+def test_tf_keras_model_class_wraps_in_get_optimizer():
+    import tf_keras  # pylint: disable=import-outside-toplevel
+
+    model_class = _compat.tf_keras_model_class()
+    assert issubclass(tf_keras.Model, model_class)
+    assert "_get_optimizer" in model_class.__dict__, (
+        "tf_keras_model_class: tf_keras' Model no longer wraps the optimizer in _get_optimizer")
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1, dtype="mixed_float16")])
+    model.build((None, 2))
+    seen = []
+    original = model_class.__dict__["_get_optimizer"]
+
+    def spy(self, optimizer):
+        seen.append(optimizer)
+        return original(self, optimizer)
+
+    model_class._get_optimizer = spy  # pylint: disable=protected-access
+    try:
+        model.compile("sgd", "mse")
+    finally:
+        model_class._get_optimizer = original  # pylint: disable=protected-access
+    assert seen == ["sgd"], "tf_keras' compile no longer calls Model._get_optimizer"

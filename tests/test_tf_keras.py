@@ -1,0 +1,106 @@
+"""Legacy Keras (``tf_keras``) as a first-class Keras.
+
+``tf.keras`` resolves to ``tf_keras`` only when ``TF_USE_LEGACY_KERAS`` is
+set before TensorFlow is imported, so the checks live in
+``tf_keras_cases.py`` and run in one child pytest with that variable set;
+each test here reports one check function of it (all its parameters).  The
+checks compare ours with ``tf_keras``' own ``LossScaleOptimizer`` and
+policies, bit for bit.  The tests below the child's run here, under Keras 3:
+``tf_keras`` objects passed in choose ``tf_keras`` by themselves.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from helpers import TESTS, child_env
+
+tf_keras = pytest.importorskip("tf_keras")
+
+CASES = os.path.join(TESTS, "tf_keras_cases.py")
+CASE_NAMES = [node.name for node in ast.parse(open(CASES, encoding="utf-8").read()).body
+              if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+
+
+@pytest.fixture(scope="module")
+def child_results(tmp_path_factory):
+    report = tmp_path_factory.mktemp("tf_keras") / "report.xml"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+         "ignore::DeprecationWarning", f"--junitxml={report}", CASES],
+        env=child_env(TF_USE_LEGACY_KERAS="1"), cwd=TESTS, capture_output=True, text=True,
+        timeout=900, check=False)
+    if not report.exists():
+        pytest.fail(f"the tf_keras child pytest wrote no report:\n{run.stdout[-4000:]}\n"
+                    f"{run.stderr[-4000:]}")
+    results = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        results[case.get("name")] = None if failure is None else failure.get("message", "") + \
+            "\n" + (failure.text or "")[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_under_tf_keras(child_results, name):
+    mine = {k: v for k, v in child_results.items() if k == name or k.startswith(name + "[")}
+    assert mine, f"{name} did not run in the tf_keras child"
+    failed = {k: v for k, v in mine.items() if v is not None}
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+# Under Keras 3 (no TF_USE_LEGACY_KERAS): the objects decide.
+
+def test_experimental_optimizer_takes_a_tf_keras_optimizer_under_keras3():
+    from lossscale import experimental as mixed_precision  # pylint: disable=import-outside-toplevel
+
+    opt = mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(), loss_scale=64)
+    assert isinstance(opt, tf_keras.mixed_precision.LossScaleOptimizer)
+    assert (opt.dynamic, float(opt.loss_scale)) == (False, 64.0)
+    legacy = mixed_precision.LossScaleOptimizer(tf_keras.optimizers.legacy.SGD(), "dynamic")
+    assert (legacy.dynamic, legacy.initial_scale, legacy.dynamic_growth_steps) == (
+        True, 2**15, 2000)
+
+
+def test_set_policy_with_a_tf_keras_policy_under_keras3():
+    import keras  # pylint: disable=import-outside-toplevel
+    from lossscale import experimental as mixed_precision  # pylint: disable=import-outside-toplevel
+
+    try:
+        mixed_precision.set_policy(tf_keras.mixed_precision.Policy("mixed_float16"))
+        assert tf_keras.mixed_precision.global_policy().name == "mixed_float16"
+        assert tf_keras.layers.Dense(2).compute_dtype == "float16"
+        assert keras.mixed_precision.global_policy().name == "float32"
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+        from lossscale import keras_patch  # pylint: disable=import-outside-toplevel
+
+        keras_patch.unpatch_keras()
+
+
+def test_tf_keras_unscale_is_tf_keras_multiply():
+    # The unscaling alone, on values that round differently when divided.
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+    from helpers import assert_same_bits  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=257).astype(dtype) * 1000)
+             for dtype in ("float16", "float32", "float64")]
+    for initial in (3.0, 2**15, 1e-3):
+        ours = _tf_keras.LossScaleOptimizer(tf_keras.optimizers.SGD(), dynamic=False,
+                                            initial_scale=initial)
+        stock = tf_keras.mixed_precision.LossScaleOptimizer(
+            tf_keras.optimizers.SGD(), dynamic=False, initial_scale=initial)
+        unscaled = ours.get_unscaled_gradients(grads + [None])
+        assert unscaled[-1] is None
+        for got, want in zip(unscaled, stock.get_unscaled_gradients(grads)):
+            assert_same_bits(got.numpy(), want.numpy(), f"scale {initial}")
