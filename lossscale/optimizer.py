@@ -54,7 +54,7 @@ a step follows is one object the optimizer holds (``lossscale._step``).
 import keras
 import tensorflow as tf
 
-from lossscale import _compat, _step
+from lossscale import _compat, _step, _which_keras
 from lossscale import _fused_step
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
@@ -71,8 +71,13 @@ _DEFAULT_GROWTH_STEPS = 2000
 def _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_steps):
     """Clear errors for what the stock optimizer would only trip over later."""
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"inner_optimizer must be a keras.optimizers.Optimizer, got "
-                        f"{type(inner_optimizer).__name__}.")
+        hint = ""
+        if _which_keras.is_tf_keras_object(inner_optimizer):
+            hint = (f" It is a {_which_keras.KERAS_NAME} optimizer: with TF_USE_LEGACY_KERAS=1 "
+                    "lossscale.LossScaleOptimizer is the tf_keras one, and "
+                    "lossscale.experimental.LossScaleOptimizer takes either Keras.")
+        raise TypeError(f"inner_optimizer must be a Keras 3 keras.optimizers.Optimizer, got "
+                        f"{type(inner_optimizer).__name__}.{hint}")
     check_keras_rule_arguments(initial_scale, dynamic_growth_steps)
 
 

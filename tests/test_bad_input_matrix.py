@@ -891,7 +891,7 @@ cases("LossScaleOptimizer", "wrong type", {
     "inner=None": _optimizer(LSO, None),
     "inner=str": _optimizer(LSO, "sgd"),
     "inner=class, not instance": _optimizer(LSO, lambda: keras.optimizers.SGD),
-}, TypeError, r"inner_optimizer must be a keras.optimizers.Optimizer, got \w+")
+}, TypeError, r"inner_optimizer must be a Keras 3 keras.optimizers.Optimizer, got \w+")
 cases("LossScaleOptimizer", "wrong type", {
     "initial_scale=str": _optimizer(LSO, sgd, initial_scale="x"),
     "initial_scale=None": _optimizer(LSO, sgd, initial_scale=None),
@@ -1082,7 +1082,7 @@ cases("LossScaleOptimizer.from_config", "corrupted config", {
 cases("experimental.LossScaleOptimizer", "wrong type", {
     "optimizer=None": _optimizer(XLSO, None),
     "optimizer=str": _optimizer(XLSO, "sgd"),
-}, TypeError, r"inner_optimizer must be a keras.optimizers.Optimizer")
+}, TypeError, r"inner_optimizer must be a Keras 3 keras.optimizers.Optimizer")
 cases("experimental.LossScaleOptimizer", "wrong type", {
     "loss_scale=None": _optimizer(XLSO, sgd, None),
     "loss_scale=str": _optimizer(XLSO, sgd, "Dynamic"),

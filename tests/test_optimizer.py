@@ -610,3 +610,9 @@ def test_loss_scale_object_config_and_saving(tmp_path):
     assert isinstance(LossScaleOptimizer(keras.optimizers.SGD(), loss_scale="dynamic")
                       .loss_scale_object, DynamicLossScale)
     assert lossscale.LossScaleOptimizer is LossScaleOptimizer
+
+
+def test_a_tf_keras_optimizer_is_refused_with_the_way_out():
+    tf_keras = pytest.importorskip("tf_keras")
+    with pytest.raises(TypeError, match="tf_keras .* TF_USE_LEGACY_KERAS=1"):
+        LossScaleOptimizer(tf_keras.optimizers.SGD())
