@@ -1,8 +1,9 @@
 """The fused optimizer step: stock Keras SGD / Adam / AdamW updates with the
 unscale folded in, as one native op over the whole variable list.
 
-``plan`` says whether a step can take the fused path and, if not, why (the
-reason a user reads in ``LossScaleOptimizer.step_path``); ``apply`` runs it.
+``static_reason`` and ``step_reason`` say whether a step can take the fused
+path and, if not, why (the reason a user reads in
+``LossScaleOptimizer.step_path``); ``Scalars`` and ``apply`` run it.
 The fused op writes exactly what the inner optimizer's own ``apply`` would
 (variables, slots, ``iterations``), bit for bit: every per-element
 operation rounds as Keras' float32 op-by-op arithmetic does, and the scalars
