@@ -24,7 +24,7 @@ __all__ = [
     "caller_is_keras", "graph_key", "in_xla_context", "strategy_supports_no_merge_call",
     "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
-    "overwrites_with_gradient", "optimizer_iterations",
+    "overwrites_with_gradient", "optimizer_iterations", "optimizer_learning_rate_variable",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -148,3 +148,12 @@ def overwrites_with_gradient(optimizer, variable):
 def optimizer_iterations(optimizer):
     """The variable behind ``optimizer.iterations`` (the property only reads it)."""
     return optimizer._iterations  # pylint: disable=protected-access
+
+
+def optimizer_learning_rate_variable(optimizer):
+    """The variable a Keras optimizer keeps its learning rate in, or None when
+    the rate is a schedule or a callable (``learning_rate`` reads it through)."""
+    import keras
+
+    rate = getattr(optimizer, "_learning_rate", None)  # pylint: disable=protected-access
+    return rate if isinstance(rate, keras.Variable) else None

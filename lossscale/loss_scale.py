@@ -104,8 +104,9 @@ class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
             scale.  ``None`` gradients are accepted and ignored.
 
         Returns:
-          update_op: eagerly ``None``; in a graph, an op that updates the
-            loss scale.
+          update_op: eagerly ``None``; in a graph, what updates the loss
+            scale when run: a bool tensor for ``DynamicLossScale`` (as
+            TensorFlow's), a no-op for ``FixedLossScale``.
           should_apply_gradients: a bool or a scalar bool tensor.  If False,
             skip applying ``grads`` this step.
         """
@@ -463,8 +464,11 @@ class DynamicLossScale(LossScale):
         # TensorFlow, reading it in a graph does not run the update.
         if tf.executing_eagerly():
             return None, is_finite
-        if isinstance(update_op, tf.Tensor):
-            update_op = update_op.op
+        if not isinstance(update_op, tf.Tensor):
+            # As TensorFlow's, the update is a bool tensor that tf.identity and
+            # Session.run take, not an Operation.
+            with tf.control_dependencies([update_op]):
+                update_op = tf.identity(is_finite)
         return update_op, is_finite
 
     def _extension_config(self):

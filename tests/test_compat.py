@@ -174,3 +174,14 @@ def test_optimizer_iterations():
     assert int(opt.iterations.numpy()) == 3, (
         "optimizer_iterations: keras Optimizer._iterations is no longer the variable behind "
         "iterations")
+
+
+def test_optimizer_learning_rate_variable():
+    optimizer = keras.optimizers.SGD(0.25)
+    rate = _compat.optimizer_learning_rate_variable(optimizer)
+    assert rate is not None and any(rate is v for v in optimizer.variables), (
+        "optimizer_learning_rate_variable: Optimizer._learning_rate is no longer the "
+        "learning-rate variable among optimizer.variables")
+    assert float(rate.numpy()) == 0.25
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert _compat.optimizer_learning_rate_variable(keras.optimizers.SGD(schedule)) is None
