@@ -170,7 +170,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
 
     def get_weights(self):
         """The values of ``weights``, as numpy arrays."""
-        return [np.asarray(keras.ops.convert_to_numpy(v)) for v in self.weights]
+        return [np.array(v.numpy()) for v in self.weights]
 
     def set_weights(self, weights):
         """Sets ``weights`` from numpy arrays, as TensorFlow 2.4's ``set_weights``."""

@@ -576,6 +576,12 @@ def deserialize(config, custom_objects=None):
     return cls.from_config(dict(config["config"]))
 
 
+_ACCEPTED_IDENTIFIERS = (
+    "'dynamic' (a DynamicLossScale), an int or float of at least 1 (a FixedLossScale), "
+    "a LossScale, a dict from serialize(), None (no loss scale), or one of "
+    "tf.compat.v1.mixed_precision's loss scales")
+
+
 def get(identifier):
     """A loss-scale object from an identifier.
 
@@ -594,7 +600,12 @@ def get(identifier):
     if isinstance(identifier, dict):
         return deserialize(identifier)
     if is_real_number(identifier):
-        return FixedLossScale(identifier)
+        try:
+            return FixedLossScale(identifier)
+        except ValueError as exc:
+            # Named as the caller passed it: get() is what loss_scale= goes through.
+            raise ValueError(f"Invalid loss_scale={identifier!r}: a number is a FixedLossScale, "
+                             f"and {exc}") from None
     if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()
     if isinstance(identifier, LossScale):
@@ -604,4 +615,8 @@ def get(identifier):
     converted = _from_tensorflow(identifier)
     if converted is not None:
         return converted
-    raise ValueError(f"Could not interpret loss scale identifier: {identifier}")
+    hint = ""
+    if isinstance(identifier, str) and identifier.strip().lower() == "dynamic":
+        hint = " (did you mean 'dynamic'?)"
+    raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}{hint}. Accepted: "
+                     f"{_ACCEPTED_IDENTIFIERS}.")

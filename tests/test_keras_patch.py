@@ -31,6 +31,9 @@ N = 16
 
 @pytest.fixture(autouse=True)
 def _clean_state():
+    # A lossscale.Policy with a loss scale made elsewhere installs compile's
+    # policy hook; these tests start from stock Keras.
+    lossscale.unpatch_keras()
     before = keras.mixed_precision.global_policy()
     yield
     lossscale.unpatch_keras()
