@@ -11,7 +11,12 @@ custom-loop contract of that optimizer: ``get_scaled_loss``, then
 ``get_unscaled_gradients`` (one native op for the whole list), then
 ``apply_gradients`` on the *unscaled* gradients, which checks them, steps the
 loss scale by the ``LossScale`` object's rule and skips the step on overflow.
-``set_policy``, ``global_policy`` and ``get_layer_policy`` are there too.
+``set_policy``, ``global_policy`` and ``get_layer_policy`` are there too, and
+``Model.compile`` then wraps optimizers by the policy's loss scale, as
+TensorFlow 2.4's did.  The optimizer forwards the wrapped optimizer's
+hyperparameters (``lr``, ``beta_1``, ``clipnorm``...), has TensorFlow 2.4's
+``weights``/``get_weights``/``set_weights``/``variables()`` and an assignable
+``iterations``, and reads TensorFlow 2.x optimizer configs.
 """
 
 import inspect

@@ -34,13 +34,9 @@ STOCK_COMPILE = Trainer.__dict__["compile"]
 
 
 @pytest.fixture(autouse=True)
-def _clean_state():
-    lossscale.unpatch_keras()
-    before = keras.mixed_precision.global_policy()
+def _clean_state(stock_keras_compile):
+    assert stock_keras_compile is STOCK_COMPILE
     yield
-    lossscale.unpatch_keras()
-    keras.mixed_precision.set_global_policy(before)
-    assert Trainer.__dict__["compile"] is STOCK_COMPILE
 
 
 def _model(dtype=None, seed=0):
@@ -166,6 +162,14 @@ def test_unpatch_keras_undoes_the_policy_hook():
     assert Trainer.__dict__["compile"] is STOCK_COMPILE and not keras_patch.is_keras_patched()
 
 
+def _run_child(code, marker):
+    """Runs ``code`` in a fresh interpreter; fails unless it prints ``marker``."""
+    result = subprocess.run([sys.executable, "-c", code + f"\nprint({marker!r})\n"],
+                            env=child_env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert marker in result.stdout, result.stderr[-3000:]
+
+
 def _readme_migration_example():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
@@ -182,11 +186,8 @@ def test_readme_one_line_migration_runs_in_a_fresh_interpreter():
         "\nimport lossscale\n"
         "assert type(model.optimizer) is lossscale.LossScaleOptimizer, type(model.optimizer)\n"
         "assert model.optimizer.loss_scale_object.get_config() == "
-        "{'loss_scale_value': 128.0}\n"
-        "print('MIGRATION-OK')\n")
-    result = subprocess.run([sys.executable, "-c", check], env=child_env(), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert "MIGRATION-OK" in result.stdout, result.stderr[-3000:]
+        "{'loss_scale_value': 128.0}\n")
+    _run_child(check, "MIGRATION-OK")
     # The same code with TensorFlow 2.4's import compiled with a loss-scale
     # optimizer of the policy's scale: tf.keras's in-tree Keras 2 is the oracle.
     policy = tf24_policy.PolicyV1("mixed_float16", loss_scale=128)
@@ -392,11 +393,8 @@ def test_ops_and_core_are_attributes_after_import():
     code = ("import sys, lossscale\n"
             "assert lossscale.core.all_finite([])\n"
             "assert 'tensorflow' not in sys.modules, 'core pulled in TensorFlow'\n"
-            "assert callable(lossscale.ops.unscale_and_check)\n"
-            "print('ATTR-OK')\n")
-    result = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert "ATTR-OK" in result.stdout, result.stderr[-3000:]
+            "assert callable(lossscale.ops.unscale_and_check)\n")
+    _run_child(code, "ATTR-OK")
 
 
 def test_help_lists_the_public_classes():
