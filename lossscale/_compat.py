@@ -25,6 +25,7 @@ __all__ = [
     "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
     "overwrites_with_gradient", "optimizer_iterations", "optimizer_learning_rate_variable",
+    "trackable_children", "lookup_dependency", "deferred_dependencies",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -157,3 +158,19 @@ def optimizer_learning_rate_variable(optimizer):
 
     rate = getattr(optimizer, "_learning_rate", None)  # pylint: disable=protected-access
     return rate if isinstance(rate, keras.Variable) else None
+
+
+def trackable_children(trackable, save_type="checkpoint", **kwargs):
+    """What a checkpoint saves under ``trackable``: ``{name: child}``, from
+    the ``Trackable`` hook that has no public counterpart."""
+    return trackable._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+
+def lookup_dependency(trackable, name, cached_dependencies=None):
+    """The child ``name`` of ``trackable`` a checkpoint restores into, or None."""
+    return trackable._lookup_dependency(name, cached_dependencies)  # pylint: disable=protected-access
+
+
+def deferred_dependencies(trackable):
+    """The restorations ``trackable`` holds for children not made yet."""
+    return trackable._deferred_dependencies  # pylint: disable=protected-access

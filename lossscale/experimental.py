@@ -161,8 +161,8 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     def iterations(self, value):
         # Keras 3 makes the counter at construction, so the value is assigned
         # to it (TensorFlow 2.4 adopted the variable itself).
-        if isinstance(value, (bool, float)) or not (
-                isinstance(value, int) or tf.as_dtype(getattr(value, "dtype", tf.float32)).is_integer):
+        dtype = tf.int64 if isinstance(value, int) else getattr(value, "dtype", tf.float32)
+        if isinstance(value, bool) or not tf.as_dtype(dtype).is_integer:
             raise TypeError(f"iterations must be an integer or an integer variable, got {value!r}.")
         _compat.optimizer_iterations(self.inner_optimizer).assign(
             tf.cast(tf.convert_to_tensor(value), tf.int64))
@@ -197,6 +197,37 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
     def variables(self):
         """Keras 3's list of variables; called, as in TensorFlow 2.4, ``weights``."""
         return _VariablesList(super().variables, self)
+
+    # To a checkpoint, TensorFlow 2.4's optimizer was the wrapped optimizer
+    # plus its `loss_scale`, so that a checkpoint of either restores into the
+    # other.  SavedModel keeps Keras's own layout.
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        children = dict(_compat.trackable_children(self.inner_optimizer, save_type, **kwargs))
+        children["loss_scale"] = self._loss_scale_object
+        return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        if cached_dependencies is None:
+            # Tracking this optimizer's own attributes.
+            return super()._lookup_dependency(name)
+        if name == "loss_scale":
+            return self._loss_scale_object
+        return cached_dependencies.get(name)
+
+    @property
+    def _deferred_dependencies(self):
+        # Restorations of children not made yet are the wrapped optimizer's.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            return super()._deferred_dependencies
+        return _compat.deferred_dependencies(inner)
+
+    def _handle_deferred_dependencies(self, name, trackable):
+        # This optimizer's own attributes are not what its checkpoint names.
+        del name, trackable
 
     @_step.plain_python
     def scale_loss(self, loss):

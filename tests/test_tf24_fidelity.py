@@ -443,3 +443,68 @@ def test_hook_module_is_documented_and_is_keras_patched_means_patch_keras():
     mixed_precision.set_policy("mixed_float16")
     assert not keras_patch.is_keras_patched()
     assert Trainer.__dict__["compile"] is not STOCK_COMPILE
+
+
+# ----------------------------------------------------------------------
+# Item 3: checkpoints of the bare optimizer and of the wrapper
+
+
+def _trained_sgd(opt, var, steps=2):
+    for _ in range(steps):
+        opt.apply_gradients([(tf.constant([1.0, 3.0]), var)])
+
+
+def _tf24_layout(tmp_path):
+    """Names TensorFlow 2.4's experimental optimizer writes (in-tree Keras 2):
+    the wrapped optimizer's, plus ``loss_scale/...``."""
+    var = tf.Variable([1.0, 2.0])
+    opt = tf24_lso.LossScaleOptimizerV1(tf24_sgd.SGD(0.1, momentum=0.9), "dynamic")
+    _trained_sgd(opt, var)
+    path = tf.train.Checkpoint(optimizer=opt, v=var).save(str(tmp_path / "tf24"))
+    return {n for n, _ in tf.train.list_variables(path) if n.startswith("optimizer/loss_scale")}
+
+
+@pytest.mark.parametrize("build_first", [True, False])
+def test_bare_optimizer_checkpoint_restores_into_the_wrapper(tmp_path, build_first):
+    var = tf.Variable([1.0, 2.0])
+    bare = keras.optimizers.SGD(0.1, momentum=0.9)
+    _trained_sgd(bare, var)
+    path = tf.train.Checkpoint(optimizer=bare, v=var).save(str(tmp_path / "bare"))
+    target = tf.Variable([0.0, 0.0])
+    ours = mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), 64)
+    if build_first:
+        ours.build([target])
+    tf.train.Checkpoint(optimizer=ours, v=target).restore(path)
+    if not build_first:
+        ours.build([target])
+    assert int(ours.iterations.numpy()) == int(bare.iterations.numpy()) == 2
+    np.testing.assert_array_equal(ours.inner_optimizer.momentums[0].numpy(),
+                                  bare.momentums[0].numpy())
+    np.testing.assert_array_equal(target.numpy(), var.numpy())
+    assert float(ours.loss_scale) == 64.0
+
+
+def test_wrapper_checkpoint_restores_into_the_bare_optimizer_and_back(tmp_path):
+    var = tf.Variable([1.0, 2.0])
+    ours = mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "dynamic")
+    _trained_sgd(ours, var, steps=3)
+    ours.loss_scale_object.good_steps.assign(7)
+    path = tf.train.Checkpoint(optimizer=ours, v=var).save(str(tmp_path / "ours"))
+    names = {n for n, _ in tf.train.list_variables(path)}
+    assert {n for n in names if n.startswith("optimizer/loss_scale")} == _tf24_layout(tmp_path)
+    bare_var = tf.Variable([0.0, 0.0])
+    bare = keras.optimizers.SGD(0.1, momentum=0.9)
+    bare.build([bare_var])
+    tf.train.Checkpoint(optimizer=bare, v=bare_var).restore(path)
+    assert int(bare.iterations.numpy()) == int(ours.iterations.numpy()) == 3
+    np.testing.assert_array_equal(bare.momentums[0].numpy(),
+                                  ours.inner_optimizer.momentums[0].numpy())
+    again_var = tf.Variable([0.0, 0.0])
+    again = mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                               "dynamic")
+    tf.train.Checkpoint(optimizer=again, v=again_var).restore(path)
+    again.build([again_var])
+    assert int(again.iterations.numpy()) == 3
+    assert int(again.loss_scale_object.good_steps.numpy()) == 7
+    np.testing.assert_array_equal(again.inner_optimizer.momentums[0].numpy(),
+                                  ours.inner_optimizer.momentums[0].numpy())
