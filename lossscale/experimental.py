@@ -433,7 +433,8 @@ def set_policy(policy):
         return
     if isinstance(policy, str):
         policy = __getattr__("Policy")(policy)
-    if not (policy.compute_dtype and tf.as_dtype(policy.compute_dtype).is_floating):
+    if isinstance(policy, keras.DTypePolicy) and not (
+            policy.compute_dtype and tf.as_dtype(policy.compute_dtype).is_floating):
         raise ValueError('set_policy can only be used to set the global policy to '
                          'floating-point policies, such as "float32" and '
                          f'"mixed_float16", but got policy: {policy.name}')

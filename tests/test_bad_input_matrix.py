@@ -1144,7 +1144,7 @@ cases("experimental.LossScaleOptimizer.get_unscaled_gradients", "wrong type", {
 
 cases("experimental.set_policy / get_layer_policy", "wrong type", {
     "set_policy(3)": _call(ls_experimental.set_policy, 3, watch=[GlobalPolicy]),
-    "set_policy(None)": _call(ls_experimental.set_policy, None, watch=[GlobalPolicy]),
+    "set_policy([])": _call(ls_experimental.set_policy, [], watch=[GlobalPolicy]),
 }, ValueError, r"Invalid `policy` argument")
 cases("experimental.set_policy / get_layer_policy", "wrong type", {
     "get_layer_policy(model variable)": _call_fresh(ls_experimental.get_layer_policy,
