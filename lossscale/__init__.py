@@ -17,15 +17,20 @@ _LAZY["Policy"] = "lossscale.policy"
 _LAZY.update(dict.fromkeys(["patch_keras", "unpatch_keras"], "lossscale.keras_patch"))
 _LAZY["LossScaleMonitor"] = "lossscale.callbacks"
 
-# Submodules reachable as attributes without an explicit import.
-_SUBMODULES = ("experimental", "callbacks")
+# Submodules reachable as attributes without an explicit import; the first
+# two are Keras's.
+_SUBMODULES = ("experimental", "callbacks", "ops", "core")
+
+# What ``help(lossscale)`` and ``from lossscale import *`` list.
+__all__ = sorted(_LAZY) + list(_SUBMODULES)
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         import importlib
 
-        _register_keras_objects()
+        if name in ("experimental", "callbacks"):
+            _register_keras_objects()
 
         return importlib.import_module(f"lossscale.{name}")
     module = _LAZY.get(name)

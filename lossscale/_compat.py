@@ -27,6 +27,8 @@ __all__ = [
     "overwrites_with_gradient", "optimizer_iterations", "optimizer_slots",
     "uses_weight_decay", "check_variables_are_known",
     "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
+    "optimizer_learning_rate_variable", "trackable_children", "lookup_dependency",
+    "deferred_dependencies",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -196,3 +198,28 @@ def tf_keras_model_class():
     from tf_keras.src.engine import training
 
     return training.Model
+
+
+def optimizer_learning_rate_variable(optimizer):
+    """The variable a Keras optimizer keeps its learning rate in, or None when
+    the rate is a schedule or a callable (``learning_rate`` reads it through)."""
+    import keras
+
+    rate = getattr(optimizer, "_learning_rate", None)  # pylint: disable=protected-access
+    return rate if isinstance(rate, keras.Variable) else None
+
+
+def trackable_children(trackable, save_type="checkpoint", **kwargs):
+    """What a checkpoint saves under ``trackable``: ``{name: child}``, from
+    the ``Trackable`` hook that has no public counterpart."""
+    return trackable._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+
+def lookup_dependency(trackable, name, cached_dependencies=None):
+    """The child ``name`` of ``trackable`` a checkpoint restores into, or None."""
+    return trackable._lookup_dependency(name, cached_dependencies)  # pylint: disable=protected-access
+
+
+def deferred_dependencies(trackable):
+    """The restorations ``trackable`` holds for children not made yet."""
+    return trackable._deferred_dependencies  # pylint: disable=protected-access

@@ -173,8 +173,6 @@ def _as_list(arrays, what):
     if isinstance(arrays, np.ndarray):
         return [arrays]
     if isinstance(arrays, (list, tuple)):
-        if len(arrays) == 0:
-            raise ValueError(f"{what}: got an empty list of arrays")
         return list(arrays)
     raise TypeError(f"{what}: expected a numpy array or a list/tuple of numpy arrays, "
                     f"got {type(arrays).__name__}")
@@ -218,9 +216,10 @@ cdef int _cmp_range(const void *x, const void *y) noexcept nogil:
     return (p[0] > q[0]) - (p[0] < q[0])
 
 
-cdef int _fill(list arrays, ls_buffer *bufs, str what, bint writable) except -1:
-    """Checks every array and fills bufs; raises before anything is modified."""
-    cdef Py_ssize_t i, n = len(arrays)
+cdef Py_ssize_t _fill(list arrays, ls_buffer *bufs, str what, bint writable) except -1:
+    """Checks every array and fills bufs with the non-empty ones; returns how
+    many.  Raises before anything is modified."""
+    cdef Py_ssize_t i, filled = 0, n = len(arrays)
     cdef cnp.ndarray a
     cdef int code
     for i in range(n):
@@ -238,19 +237,21 @@ cdef int _fill(list arrays, ls_buffer *bufs, str what, bint writable) except -1:
             raise TypeError(f"{what}: item {i} has non-native byte order (dtype "
                             f"'{a.dtype.str}'); convert it with "
                             f"a.astype(a.dtype.newbyteorder('='))")
-        if cnp.PyArray_SIZE(a) == 0:
-            raise ValueError(f"{what}: item {i} is a zero-length array")
         if not cnp.PyArray_IS_C_CONTIGUOUS(a):
             raise ValueError(f"{what}: item {i} is not C-contiguous; pass "
                              f"np.ascontiguousarray(a) (unscale_ works in place, so it "
                              f"cannot write into a copy for you)")
         if writable and not cnp.PyArray_ISWRITEABLE(a):
             raise ValueError(f"{what}: item {i} is read-only")
-        bufs[i].src = cnp.PyArray_DATA(a)
-        bufs[i].dst = cnp.PyArray_DATA(a)
-        bufs[i].length = <size_t>cnp.PyArray_SIZE(a)
-        bufs[i].dtype = <ls_dtype>code
-    return 0
+        if cnp.PyArray_SIZE(a) == 0:
+            # Nothing to check or scale: all() of nothing is True, as in numpy.
+            continue
+        bufs[filled].src = cnp.PyArray_DATA(a)
+        bufs[filled].dst = cnp.PyArray_DATA(a)
+        bufs[filled].length = <size_t>cnp.PyArray_SIZE(a)
+        bufs[filled].dtype = <ls_dtype>code
+        filled += 1
+    return filled
 
 
 cdef int _check_disjoint(ls_buffer *bufs, size_t n, str what) except -1:
@@ -279,12 +280,14 @@ cdef int _check_disjoint(ls_buffer *bufs, size_t n, str what) except -1:
 cdef int _run(arrays, str what, double inv_scale, bint unscale, unsigned flags) except -10:
     cdef list items = _as_list(arrays, what)
     cdef size_t count = len(items)
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(count * sizeof(ls_buffer))
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(max(count, 1) * sizeof(ls_buffer))
     cdef int rc
     if bufs == NULL:
         raise MemoryError()
     try:
-        _fill(items, bufs, what, unscale)
+        count = <size_t>_fill(items, bufs, what, unscale)
+        if count == 0:
+            return 1
         if unscale:
             _check_disjoint(bufs, count, what)
         with nogil:
@@ -302,7 +305,8 @@ def all_finite(arrays, *, bint flush_denormals=False):
     """True when every element of every array is finite.
 
     ``arrays``: one numpy array or a list/tuple of them (float16, bfloat16,
-    float32, float64; C-contiguous, non-empty).  Read-only arrays are fine."""
+    float32, float64; C-contiguous).  Read-only arrays are fine; nothing at all
+    (an empty list, zero-length arrays) is finite, as ``np.all`` of nothing is."""
     return bool(_run(arrays, "all_finite", 1.0, False,
                      LS_FLUSH_DENORMALS if flush_denormals else 0))
 

@@ -11,15 +11,21 @@ custom-loop contract of that optimizer: ``get_scaled_loss``, then
 ``get_unscaled_gradients`` (one native op for the whole list), then
 ``apply_gradients`` on the *unscaled* gradients, which checks them, steps the
 loss scale by the ``LossScale`` object's rule and skips the step on overflow.
-``set_policy``, ``global_policy`` and ``get_layer_policy`` are there too.
+``set_policy``, ``global_policy`` and ``get_layer_policy`` are there too, and
+``Model.compile`` then wraps optimizers by the policy's loss scale, as
+TensorFlow 2.4's did.  The optimizer forwards the wrapped optimizer's
+hyperparameters (``lr``, ``beta_1``, ``clipnorm``...), has TensorFlow 2.4's
+``weights``/``get_weights``/``set_weights``/``variables()`` and an assignable
+``iterations``, and reads TensorFlow 2.x optimizer configs.
 """
 
+import inspect
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
-from lossscale import _step
-from lossscale import _which_keras
+from lossscale import _compat, _step, _which_keras, keras_patch
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale import optimizer as optimizer_module
@@ -42,6 +48,37 @@ def __getattr__(name):
         globals()["Policy"] = Policy
         return Policy
     raise AttributeError(f"module 'lossscale.experimental' has no attribute {name!r}")
+
+
+# Constructor arguments of every Keras 3 optimizer that are bookkeeping, not
+# hyperparameters of the update (TensorFlow 2.4 did not forward them).
+_NOT_HYPERPARAMETERS = frozenset(["name", "use_ema", "ema_momentum", "ema_overwrite_frequency",
+                                  "loss_scale_factor", "gradient_accumulation_steps"])
+
+
+def _hyperparameter_names(optimizer):
+    """``learning_rate`` and the numeric constructor arguments of ``optimizer``'s
+    config (``beta_1``, ``momentum``, ``clipnorm``...): what TensorFlow 2.4 kept
+    in ``_hyper`` or forwarded.  Flags such as ``nesterov`` are not."""
+    arguments = set(inspect.signature(type(optimizer).__init__).parameters)
+    arguments |= set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters)
+    names = {"learning_rate"}
+    for key, value in optimizer.get_config().items():
+        if key in arguments and key not in _NOT_HYPERPARAMETERS and not isinstance(value, bool):
+            names.add(key)
+    return frozenset(names)
+
+
+class _VariablesList(list):
+    """Keras 3's ``optimizer.variables`` list that TensorFlow 2.4 code can also
+    call, ``optimizer.variables()``, for TensorFlow 2.4's meaning (``weights``)."""
+
+    def __init__(self, variables, optimizer):
+        super().__init__(variables)
+        self._optimizer = optimizer
+
+    def __call__(self):
+        return self._optimizer.weights
 
 
 @keras.saving.register_keras_serializable(package="lossscale.experimental")
@@ -92,32 +129,118 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         # get_unscaled_gradients (TensorFlow 2.4's loop): whether the next
         # apply_gradients gets scaled gradients.
         self._next_gradients_scaled = False
-        self._delegating = True
+        self._hyperparameter_names = _hyperparameter_names(self.inner_optimizer)
+        # Keras's base class gave this optimizer its own clipnorm, clipvalue...;
+        # as in TensorFlow 2.4, those names are the wrapped optimizer's.
+        for name in self._hyperparameter_names:
+            self.__dict__.pop(name, None)
 
-    # TensorFlow 2.4 delegated the wrapped optimizer's hyperparameters:
-    # `opt.beta_1` reads and sets `opt.inner_optimizer.beta_1`; `lr` is
-    # `learning_rate`.
+    # TensorFlow 2.4 forwarded the wrapped optimizer's hyperparameters (its
+    # `_hyper` names, and clipnorm/clipvalue): `opt.beta_1` reads and sets
+    # `opt.inner_optimizer.beta_1`; `lr` is `learning_rate`.  Nothing else.
 
     def __getattr__(self, name):
         # Only reached for attributes this optimizer does not have.
-        inner = self.__dict__.get("inner_optimizer")
-        if self.__dict__.get("_delegating") and not name.startswith("_") and inner is not None:
-            if name == "lr":
-                return self.learning_rate
-            if hasattr(inner, name):
-                return getattr(inner, name)
+        hyperparameters = self.__dict__.get("_hyperparameter_names", ())
+        if name == "lr" and "learning_rate" in hyperparameters:
+            return self.learning_rate
+        if name in hyperparameters:
+            return getattr(self.__dict__["inner_optimizer"], name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __setattr__(self, name, value):
-        if self.__dict__.get("_delegating") and not name.startswith("_"):
-            if name == "lr":
-                name = "learning_rate"
-            inner = self.__dict__.get("inner_optimizer")
-            own = any(name in vars(k) for k in type(self).__mro__) or name in self.__dict__
-            if not own and inner is not None and hasattr(inner, name):
-                setattr(inner, name, value)
-                return
+        hyperparameters = self.__dict__.get("_hyperparameter_names", ())
+        if name == "lr" and "learning_rate" in hyperparameters:
+            name = "learning_rate"
+        if name in hyperparameters and name != "learning_rate":
+            setattr(self.inner_optimizer, name, value)
+            return
         super().__setattr__(name, value)
+
+    def __dir__(self):
+        names = set(super().__dir__()) | set(self.__dict__.get("_hyperparameter_names", ()))
+        if "learning_rate" in names:
+            names.add("lr")
+        return sorted(names)
+
+    # TensorFlow 2.4's optimizer state API.
+
+    @property
+    def iterations(self):
+        """The wrapped optimizer's step counter; assigning sets its value."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, value):
+        # Keras 3 makes the counter at construction, so the value is assigned
+        # to it (TensorFlow 2.4 adopted the variable itself).
+        dtype = tf.int64 if isinstance(value, int) else getattr(value, "dtype", tf.float32)
+        if isinstance(value, bool) or not tf.as_dtype(dtype).is_integer:
+            raise TypeError(f"iterations must be an integer or an integer variable, got {value!r}.")
+        _compat.optimizer_iterations(self.inner_optimizer).assign(
+            tf.cast(tf.convert_to_tensor(value), tf.int64))
+
+    @property
+    def weights(self):
+        """As TensorFlow 2.4's: the wrapped optimizer's ``iterations``, then its slots."""
+        rate = _compat.optimizer_learning_rate_variable(self.inner_optimizer)
+        return [v for v in self.inner_optimizer.variables if v is not rate]
+
+    def get_weights(self):
+        """The values of ``weights``, as numpy arrays."""
+        return [np.array(v.numpy()) for v in self.weights]
+
+    def set_weights(self, weights):
+        """Sets ``weights`` from numpy arrays, as TensorFlow 2.4's ``set_weights``."""
+        params = self.weights
+        weights = list(weights)
+        if len(params) != len(weights):
+            raise ValueError(
+                f"You called `set_weights(weights)` on optimizer {self.name} with a weight "
+                f"list of length {len(weights)}, but the optimizer was expecting "
+                f"{len(params)} weights. Provided weights: {str(weights)[:50]}...")
+        for param, weight in zip(params, weights):
+            if tuple(param.shape) != np.shape(weight):
+                raise ValueError(f"Optimizer weight shape {tuple(param.shape)} not compatible "
+                                 f"with provided weight shape {np.shape(weight)}")
+        for param, weight in zip(params, weights):
+            param.assign(weight)
+
+    @property
+    def variables(self):
+        """Keras 3's list of variables; called, as in TensorFlow 2.4, ``weights``."""
+        return _VariablesList(super().variables, self)
+
+    # To a checkpoint, TensorFlow 2.4's optimizer was the wrapped optimizer
+    # plus its `loss_scale`, so that a checkpoint of either restores into the
+    # other.  SavedModel keeps Keras's own layout.
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        children = dict(_compat.trackable_children(self.inner_optimizer, save_type, **kwargs))
+        children["loss_scale"] = self._loss_scale_object
+        return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        if cached_dependencies is None:
+            # Tracking this optimizer's own attributes.
+            return super()._lookup_dependency(name)
+        if name == "loss_scale":
+            return self._loss_scale_object
+        return cached_dependencies.get(name)
+
+    @property
+    def _deferred_dependencies(self):
+        # Restorations of children not made yet are the wrapped optimizer's.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            return super()._deferred_dependencies
+        return _compat.deferred_dependencies(inner)
+
+    def _handle_deferred_dependencies(self, name, trackable):
+        # This optimizer's own attributes are not what its checkpoint names.
+        del name, trackable
 
     @_step.plain_python
     def scale_loss(self, loss):
@@ -271,16 +394,60 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
                 config["loss_scale"] = FixedLossScale(config.pop("initial_scale"))
                 config.pop("dynamic_growth_steps", None)
             config["optimizer"] = inner
-        optimizer = keras.saving.deserialize_keras_object(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        inner_config = config.pop("optimizer")
+        optimizer = _tf2_optimizer(inner_config, custom_objects)
+        if optimizer is None:
+            optimizer = keras.saving.deserialize_keras_object(
+                inner_config, custom_objects=custom_objects)
         return cls(optimizer, **config)
 
 
-def set_policy(policy):
-    """Sets the global dtype policy; a name makes a ``lossscale.Policy``.
+def _tf2_optimizer(config, custom_objects):
+    """The Keras 3 optimizer of a TensorFlow 2.x (Keras 2) optimizer config,
+    ``{'class_name': 'SGD', 'config': {...}}``, or None for any other form.
 
-    Under ``tf_keras`` (``TF_USE_LEGACY_KERAS=1``), or given a ``tf_keras``
-    policy, it is ``tf_keras``' global policy that is set."""
+    Keras 2's ``decay`` (``lr / (1 + decay * iterations)``) becomes the same
+    ``InverseTimeDecay`` schedule, as Keras 3 has no ``decay`` argument.
+    """
+    if not (isinstance(config, dict) and isinstance(config.get("config"), dict)
+            and isinstance(config.get("class_name"), str)):
+        return None
+    module = config.get("module")
+    if module is not None and not module.startswith("keras.optimizers.legacy") and (
+            "decay" not in config["config"]):
+        return None
+    name = config["class_name"]
+    cls = (custom_objects or {}).get(name) or getattr(keras.optimizers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+        raise ValueError(f"Unknown optimizer {name!r} in a TensorFlow 2.x optimizer config; "
+                         f"pass its Keras 3 class in custom_objects.")
+    arguments = dict(config["config"])
+    decay = arguments.pop("decay", 0.0)
+    rate = arguments.get("learning_rate",
+                         inspect.signature(cls).parameters["learning_rate"].default)
+    if isinstance(rate, dict):
+        rate = keras.optimizers.schedules.deserialize(rate, custom_objects=custom_objects)
+    if decay:
+        if not isinstance(rate, (int, float)):
+            raise ValueError(f"A TensorFlow 2.x optimizer config with both decay={decay} and a "
+                             "learning-rate schedule has no Keras 3 equivalent.")
+        rate = keras.optimizers.schedules.InverseTimeDecay(rate, decay_steps=1, decay_rate=decay)
+    arguments["learning_rate"] = rate
+    return cls(**arguments)
+
+
+def set_policy(policy):
+    """Sets the global dtype policy, as TensorFlow 2.4's ``set_policy``.
+
+    A name makes a ``lossscale.Policy``; None restores the default (a policy
+    of ``keras.config.floatx()``).  ``Model.compile`` then wraps optimizers
+    by the policy's loss scale (``lossscale.keras_patch``).  Under
+    ``tf_keras`` (``TF_USE_LEGACY_KERAS=1``), or given a ``tf_keras``
+    policy, it is ``tf_keras``' global policy that is set.
+
+    Raises:
+      ValueError: the policy's compute dtype is not a floating-point one.
+    """
     if _which_keras.wants_tf_keras(policy):
         from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
 
@@ -289,9 +456,19 @@ def set_policy(policy):
         warnings.warn(f"set_policy: {policy!r} is a Keras 3 policy: it sets Keras 3's global "
                       f"policy, while tf.keras is {_which_keras.KERAS_NAME} "
                       "(TF_USE_LEGACY_KERAS is set), whose layers do not see it.", stacklevel=2)
+    if policy is None:
+        keras.mixed_precision.set_global_policy(keras.config.floatx())
+        return None
     if isinstance(policy, str):
         policy = __getattr__("Policy")(policy)
+    if isinstance(policy, keras.DTypePolicy) and not (
+            policy.compute_dtype and tf.as_dtype(policy.compute_dtype).is_floating):
+        raise ValueError('set_policy can only be used to set the global policy to '
+                         'floating-point policies, such as "float32" and '
+                         f'"mixed_float16", but got policy: {policy.name}')
     keras.mixed_precision.set_global_policy(policy)
+    if isinstance(policy, __getattr__("Policy")):
+        keras_patch.install_policy_hook(policy)
 
 
 def global_policy():

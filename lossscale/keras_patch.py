@@ -29,6 +29,7 @@ import functools
 import inspect
 import sys
 import warnings
+import weakref
 
 import keras
 
@@ -41,6 +42,13 @@ __all__ = ["patch_keras", "unpatch_keras", "is_keras_patched"]
 
 _ORIGINAL_COMPILE = None
 _PATCHED_COMPILE = None
+# Whether patch_keras() asked for the whole wrapper, or only the policy hook
+# is installed.
+_EXPLICIT = False
+# The policies given to experimental.set_policy: compile follows them even
+# without a loss scale (then it does not wrap), as TensorFlow 2.4 did.
+# Policies define __eq__ and so cannot be hashed: weak references, by identity.
+_SET_POLICIES = []
 
 
 def _loss_scale_optimizer_classes():
@@ -68,7 +76,19 @@ def _wrap(optimizer, policy):
     return None
 
 
+def _decides(policy):
+    """Whether the wrapper, rather than stock Keras, decides for ``policy``."""
+    from lossscale.policy import Policy  # pylint: disable=import-outside-toplevel
+
+    if _EXPLICIT:
+        return True
+    return isinstance(policy, Policy) and (policy.loss_scale is not None
+                                           or any(ref() is policy for ref in _SET_POLICIES))
+
+
 def _compile_with_loss_scale(original, model, args, kwargs):
+    if not _decides(model.dtype_policy):
+        return original(model, *args, **kwargs)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
@@ -96,7 +116,33 @@ def _make_patched_compile(original):
 
 def is_keras_patched():
     """Whether ``patch_keras()`` is in effect."""
+    return _EXPLICIT and _installed()
+
+
+def _install():
+    global _ORIGINAL_COMPILE, _PATCHED_COMPILE
+    _ORIGINAL_COMPILE = Trainer.__dict__["compile"]
+    _PATCHED_COMPILE = _make_patched_compile(_ORIGINAL_COMPILE)
+    Trainer.compile = _PATCHED_COMPILE
+
+
+def _installed():
     return _PATCHED_COMPILE is not None and Trainer.__dict__["compile"] is _PATCHED_COMPILE
+
+
+def install_policy_hook(policy=None):
+    """Have ``Model.compile`` follow ``lossscale.Policy`` loss scales, nothing else.
+
+    Called by ``lossscale.experimental.set_policy`` (with the policy it set,
+    which compile then follows even without a loss scale) and by a
+    ``lossscale.Policy`` that carries a loss scale.  Does nothing more when
+    ``patch_keras()`` is in effect; ``unpatch_keras()`` removes it.
+    """
+    if policy is not None:
+        _SET_POLICIES[:] = [ref for ref in _SET_POLICIES if ref() is not None]
+        _SET_POLICIES.append(weakref.ref(policy))
+    if not _installed():
+        _install()
 
 
 def patch_keras():
@@ -113,13 +159,10 @@ def patch_keras():
     before the call keep their optimizer.  Calling it again does nothing;
     ``unpatch_keras()`` undoes it.
     """
-    global _ORIGINAL_COMPILE, _PATCHED_COMPILE
-    if is_keras_patched():
-        _hook_tf_keras()
-        return
-    _ORIGINAL_COMPILE = Trainer.__dict__["compile"]
-    _PATCHED_COMPILE = _make_patched_compile(_ORIGINAL_COMPILE)
-    Trainer.compile = _PATCHED_COMPILE
+    global _EXPLICIT
+    if not _installed():
+        _install()
+    _EXPLICIT = True
     _hook_tf_keras()
 
 
@@ -134,18 +177,22 @@ def _hook_tf_keras():
 def unpatch_keras():
     """Undo ``patch_keras()``: ``Model.compile`` is Keras's own again.
 
+    Removes the policy hook of ``lossscale.experimental.set_policy`` and
+    ``lossscale.Policy`` as well (until one of them asks for it again).
     Does nothing when Keras is not patched.  If ``Trainer.compile`` was
     replaced again by someone else after ``patch_keras()``, it is left as it
     is, with a warning.
     """
-    global _ORIGINAL_COMPILE, _PATCHED_COMPILE
+    global _ORIGINAL_COMPILE, _PATCHED_COMPILE, _EXPLICIT
     if "lossscale._tf_keras" in sys.modules:
         sys.modules["lossscale._tf_keras"].unhook_compile()
     if _PATCHED_COMPILE is None:
         return
-    if not is_keras_patched():
+    if not _installed():
         warnings.warn("keras Trainer.compile was replaced after lossscale.patch_keras(); "
                       "leaving it as it is.", stacklevel=2)
         return
     Trainer.compile = _ORIGINAL_COMPILE
     _ORIGINAL_COMPILE = _PATCHED_COMPILE = None
+    _EXPLICIT = False
+    _SET_POLICIES.clear()

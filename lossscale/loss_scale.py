@@ -104,8 +104,9 @@ class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
             scale.  ``None`` gradients are accepted and ignored.
 
         Returns:
-          update_op: eagerly ``None``; in a graph, an op that updates the
-            loss scale.
+          update_op: eagerly ``None``; in a graph, what updates the loss
+            scale when run: a bool tensor for ``DynamicLossScale`` (as
+            TensorFlow's), a no-op for ``FixedLossScale``.
           should_apply_gradients: a bool or a scalar bool tensor.  If False,
             skip applying ``grads`` this step.
         """
@@ -463,8 +464,11 @@ class DynamicLossScale(LossScale):
         # TensorFlow, reading it in a graph does not run the update.
         if tf.executing_eagerly():
             return None, is_finite
-        if isinstance(update_op, tf.Tensor):
-            update_op = update_op.op
+        if not isinstance(update_op, tf.Tensor):
+            # As TensorFlow's, the update is a bool tensor that tf.identity and
+            # Session.run take, not an Operation.
+            with tf.control_dependencies([update_op]):
+                update_op = tf.identity(is_finite)
         return update_op, is_finite
 
     def _extension_config(self):
@@ -572,6 +576,12 @@ def deserialize(config, custom_objects=None):
     return cls.from_config(dict(config["config"]))
 
 
+_ACCEPTED_IDENTIFIERS = (
+    "'dynamic' (a DynamicLossScale), an int or float of at least 1 (a FixedLossScale), "
+    "a LossScale, a dict from serialize(), None (no loss scale), or one of "
+    "tf.compat.v1.mixed_precision's loss scales")
+
+
 def get(identifier):
     """A loss-scale object from an identifier.
 
@@ -590,7 +600,12 @@ def get(identifier):
     if isinstance(identifier, dict):
         return deserialize(identifier)
     if is_real_number(identifier):
-        return FixedLossScale(identifier)
+        try:
+            return FixedLossScale(identifier)
+        except ValueError as exc:
+            # Named as the caller passed it: get() is what loss_scale= goes through.
+            raise ValueError(f"Invalid loss_scale={identifier!r}: a number is a FixedLossScale, "
+                             f"and {exc}") from None
     if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()
     if isinstance(identifier, LossScale):
@@ -600,4 +615,8 @@ def get(identifier):
     converted = _from_tensorflow(identifier)
     if converted is not None:
         return converted
-    raise ValueError(f"Could not interpret loss scale identifier: {identifier}")
+    hint = ""
+    if isinstance(identifier, str) and identifier.strip().lower() == "dynamic":
+        hint = " (did you mean 'dynamic'?)"
+    raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}{hint}. Accepted: "
+                     f"{_ACCEPTED_IDENTIFIERS}.")

@@ -21,7 +21,7 @@ import logging
 
 import keras
 
-from lossscale import _compat
+from lossscale import _compat, keras_patch
 from lossscale import loss_scale as loss_scale_module
 
 __all__ = ["Policy"]
@@ -39,8 +39,9 @@ class Policy(keras.DTypePolicy):
     """A dtype policy for a Keras layer, with a loss scale for ``Model.compile``.
 
     The difference from ``keras.DTypePolicy`` is the ``loss_scale`` field.  The
-    loss scale is used only by ``Model.compile`` (once ``lossscale.patch_keras()``
-    has been called), which wraps a plain optimizer in a
+    loss scale is used only by ``Model.compile`` (with no switch to turn on: a
+    policy with a loss scale installs the policy hook of
+    ``lossscale.keras_patch``), which wraps a plain optimizer in a
     ``lossscale.LossScaleOptimizer`` following that loss scale; it is only used
     during ``Model.fit``, ``Model.train_on_batch`` and similar methods, never by
     layers.  With a plain ``keras.DTypePolicy``, ``Model.compile`` instead wraps
@@ -77,6 +78,9 @@ class Policy(keras.DTypePolicy):
                 "Creating a Policy with a loss scale is only useful for float16 "
                 "policies. You passed loss_scale=%r for policy %s. Consider not "
                 "passing any loss_scale instead.", loss_scale, name)
+        if self._loss_scale is not None:
+            # Asking for a loss scale is asking Model.compile to follow it.
+            keras_patch.install_policy_hook()
 
     @property
     def loss_scale(self):

@@ -262,3 +262,27 @@ def test_tf_keras_model_class_wraps_in_get_optimizer():
     finally:
         model_class._get_optimizer = original  # pylint: disable=protected-access
     assert seen == ["sgd"], "tf_keras' compile no longer calls Model._get_optimizer"
+
+
+def test_optimizer_learning_rate_variable():
+    optimizer = keras.optimizers.SGD(0.25)
+    rate = _compat.optimizer_learning_rate_variable(optimizer)
+    assert rate is not None and any(rate is v for v in optimizer.variables), (
+        "optimizer_learning_rate_variable: Optimizer._learning_rate is no longer the "
+        "learning-rate variable among optimizer.variables")
+    assert float(rate.numpy()) == 0.25
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert _compat.optimizer_learning_rate_variable(keras.optimizers.SGD(schedule)) is None
+
+
+def test_trackable_children_lookup_and_deferred_dependencies():
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    children = _compat.trackable_children(optimizer)
+    assert children["_iterations"] is _compat.optimizer_iterations(optimizer), (
+        "trackable_children: Trackable._trackable_children no longer lists a Keras "
+        "optimizer's counter under _iterations")
+    assert _compat.lookup_dependency(optimizer, "_iterations", children) is \
+        children["_iterations"], "lookup_dependency: Trackable._lookup_dependency moved"
+    assert _compat.lookup_dependency(optimizer, "_iterations") is children["_iterations"]
+    assert isinstance(_compat.deferred_dependencies(optimizer), dict), (
+        "deferred_dependencies: Trackable._deferred_dependencies is no longer a dict")

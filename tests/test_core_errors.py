@@ -172,23 +172,42 @@ def test_numeric_inv_scale_types_accepted():
 # ------------------------------------------------- containers and sizes
 
 
-def test_empty_list_and_tuple():
+def test_empty_list_and_tuple_are_finite():
+    # numpy's all() of nothing, and TensorFlow's reduce_all of nothing, are True.
+    import tensorflow as tf
+
+    oracle = bool(np.all([])) and bool(tf.reduce_all(tf.zeros([0], tf.bool)).numpy())
     for empty in ([], ()):
-        with pytest.raises(ValueError, match="empty"):
-            core.unscale_(empty, 0.5)
-        with pytest.raises(ValueError, match="empty"):
-            core.all_finite(empty)
+        assert core.unscale_(empty, 0.5) is oracle
+        assert core.all_finite(empty) is oracle
+    # The scale is still checked when there is nothing to scale.
+    expect_rejected(lambda: core.unscale_([], float("nan")), [], ValueError, "finite")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
-def test_zero_length_array(dtype):
-    arrays = goods()
-    for bad in (np.zeros(0, dtype=dtype), np.zeros((3, 0), dtype=dtype)):
-        mixed = arrays[:1] + [bad] + arrays[1:]
-        expect_rejected(lambda: core.unscale_(mixed, 0.5), mixed, ValueError,
-                        "zero-length", "item 1")
-        expect_rejected(lambda: core.unscale_(bad, 0.5), [bad], ValueError, "zero-length")
-        expect_rejected(lambda: core.all_finite(mixed), mixed, ValueError, "zero-length")
+def test_zero_length_array_is_finite_and_skipped(dtype):
+    for empty in (np.zeros(0, dtype=dtype), np.zeros((3, 0), dtype=dtype)):
+        assert core.all_finite(empty) is bool(np.all(np.isfinite(empty)))
+        assert core.unscale_(empty, 0.5) is True
+        arrays = goods()
+        arrays[2][7] = np.inf
+        mixed = arrays[:1] + [empty] + arrays[1:]
+        expected = [(a.astype(np.float32) * np.float32(0.5)).astype(a.dtype)
+                    if a.dtype != np.float64 else a * 0.5 for a in mixed]
+        assert core.all_finite(mixed) is bool(all(np.all(np.isfinite(a)) for a in mixed))
+        assert core.unscale_(mixed, 0.5) is bool(all(np.all(np.isfinite(a)) for a in expected))
+        for got, want in zip(mixed, expected):
+            assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_zero_length_array_of_a_bad_kind_is_still_rejected():
+    bad_dtype = np.zeros(0, dtype=np.int32)
+    expect_rejected(lambda: core.all_finite([bad_dtype]), [], TypeError, "item 0",
+                    "unsupported dtype")
+    read_only = np.zeros(0, dtype=np.float32)
+    read_only.flags.writeable = False
+    expect_rejected(lambda: core.unscale_([read_only], 0.5), [], ValueError, "read-only")
+    assert core.all_finite([read_only]) is True
 
 
 @pytest.mark.parametrize("thing", [

@@ -30,12 +30,9 @@ N = 16
 
 
 @pytest.fixture(autouse=True)
-def _clean_state():
-    before = keras.mixed_precision.global_policy()
+def _clean_state(stock_keras_compile):
+    assert stock_keras_compile is STOCK_COMPILE
     yield
-    lossscale.unpatch_keras()
-    keras.mixed_precision.set_global_policy(before)
-    assert Trainer.__dict__["compile"] is STOCK_COMPILE
 
 
 def _model(policy, seed=0):

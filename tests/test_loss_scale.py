@@ -273,7 +273,7 @@ def test_trajectory_one_tf_function_call_per_step(name, kwargs, rate, steps, bur
 
 
 def test_trajectory_in_a_v1_graph_session():
-    """In a graph, update() returns an op that updates the scale when run."""
+    """In a graph, update() returns what updates the scale when run."""
     flags = finite_flags(0.3, 60, False, seed=9)
     m32, m16, m64 = gradient_arrays(flags, seed=10)
     graph = tf.Graph()
@@ -285,7 +285,9 @@ def test_trajectory_in_a_v1_graph_session():
         grads = gradient_list(p32, p16, p64)
         op_ours, apply_ours = ours.update(grads)
         op_ref, apply_ref = ref.update(grads)
-        assert isinstance(op_ours, tf.Operation)
+        # TensorFlow's is a bool tensor, not an Operation.
+        assert isinstance(op_ref, tf.Tensor) and isinstance(op_ours, tf.Tensor)
+        assert op_ours.dtype == op_ref.dtype == tf.bool and op_ours.shape == op_ref.shape
         fetch = [ours(), ref(), ours._num_good_steps, ref._num_good_steps]
         init = tf.compat.v1.global_variables_initializer()
     with tf.compat.v1.Session(graph=graph) as sess:
@@ -338,6 +340,26 @@ def test_fixed_loss_scale_matches_reference(value):
         _, apply_ref = ref.update(grads)
         assert apply is True and apply_ref is True
     assert bits(ours().numpy()) == bits(ref().numpy())
+
+
+@pytest.mark.parametrize("grad", [1.0, INF, NAN])
+def test_graph_update_value_is_what_tensorflows_is(grad):
+    """``tf.identity(update_op)`` and ``Session.run(update_op)`` work as on
+    TensorFlow's ``DynamicLossScale``, with the same value and effect."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ours, ref = lossscale.DynamicLossScale(8.0, 1), reference(8.0, 1)
+        grads = [tf.constant([grad])]
+        (op_ours, _), (op_ref, _) = ours.update(grads), ref.update(grads)
+        identities = [tf.identity(op_ours), tf.identity(op_ref)]
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(init)
+        got, want = sess.run(identities)
+        assert got == want
+        assert bits(sess.run(ours())) == bits(sess.run(ref()))
+        assert sess.run(op_ours) == sess.run(op_ref)
+        assert bits(sess.run(ours())) == bits(sess.run(ref()))
 
 
 def test_fixed_loss_scale_update_in_graph_is_a_no_op():
