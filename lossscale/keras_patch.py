@@ -21,8 +21,13 @@ records for ``get_compile_config`` (the unwrapped optimizer, as stock
 Keras records it).  Under ``tf_keras`` (the Keras in use, or loaded),
 ``patch_keras()`` hooks its ``Model.compile`` the same way (see
 ``lossscale._tf_keras``).  ``unpatch_keras()`` puts the original methods
-back, the very same function objects.  Both are idempotent.  Nothing is patched on
-import: call ``patch_keras()`` explicitly.
+back, the very same function objects.  Both are idempotent.  Nothing is
+patched on import.  Besides ``patch_keras()``, the TensorFlow 2.4 way of
+asking installs the same wrapper for ``lossscale`` policies only
+(``install_policy_hook``): ``lossscale.experimental.set_policy``, or a
+``lossscale.Policy`` made with a loss scale, after which ``compile`` follows
+that policy's loss scale as TensorFlow 2.4's did; every other model's
+``compile`` stays stock.
 """
 
 import functools
