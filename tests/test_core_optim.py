@@ -11,8 +11,6 @@ and without flushing.  Bad input raises a clear error and writes nothing.
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 import zlib
 
@@ -22,7 +20,8 @@ import pytest
 from lossscale import core
 from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS,
                          core_step, flat_bits, keras_step, make_grads, make_state, simd_cases)
-from test_core_simd import child_env, levels_here, package_root
+from test_core_simd import levels_here
+from test_core_simd import run_worker as run_level_child
 
 # Lengths 1, 7, 15, 17, 33, 1000 and 100003: below, at and past each vector
 # width, and a tail after many full vectors.
@@ -214,12 +213,7 @@ WORKER = textwrap.dedent(r'''
 
 def run_worker(level, out_path):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(out_path), tests_dir],
-                          env=child_env(LOSSSCALE_SIMD=level), cwd=package_root(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"level {level}: {proc.stderr[-3000:]}"
-    with np.load(out_path) as z:
-        return {k: z[k] for k in z.files}
+    return run_level_child(level, out_path, ("-c", WORKER), (tests_dir,))
 
 
 @pytest.fixture(scope="module")

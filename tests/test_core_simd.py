@@ -65,9 +65,11 @@ def levels_here():
 
 # The worker: builds every case from fixed seeds, runs it under the forced
 # level, saves results (large ones as per-chunk digests) to an .npz.
-def run_worker(level, out_path):
+def run_worker(level, out_path, script=(CHILD,), extra=()):
+    """``python *script out_path *extra`` under ``LOSSSCALE_SIMD=level``; the
+    .npz it wrote.  ``script`` defaults to this file's child module."""
     env = child_env(LOSSSCALE_SIMD=level)
-    proc = subprocess.run([sys.executable, CHILD, str(out_path)], env=env,
+    proc = subprocess.run([sys.executable, *script, str(out_path), *extra], env=env,
                           cwd=package_root(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"level {level}: {proc.stderr[-3000:]}"
     with np.load(out_path) as z:
