@@ -273,15 +273,20 @@ def all_finite(grads):
 
     Same inputs as `unscale_and_check`; reads only.  Empty: True.
     """
-    grads = _gradient_list(grads, "all_finite")
     with tf.name_scope("all_finite"):
-        values, devices, _ = _dense_values(grads, "all_finite")
+        values, module = _finite_check_inputs(grads, "all_finite")
         if not values:
             return tf.constant(True)
-        module = _native_library(devices)
-        if module is not None:
-            return module.loss_scale_all_finite(values)
-        return _fallback.all_finite(values)
+        if module is None:
+            return _fallback.all_finite(values)
+        return module.loss_scale_all_finite(values)
+
+
+def _finite_check_inputs(grads, caller):
+    """(the dense float tensors of ``grads``, the op library when the native
+    check may run on them, else None) for the finite checks."""
+    values, devices, _ = _dense_values(_gradient_list(grads, caller), caller)
+    return values, _native_library(devices)
 
 
 # Gradients up to this size are checked together with their neighbours in
@@ -298,12 +303,10 @@ def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
     """`all_finite` as a step should run it inside the graph that makes the
     gradients: one op per large gradient, small neighbours grouped up to
     ``group_bytes``, the flags combined.  Same result as `all_finite`."""
-    grads = _gradient_list(grads, "all_finite_grouped")
     with tf.name_scope("all_finite_grouped"):
-        values, devices, _ = _dense_values(grads, "all_finite_grouped")
+        values, module = _finite_check_inputs(grads, "all_finite_grouped")
         if not values:
             return tf.constant(True)
-        module = _native_library(devices)
         if module is None:
             return _fallback.all_finite(values)
         flags, group, size = [], [], 0
