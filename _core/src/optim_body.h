@@ -23,15 +23,15 @@
 #define LS_OPTIM_FN(name) LS_OPTIM_CAT(name##_, LS_OPTIM_SET)
 
 static inline __attribute__((always_inline)) LS_V
-LS_OPTIM_FN(grad)(const ls_param *p, size_t i, ls_dtype dt, int mode, LS_V factor)
+LS_OPTIM_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
 {
     LS_V g;
     if (dt == LS_FLOAT16)
-        g = v_load_f16((const uint16_t *)p->grad + i);
+        g = v_load_f16((const uint16_t *)grad + i);
     else if (dt == LS_BFLOAT16)
-        g = v_load_bf16((const uint16_t *)p->grad + i);
+        g = v_load_bf16((const uint16_t *)grad + i);
     else
-        g = v_load((const float *)p->grad + i);
+        g = v_load((const float *)grad + i);
     if (mode == LS_GRAD_DIVIDE)
         g = v_div(g, factor);
     else if (mode == LS_GRAD_MULTIPLY || mode == LS_GRAD_MUL_ROUNDED) /* float32 only */
@@ -65,16 +65,21 @@ LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_arg
     const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
                wd_lr = v_set1(a->wd_lr), mu = v_set1(a->momentum);
     const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
-    float *var = p->var, *mom = p->slot[0];
+    /* Read once: the stores below could alias them as far as C knows, and
+     * reloading them would keep the compiler from unswitching the loop. */
+    const void *const grad = p->grad;
+    float *const var = p->var, *const mom = p->slot[0];
+    const int mode = a->grad_mode, decay = a->decay, use_momentum = a->use_momentum,
+              nesterov = a->nesterov;
     size_t i = lo;
     for (; i < end; i += LS_VW) {
-        LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
+        LS_V g = LS_OPTIM_FN(grad)(grad, i, dt, mode, factor);
         LS_V w = v_load(var + i);
-        w = LS_OPTIM_FN(decay)(w, a->decay, wd, lr, wd_lr);
-        if (a->use_momentum) {
+        w = LS_OPTIM_FN(decay)(w, decay, wd, lr, wd_lr);
+        if (use_momentum) {
             LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
             v_store(mom + i, m);
-            w = a->nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
+            w = nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
         } else {
             w = v_sub(w, v_mul(g, lr));
         }
@@ -91,18 +96,21 @@ LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_ar
                wd_lr = v_set1(a->wd_lr), c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
                eps = v_set1(a->epsilon);
     const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
-    float *var = p->var, *ms = p->slot[0], *vs = p->slot[1], *vhs = p->slot[2];
+    const void *const grad = p->grad; /* read once, as in sgd_run */
+    float *const var = p->var, *const ms = p->slot[0], *const vs = p->slot[1],
+                 *const vhs = p->slot[2];
+    const int mode = a->grad_mode, decay = a->decay, amsgrad = a->amsgrad;
     size_t i = lo;
     for (; i < end; i += LS_VW) {
-        LS_V g = LS_OPTIM_FN(grad)(p, i, dt, a->grad_mode, factor);
+        LS_V g = LS_OPTIM_FN(grad)(grad, i, dt, mode, factor);
         LS_V w = v_load(var + i);
-        w = LS_OPTIM_FN(decay)(w, a->decay, wd, lr, wd_lr);
+        w = LS_OPTIM_FN(decay)(w, decay, wd, lr, wd_lr);
         LS_V m = v_load(ms + i), v = v_load(vs + i);
         m = v_add(m, v_mul(v_sub(g, m), c1));
         v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
         v_store(ms + i, m);
         v_store(vs + i, v);
-        if (a->amsgrad) {
+        if (amsgrad) {
             v = v_max(v_load(vhs + i), v);
             v_store(vhs + i, v);
         }
