@@ -148,7 +148,35 @@ def main(out_path):
         res[f"big/{dn}/check_nan"] = np.array(core.all_finite(big[1:]))
         del big, x
 
+    # 5. checks long enough to be read as several streams: one non-finite
+    #    value around every stream's start and end, and in the remainder
+    for dn, dt in DTYPES.items():
+        for nbytes in STREAM_BYTES:
+            n = nbytes // dt.itemsize
+            big = np.empty(n + 1, dtype=dt)
+            big[1:] = values(dt, n, seed=n) * dt.type(1e-3)
+            x = big[1:]  # starts one element off the allocation
+            res[f"stream/{dn}/{n}/clean"] = np.array(core.all_finite(x))
+            for pos in stream_positions(n):
+                keep = x[pos]
+                x[pos] = np.nan
+                res[f"stream/{dn}/{n}/nan@{pos}"] = np.array(core.all_finite(x))
+                x[pos] = keep
+            del big, x
+
     np.savez(out_path, **res)
+
+
+# Byte lengths around the checks' multi-stream thresholds (4 streams of at
+# least 64 KiB, in 2 KiB blocks) and one well past them.
+STREAM_BYTES = [4 * 65536 - 8, 4 * 65536 + 8, 4 * 65536 + 4 * 2048 + 24, (1 << 20) + 4104]
+
+
+def stream_positions(n):
+    """Where one bad value goes: either side of every quarter and eighth of
+    the buffer, and its ends."""
+    marks = {n * k // 8 for k in range(9)}
+    return sorted({min(n - 1, max(0, m + d)) for m in marks for d in (-2, -1, 0, 1)})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from lossscale import core
-from simd_child import BF16, DTYPES, values
+from simd_child import BF16, DTYPES, STREAM_BYTES, stream_positions, values
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simd_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,6 +188,17 @@ def test_big_flags(results):
             assert bool(res[f"big/{dn}/check_nan"]) is False, (level, dn)
             # the sprinkled huge values times 1/3 stay finite
             assert bool(res[f"big/{dn}/ieee/flag"]) is True, (level, dn)
+
+
+def test_stream_flags(results):
+    """Long checks (read as several streams) find one bad value wherever it is."""
+    for level, res in results.items():
+        for dn, dt in DTYPES.items():
+            for nbytes in STREAM_BYTES:
+                n = nbytes // dt.itemsize
+                assert bool(res[f"stream/{dn}/{n}/clean"]) is True, (level, dn, n)
+                for pos in stream_positions(n):
+                    assert bool(res[f"stream/{dn}/{n}/nan@{pos}"]) is False, (level, dn, n, pos)
 
 
 # ------------------------------------------------------- level reporting

@@ -62,8 +62,10 @@ static inline __m256i note_reached64(__m256i flags, __m256i magnitude, int64_t l
 
 /* One loop for all four dtypes: finiteness only looks at the bits, as
  * integers of the dtype's width.  Blocks of 2 KiB keep the early exit off
- * the per-vector path. */
-enum { CHECK_BLOCK = 2048 };
+ * the per-vector path.  A large buffer is read as CHECK_STREAMS streams, as
+ * the AVX-512 set does (kernels_avx512.c says why). */
+enum { CHECK_BLOCK = 2048, CHECK_STREAMS = 4, CHECK_STEP = CHECK_BLOCK / CHECK_STREAMS };
+enum { CHECK_MIN_SPAN = 64 * 1024 }; /* bytes per stream before streams pay */
 
 LS_INLINE uint64_t magnitude1_bits(const char *p, int bits)
 {
@@ -102,6 +104,18 @@ LS_INLINE int reached(__m256i acc, int bits, uint64_t limit)
     }
 }
 
+/* `len` bytes (a multiple of 128) from q noted into acc. */
+LS_INLINE __m256i check_bytes(__m256i acc, const char *q, size_t len, int bits, uint64_t limit)
+{
+    for (size_t k = 0; k < len; k += 4 * 32) {
+        acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(q + k)), bits, limit);
+        acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(q + k + 32)), bits, limit);
+        acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(q + k + 64)), bits, limit);
+        acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(q + k + 96)), bits, limit);
+    }
+    return acc;
+}
+
 LS_INLINE int check_avx2(const void *src, size_t n, int bits, uint64_t limit)
 {
     const char *p = (const char *)src;
@@ -112,13 +126,18 @@ LS_INLINE int check_avx2(const void *src, size_t n, int bits, uint64_t limit)
     size_t i = 0;
     for (size_t head = ls_elems_to_boundary(p, esize, VECTOR_BYTES, n) * esize; i < head; i += esize)
         bad1 |= magnitude1_bits(p + i, bits) >= limit;
-    while (bytes - i >= CHECK_BLOCK) {
-        for (size_t end = i + CHECK_BLOCK; i < end; i += 4 * 32) {
-            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i)), bits, limit);
-            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 32)), bits, limit);
-            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 64)), bits, limit);
-            acc = note_magnitude(acc, _mm256_loadu_si256((const __m256i *)(p + i + 96)), bits, limit);
+    const size_t span = (bytes - i) / (CHECK_STREAMS * CHECK_BLOCK) * CHECK_BLOCK;
+    if (span >= CHECK_MIN_SPAN) {
+        for (size_t b = 0; b < span; b += CHECK_STEP) {
+            for (size_t s = 0; s < CHECK_STREAMS; s++)
+                acc = check_bytes(acc, p + i + s * span + b, CHECK_STEP, bits, limit);
+            if (reached(acc, bits, limit))
+                return 0;
         }
+        i += CHECK_STREAMS * span;
+    }
+    for (; bytes - i >= CHECK_BLOCK; i += CHECK_BLOCK) {
+        acc = check_bytes(acc, p + i, CHECK_BLOCK, bits, limit);
         if (reached(acc, bits, limit))
             return 0;
     }

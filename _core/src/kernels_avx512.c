@@ -41,8 +41,16 @@ static inline __m256i magnitude_16(__m256i v)
  * integers of the dtype's width.  Blocks of 2 KiB keep the early exit off
  * the per-vector path.  The loads are 256 bits wide: streaming from DRAM
  * measured about 20% faster that way than with 512-bit loads on Zen 4, and
- * AVX512VL still gives the masked head and tail. */
-enum { CHECK_BLOCK = 2048 };
+ * AVX512VL still gives the masked head and tail.
+ *
+ * A large buffer is read as CHECK_STREAMS sequential streams, 512 bytes of
+ * each in turn: a read-only pass is bound by the cache misses one core
+ * keeps in flight, and the hardware prefetchers restart at every 4 KiB
+ * page (TensorFlow's buffers are not on huge pages), so one stream leaves
+ * bandwidth unused.  Measured on TensorFlow-allocated buffers (Xeon, 2
+ * threads): 4 streams about 20% faster than 1; 8 no faster than 4. */
+enum { CHECK_BLOCK = 2048, CHECK_STREAMS = 4, CHECK_STEP = CHECK_BLOCK / CHECK_STREAMS };
+enum { CHECK_MIN_SPAN = 64 * 1024 }; /* bytes per stream before streams pay */
 
 LS_INLINE __m256i max_magnitude(__m256i worst, __m256i v, int bits)
 {
@@ -68,6 +76,18 @@ LS_INLINE int reaches(__m256i worst, uint64_t limit, int bits)
     }
 }
 
+/* The largest magnitude of `len` bytes (a multiple of 128) from q. */
+LS_INLINE __m256i check_bytes(__m256i worst, const char *q, size_t len, int bits)
+{
+    for (size_t k = 0; k < len; k += 4 * 32) {
+        worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(q + k)), bits);
+        worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(q + k + 32)), bits);
+        worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(q + k + 64)), bits);
+        worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(q + k + 96)), bits);
+    }
+    return worst;
+}
+
 LS_INLINE int check_avx512(const void *src, size_t n, int bits, uint64_t limit)
 {
     const char *p = (const char *)src;
@@ -78,13 +98,18 @@ LS_INLINE int check_avx512(const void *src, size_t n, int bits, uint64_t limit)
     size_t i = ls_elems_to_boundary(p, esize, 32, n) * esize;
     if (i)
         worst = max_magnitude(worst, _mm256_maskz_loadu_epi8((1u << i) - 1u, p), bits);
-    while (bytes - i >= CHECK_BLOCK) {
-        for (size_t end = i + CHECK_BLOCK; i < end; i += 4 * 32) {
-            worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(p + i)), bits);
-            worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(p + i + 32)), bits);
-            worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(p + i + 64)), bits);
-            worst = max_magnitude(worst, _mm256_loadu_si256((const __m256i *)(p + i + 96)), bits);
+    const size_t span = (bytes - i) / (CHECK_STREAMS * CHECK_BLOCK) * CHECK_BLOCK;
+    if (span >= CHECK_MIN_SPAN) {
+        for (size_t b = 0; b < span; b += CHECK_STEP) {
+            for (size_t s = 0; s < CHECK_STREAMS; s++)
+                worst = check_bytes(worst, p + i + s * span + b, CHECK_STEP, bits);
+            if (reaches(worst, limit, bits))
+                return 0;
         }
+        i += CHECK_STREAMS * span;
+    }
+    for (; bytes - i >= CHECK_BLOCK; i += CHECK_BLOCK) {
+        worst = check_bytes(worst, p + i, CHECK_BLOCK, bits);
         if (reaches(worst, limit, bits))
             return 0;
     }
