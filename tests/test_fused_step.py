@@ -481,3 +481,60 @@ def test_mirrored_strategy_two_cpus_says_why_not_fused(mirrored_report):
     is not, bit for bit, the unscaled sum the fused pass would apply."""
     for path in mirrored_report["paths"].values():
         assert path == "stock: a tf.distribute strategy with several replicas", path
+
+
+# ------------------------------------- a list large enough to be split
+# The native op splits a list of more than 2 x 65,536 values into chunks the
+# intra-op threads take in turn; chunk bounds fall inside tensors.  Three
+# threads (whatever the machine has), sizes that are not multiples of
+# anything, one overflow in the last tensor.
+
+SPLIT_WORKER = r'''
+import functools, json, sys
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(3)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+import keras
+import numpy as np
+import lossscale
+from test_fused_step import INNERS
+
+
+def apply(opt, variables, grads):
+    opt.apply(grads, variables)
+
+
+SIZES = [(1000, 1003), (777_777,), (3,), (65_537,), (501, 999), (129,), (2_000_001,)]
+rng = np.random.default_rng(5)
+init = [rng.standard_normal(s).astype(np.float32) for s in SIZES]
+grads = [[(rng.standard_normal(s) * 256).astype(np.float32) for s in SIZES] for _ in range(6)]
+grads[3][-1][-1, ...] = np.inf
+report = {"threads": tf.config.threading.get_intra_op_parallelism_threads(), "mismatch": {},
+          "paths": {}, "iterations": {}}
+for name in ("sgd_momentum", "adam_amsgrad_schedule"):
+    runs = []
+    for cls in (keras.optimizers.LossScaleOptimizer, lossscale.LossScaleOptimizer):
+        variables = [keras.Variable(a, name=f"w{i}") for i, a in enumerate(init)]
+        opt = cls(INNERS[name](), initial_scale=256.0, dynamic_growth_steps=2)
+        opt.build(variables)
+        step = tf.function(functools.partial(apply, opt, variables))
+        states = []
+        for gs in grads:
+            step([tf.constant(g) for g in gs])
+            states.append([v.numpy().tobytes() for v in variables + list(opt.variables)])
+        runs.append(states)
+        report["iterations"][name] = int(opt.iterations.numpy())
+    report["mismatch"][name] = [i for i, (a, b) in enumerate(zip(*runs)) if a != b]
+    report["paths"][name] = opt.step_path
+json.dump(report, sys.stdout)
+'''
+
+
+def test_list_split_over_three_threads_bit_identical_to_stock():
+    report = run_worker(SPLIT_WORKER)
+    assert report["threads"] == 3
+    assert report["mismatch"] == {"sgd_momentum": [], "adam_amsgrad_schedule": []}, report
+    assert all(p.startswith("fused") for p in report["paths"].values()), report["paths"]
+    # The overflow step was skipped: five of six applied.
+    assert report["iterations"] == {"sgd_momentum": 5, "adam_amsgrad_schedule": 5}, report
