@@ -16,13 +16,20 @@
 /* Range boundaries fall on multiples of this many elements (cache lines
  * of every dtype), so no two threads write into one line. */
 #define LS_GRAIN 64u
+/* A job is cut into this many chunks per thread (none under
+ * LS_MIN_PER_THREAD elements), which the threads take in turn: a thread
+ * that gets no core for a while (another library's spinning threads, the
+ * machine's other work) costs its share of the job, not a fixed half. */
+#define LS_CHUNKS_PER_THREAD 32u
 #define LS_MAX_THREADS 256
 
 typedef struct job {
     ls_range_fn range;
     const void *ctx;
     size_t total;
-    int parts;
+    int parts;     /* threads on the job, the caller included */
+    size_t chunks;
+    size_t next;   /* the next chunk to take (atomic) */
 } job;
 
 static struct {
@@ -57,25 +64,35 @@ int ls_get_num_threads(void)
     return n > 0 ? n : online_cores();
 }
 
-static void part_bounds(const job *j, int part, size_t *begin, size_t *end)
+/* Finite flags combine by AND; the first negative status wins. */
+static int combine(int a, int b)
 {
-    size_t grains = (j->total + LS_GRAIN - 1) / LS_GRAIN;
-    size_t b = grains * (size_t)part / (size_t)j->parts * LS_GRAIN;
-    size_t e = grains * (size_t)(part + 1) / (size_t)j->parts * LS_GRAIN;
-    *begin = b < j->total ? b : j->total;
-    *end = e < j->total ? e : j->total;
+    if (a < 0)
+        return a;
+    if (b < 0)
+        return b;
+    return a & b;
 }
 
-static int run_part(const job *j, int part)
+/* Takes chunks of `j` until none is left; the combined result. */
+static int run_chunks(job *j)
 {
-    size_t b, e;
-    part_bounds(j, part, &b, &e);
-    return j->range(j->ctx, b, e);
+    size_t grains = (j->total + LS_GRAIN - 1) / LS_GRAIN;
+    int result = 1;
+    for (;;) {
+        size_t c = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (c >= j->chunks)
+            return result;
+        size_t b = grains * c / j->chunks * LS_GRAIN;
+        size_t e = grains * (c + 1) / j->chunks * LS_GRAIN;
+        result = combine(result, j->range(j->ctx, b < j->total ? b : j->total,
+                                          e < j->total ? e : j->total));
+    }
 }
 
 static void *worker(void *arg)
 {
-    int index = (int)(size_t)arg; /* workers take parts 1..started */
+    int index = (int)(size_t)arg; /* joins jobs of more than `index` threads */
     unsigned seen = 0;
     pthread_mutex_lock(&pool.lock);
     for (;;) {
@@ -84,11 +101,11 @@ static void *worker(void *arg)
         seen = pool.generation;
         if (index >= pool.current.parts)
             continue;
-        job j = pool.current;
+        /* pool.current stays put until the last worker is done with it. */
         pthread_mutex_unlock(&pool.lock);
-        int finite = run_part(&j, index);
+        int finite = run_chunks(&pool.current);
         pthread_mutex_lock(&pool.lock);
-        pool.result &= finite;
+        pool.result = combine(pool.result, finite);
         if (--pool.pending == 0)
             pthread_cond_signal(&pool.done);
     }
@@ -137,19 +154,22 @@ int ls_run_parallel(ls_range_fn range, const void *ctx, size_t total)
 
     pthread_mutex_lock(&pool.lock);
     parts = grow_pool(parts);
-    pool.current = (job){range, ctx, total, parts};
+    size_t chunks = (size_t)parts * LS_CHUNKS_PER_THREAD;
+    if (chunks > by_size)
+        chunks = by_size > (size_t)parts ? by_size : (size_t)parts;
+    pool.current = (job){range, ctx, total, parts, chunks, 0};
     pool.pending = parts - 1;
     pool.result = 1;
     pool.generation++;
     pthread_cond_broadcast(&pool.work);
     pthread_mutex_unlock(&pool.lock);
 
-    int result = parts > 1 ? run_part(&pool.current, 0) : range(ctx, 0, total);
+    int result = parts > 1 ? run_chunks(&pool.current) : range(ctx, 0, total);
 
     pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.lock);
-    result &= pool.result;
+    result = combine(result, pool.result);
     pthread_mutex_unlock(&pool.lock);
     pthread_mutex_unlock(&pool.busy);
     return result;
