@@ -154,9 +154,10 @@ int ls_run_parallel(ls_range_fn range, const void *ctx, size_t total)
 
     pthread_mutex_lock(&pool.lock);
     parts = grow_pool(parts);
+    /* At least one chunk per thread: parts <= by_size. */
     size_t chunks = (size_t)parts * LS_CHUNKS_PER_THREAD;
     if (chunks > by_size)
-        chunks = by_size > (size_t)parts ? by_size : (size_t)parts;
+        chunks = by_size;
     pool.current = (job){range, ctx, total, parts, chunks, 0};
     pool.pending = parts - 1;
     pool.result = 1;

@@ -63,8 +63,8 @@ int RunInParts(tf::OpKernelContext* ctx, size_t total,
                                             total / kMinElementsPerPart);
     if (threads < 2)
         return range(0, total);
-    const size_t chunks =
-        std::max(threads, std::min(threads * kChunksPerThread, total / kMinElementsPerPart));
+    // At least one chunk per thread: threads <= total / kMinElementsPerPart.
+    const size_t chunks = std::min(threads * kChunksPerThread, total / kMinElementsPerPart);
     const size_t grains = (total + kPartGrain - 1) / kPartGrain;
     auto bound = [&](size_t c) { return std::min(total, grains * c / chunks * kPartGrain); };
     std::atomic<size_t> next{0};
