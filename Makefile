@@ -1,7 +1,11 @@
 # One way to build and test: these targets are what CI runs.
-#   make test   create .venv, install, build, run the whole suite (tf_keras
-#               included: tests/test_tf_keras.py runs its checks in a child
-#               process with TF_USE_LEGACY_KERAS=1)
+#   make test   create .venv, install the lock (requirements-dev.txt), build,
+#               run the whole suite (tf_keras included: tests/test_tf_keras.py
+#               runs its checks in a child process with TF_USE_LEGACY_KERAS=1)
+#   make test-latest  the same in a copy of the tree (build/latest/), against
+#               the newest versions requirements-dev.in allows: an upgrade is
+#               a deliberate, tested step
+#   make lock   refresh the locks (requirements-*.txt) from requirements-*.in
 #   make bench  the same set-up, then the benchmarks -> bench/results/
 #               (make bench QUICK=1: the quick subset -> bench/results/quick/)
 #   make sanitize  the core and lossscale.core under ASan+UBSan (+LSan, TSan
@@ -13,21 +17,34 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 BENCH_DEPS := $(VENV)/.bench-deps-installed
+# What the venv installs: the lock (exact versions), or with LOCK=0 the ranges,
+# upgraded to the newest they allow (make test-latest).
+LOCK   ?= 1
+ifeq ($(LOCK),0)
+REQS       := requirements-dev.in
+BENCH_REQS := requirements-bench.in
+PIP_UP     := --upgrade
+else
+REQS       := requirements-dev.txt
+BENCH_REQS := requirements-bench.txt
+# Every pip run below the venv's, build isolation and the tests' own venvs
+# included, installs the locked versions.
+export PIP_CONSTRAINT := $(CURDIR)/requirements-dev.txt
+endif
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export CUDA_VISIBLE_DEVICES ?=
 
-.PHONY: all build test bench wheel clean sanitize fuzz
+.PHONY: all build test test-latest lock bench wheel clean sanitize fuzz
 
 all: build
 
-$(DEPS): requirements-dev.txt
+$(DEPS): $(REQS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet $(PIP_UP) -r $(REQS)
 	touch $@
 
-$(BENCH_DEPS): $(DEPS) requirements-bench.txt
-	$(PY) -m pip install --quiet -r requirements-bench.txt
+$(BENCH_DEPS): $(DEPS) $(BENCH_REQS)
+	$(PY) -m pip install --quiet $(PIP_UP) -r $(BENCH_REQS)
 	touch $@
 
 build: $(DEPS)
@@ -36,6 +53,24 @@ build: $(DEPS)
 test: build
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The tracked tree copied to build/latest/, so that its venv and in-place
+# modules never mix with .venv's.
+LATEST := build/latest
+test-latest:
+	rm -rf $(LATEST) && mkdir -p $(LATEST)
+	git ls-files -z | xargs -0 tar -cf - | tar -xf - -C $(LATEST)
+	$(MAKE) -C $(LATEST) test LOCK=0 PYTHON=$(PYTHON)
+	$(LATEST)/.venv/bin/python -m pip freeze > $(LATEST)/versions.txt
+	@echo "make test-latest: the versions tested are in $(LATEST)/versions.txt"
+
+# One line refreshes both locks to the newest versions the .in ranges allow.
+UV_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+lock: $(DEPS)
+	$(PY) -m uv pip compile -q --upgrade --python-version 3.11 --custom-compile-command "make lock" \
+		requirements-dev.in -o requirements-dev.txt
+	$(PY) -m uv pip compile -q --upgrade --python-version 3.11 --custom-compile-command "make lock" \
+		$(UV_LINKS) requirements-bench.in -o requirements-bench.txt
 
 # make bench QUICK=1: a small subset (under two minutes) into bench/results/quick/.
 # BENCH_ARGS: extra pytest arguments, e.g. BENCH_ARGS='-k core --threads 1'.

@@ -22,7 +22,7 @@ from importlib.machinery import PathFinder
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403  (the hooks not wrapped here)
 
-# The TensorFlow minor this release supports (requirements-dev.txt pins the same).
+# The TensorFlow minor this release supports (requirements-dev.in allows the same).
 TENSORFLOW_MINOR = "2.21"
 BUILD_OPS_ENV = "LOSSSCALE_BUILD_TF_OPS"
 

@@ -21,9 +21,13 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
 
 
 def pinned_minor():
-    """The TensorFlow minor requirements-dev.txt pins (what CI installs)."""
-    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+    """The TensorFlow minor requirements-dev.in allows (and its lock, what CI
+    installs, pins)."""
+    with open(os.path.join(ROOT, "requirements-dev.in")) as f:
         pins = re.findall(r"^tensorflow==(\d+\.\d+)\.\*$", f.read(), re.M)
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        locked = re.findall(r"^tensorflow==(\d+\.\d+)\.\d+$", f.read(), re.M)
+    assert locked == pins, (locked, pins)
     assert len(pins) == 1, pins
     return pins[0]
 

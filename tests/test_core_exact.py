@@ -10,6 +10,7 @@ exercised on values whose answers differ between them.
 """
 
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -36,8 +37,8 @@ def oracle_half(x, s):
     """numpy float16 / ml_dtypes bfloat16 widen-multiply-round."""
     with np.errstate(all="ignore"):
         if x.dtype == F16:
-            return x * np.float16(s)
-        return (x.astype(np.float32) * np.float32(ml_dtypes.bfloat16(s))).astype(BF16)
+            return x * np.float16(rational_round(s, F16))
+        return (x.astype(np.float32) * np.float32(rational_round(s, BF16))).astype(BF16)
 
 
 def oracle_ieee(x, s):
@@ -245,10 +246,34 @@ def rounding_probes():
     return vals
 
 
+# (significand bits with the implicit one, smallest normal exponent, largest finite)
+BINARY_FORMATS = {F16: (11, -14, 65504.0), BF16: (8, -126, float.fromhex("0x1.fep127"))}
+
+
+def rational_round(v, dtype):
+    """v rounded to nearest-even in a 16-bit format by exact rational
+    arithmetic: the oracle of one correct rounding, whatever any library's
+    version does (ml_dtypes before 0.7 rounded a double to bfloat16 through
+    float32, 0.7 directly)."""
+    if math.isnan(v) or math.isinf(v) or v == 0.0:
+        return v
+    digits, emin, top = BINARY_FORMATS[dtype]
+    a = Fraction(abs(v))
+    e = max(math.frexp(v)[1] - 1, emin)  # v's binade (exact), the subnormal one below emin
+    quantum = Fraction(2) ** (e - digits + 1)
+    n, rest = divmod(a, quantum)
+    if rest * 2 > quantum or (rest * 2 == quantum and n % 2 == 1):
+        n += 1
+    r = n * quantum
+    if r > Fraction(top):
+        return math.copysign(math.inf, v)
+    return math.copysign(float(r), v)
+
+
 def round_oracle(v, dtype):
+    if dtype in BINARY_FORMATS:
+        return rational_round(v, dtype)
     with np.errstate(all="ignore"):
-        if dtype == BF16:
-            return float(ml_dtypes.bfloat16(v))
         return float(dtype.type(v))
 
 
@@ -261,14 +286,55 @@ def test_round_to_dtype(dtype):
         assert got == want or (math.isnan(got) and math.isnan(want)), (v, got, want)
 
 
+def halfway_probes(dtype):
+    """Every tie between two neighbouring finite values of dtype (subnormals,
+    zero and the overflow threshold included), and the doubles just either
+    side of each, both signs."""
+    finite = np.sort(np.unique(np.abs(all_patterns(dtype).astype(np.float64))))
+    finite = finite[np.isfinite(finite)]
+    digits, _, top = BINARY_FORMATS[dtype]
+    beyond = top + 2.0 ** (math.frexp(top)[1] - digits)  # where the next value would be
+    ties = (np.append(finite, beyond)[1:] + np.append(finite, beyond)[:-1]) / 2
+    probes = np.concatenate([ties, np.nextafter(ties, 0.0), np.nextafter(ties, np.inf)])
+    return np.concatenate([probes, -probes])
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+def test_round_to_dtype_every_tie_against_rational_oracle(dtype):
+    """One correct rounding of a double to a 16-bit type: at every halfway
+    point ties go to even, and a double one ulp either side goes to its own
+    side, which a rounding through float32 gets wrong for bfloat16 (the
+    float32 of a double just above a tie is the tie itself)."""
+    probes = halfway_probes(dtype)
+    finite_magnitudes = {F16: 0x7c00, BF16: 0x7f80}[dtype]  # 0 up to the largest
+    assert len(probes) == 6 * finite_magnitudes
+    got = np.array([core.round_to_dtype(float(v), dtype) for v in probes])
+    want = np.array([rational_round(float(v), dtype) for v in probes])
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(float(probes[i]), got[i], want[i]) for i in bad[:5]]
+
+
+def test_rational_oracle_knows_its_ties():
+    """The oracle itself on the ties the issue names."""
+    assert rational_round(1.0 + 2.0 ** -9, BF16) == 1.0  # tie: even
+    assert rational_round(1.0039062500009095, BF16) == 1.0078125  # above the tie
+    assert rational_round(65520.0, F16) == math.inf  # tie at the top: even is 2^16
+    assert rational_round(np.nextafter(65520.0, 0.0), F16) == 65504.0
+    assert rational_round(2.0 ** -25, F16) == 0.0  # tie with the smallest subnormal
+    assert rational_round(np.nextafter(2.0 ** -25, 1.0), F16) == 2.0 ** -24
+
+
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bfloat16", "float32"])
 def test_round_to_dtype_as_tf_cast(dtype):
-    """inv_scale is rounded as tf.cast(float64 -> dtype) does.  TensorFlow
-    flushes a subnormal result of the cast, so those are left out; float16
-    follows numpy's single rounding instead (tf.cast rounds twice, through
-    float32, which differs just above a tie)."""
+    """A float32 inv_scale (what the TensorFlow layer feeds: 1 / a float32
+    scale) is rounded as tf.cast does.  TensorFlow flushes a subnormal result
+    of the cast, so those are left out.  A double that is not a float32 is
+    left out too: tf.cast(float64 -> 16-bit) rounds twice, through float32,
+    where round_to_dtype rounds once."""
     tf = pytest.importorskip("tensorflow")
-    probes = [v for v in rounding_probes() if abs(v) >= float(finfo(dtype).tiny)]
+    probes = [v for v in rounding_probes() if abs(v) >= float(finfo(dtype).tiny)
+              and (dtype == F32 or float(np.float32(v)) == v or abs(v) > 3.5e38)]
+    assert len(probes) > 100
     want = tf.cast(tf.constant(probes, dtype=tf.float64), tf.as_dtype(dtype)).numpy()
     got = np.array([core.round_to_dtype(v, dtype) for v in probes])
     assert np.array_equal(got, want.astype(np.float64), equal_nan=True)

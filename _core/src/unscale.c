@@ -54,10 +54,32 @@ int ls_all_finite_range(const ls_buffer *bufs, size_t count, unsigned flags, siz
     return ls_run_range(k, bufs, count, NULL, flags, begin, end);
 }
 
+/* |value| (finite, non-zero) rounded to nearest-even in a binary format with
+ * `digits` significand bits (the implicit one included) whose smallest
+ * normal exponent is `emin`, in one rounding: the quantum at value's binade
+ * (the subnormal one below 2^emin) scales value to an integer part that a
+ * double holds exactly, whose fraction decides.  Returns the rounded
+ * magnitude, +inf where it exceeds `max_finite`. */
+static double round_binary(double a, int digits, int emin, double max_finite)
+{
+    int e;
+    (void)frexp(a, &e); /* a = m * 2^e, m in [0.5, 1): a's binade is 2^(e-1) */
+    int q = (e - 1 > emin ? e - 1 : emin) - (digits - 1);
+    double t = ldexp(a, -q); /* exact: a power-of-two scaling within range */
+    double n = floor(t);
+    double frac = t - n; /* exact: t < 2^54 */
+    if (frac > 0.5 || (frac == 0.5 && fmod(n, 2.0) != 0.0))
+        n += 1.0;
+    double r = ldexp(n, q);
+    return r > max_finite ? INFINITY : r;
+}
+
 double ls_round_to_dtype(double value, ls_dtype dtype)
 {
     /* Conversions from double are done in IEEE mode: a caller's FTZ must not
-     * flush a subnormal float32 inv_scale here. */
+     * flush a subnormal result here.  Every case is one rounding of the
+     * double itself, never through float32 (two roundings differ from one
+     * just above a 16-bit tie). */
     ls_fpenv env;
     ls_fpenv_enter(&env, 0);
     double r;
@@ -69,30 +91,18 @@ double ls_round_to_dtype(double value, ls_dtype dtype)
         r = (double)(float)value;
         break;
     case LS_BFLOAT16:
-        /* double -> float32 -> bfloat16, two roundings: what ml_dtypes'
-         * bfloat16(x) and TensorFlow's tf.cast(float64 -> bfloat16) give,
-         * so that both oracles of the bfloat16 results agree with us. */
-        r = (double)ls_bf16_to_f32(ls_f32_to_bf16((float)value));
-        break;
-    case LS_FLOAT16: {
-        /* double -> half in one rounding, as numpy's float16(x): round to
-         * float32 with the bits below half precision folded into a sticky
-         * bit, so the second rounding cannot meet a false tie. */
-        float f = (float)value;
-        if ((double)f != value && f == f) {
-            uint32_t u;
-            memcpy(&u, &f, sizeof u);
-            /* move towards the true value's side if float rounding crossed it,
-             * then set the sticky (lowest) bit */
-            if (fabs((double)f) > fabs(value))
-                u -= 1; /* f rounded away from zero: step back towards it
-                           (never from zero itself, which would wrap to NaN) */
-            u |= 1u;
-            memcpy(&f, &u, sizeof f);
+    case LS_FLOAT16:
+        if (value != value || value == 0.0 || fabs(value) == INFINITY) {
+            r = value;
+        } else {
+            /* bfloat16: 8 significand bits, float32's exponent range;
+             * float16: 11 bits, normals from 2^-14, largest 65504. */
+            double a = dtype == LS_BFLOAT16
+                           ? round_binary(fabs(value), 8, -126, 0x1.fep127)
+                           : round_binary(fabs(value), 11, -14, 65504.0);
+            r = copysign(a, value);
         }
-        r = (double)ls_f16_to_f32(ls_f32_to_f16(f));
         break;
-    }
     default:
         r = value;
     }
