@@ -24,8 +24,17 @@ from urllib.parse import unquote, urlparse
 FORCE_FALLBACK_ENV = "LOSSSCALE_FORCE_FALLBACK"
 LIBRARY_NAME = "_lossscale_ops.so"
 
-# Ops the Python side needs; a library lacking one is treated as unusable.
-REQUIRED_OPS = ("loss_scale_unscale_and_check", "loss_scale_all_finite", "loss_scale_update")
+# Every op of the library, as registered: ``lossscale.ops`` marks each as having
+# no gradient, and a library lacking one (stale, built from older sources) is
+# treated as unusable, so that the callers fall back instead of failing later.
+OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
+            "LossScaleDebugBufferAddress", "LossScaleApplySgd", "LossScaleApplyAdam")
+
+
+def python_name(op_name):
+    """The name ``tf.load_op_library`` gives an op's function: snake case."""
+    return "".join("_" + c.lower() if c.isupper() else c for c in op_name).lstrip("_")
+
 
 _lock = threading.Lock()
 _state = None          # (module or None, reason) once decided
@@ -159,7 +168,7 @@ def _try_load():
             _modules[path] = module
     except Exception as exc:
         return None, f"load error: {exc}"
-    missing = [name for name in REQUIRED_OPS if not hasattr(module, name)]
+    missing = [python_name(op) for op in OP_NAMES if not hasattr(module, python_name(op))]
     if missing:
         return None, f"library lacks ops {', '.join(missing)}"
     return module, "loaded"

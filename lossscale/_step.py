@@ -146,7 +146,7 @@ class _Rule:
         """False when the stock optimizer must take the step instead."""
         return True
 
-    # How the fused step (``lossscale._fused_step``) unscales under this
+    # How the fused step (``lossscale._fused``) unscales under this
     # rule: "divide" (Keras 3) or "multiply" (TensorFlow 2.4).
     fused_unscale = "multiply"
 

@@ -323,10 +323,11 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        if self._fused_reason(grads, trainable_variables) is None:
+        plan = self._decide(grads, trainable_variables).plan
+        if plan is not None:
             # TensorFlow 2.4's check of the unscaled gradients, the rule and
             # the inner update, fused.
-            self._fused_apply(grads, trainable_variables, unscale="none")
+            self._fused_apply(plan, unscale="none")
             return self.iterations
         tf.distribute.get_replica_context().merge_call(
             self._apply_unscaled_cross_replica, args=(grads, trainable_variables))

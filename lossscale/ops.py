@@ -53,10 +53,7 @@ __all__ = ["native_available", "unscale_and_check", "all_finite", "all_finite_gr
            "update_loss_scale"]
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
-             "LossScaleDebugBufferAddress", "LossScaleApplySgd", "LossScaleApplyAdam")
-
-for _name in _OP_NAMES:
+for _name in _loader.OP_NAMES:
     try:
         tf.no_gradient(_name)
     except KeyError:  # already registered (module reloaded)

@@ -11,7 +11,7 @@ the stock optimizer, step for step, overflow steps included.  What differs is
 the cost of a step.
 
 For a stock ``SGD``, ``Adam`` or ``AdamW`` inner optimizer the step is
-fused (``lossscale._fused_step``): a read-only finite check of the scaled
+fused (``lossscale._fused``): a read-only finite check of the scaled
 gradients (one small native op per large gradient, inside the graph that
 makes them, so each gradient is read while still in cache), the scale
 update (one native op), then ONE native op that unscales every gradient on
@@ -55,7 +55,7 @@ import keras
 import tensorflow as tf
 
 from lossscale import _compat, _step, _which_keras
-from lossscale import _fused_step
+from lossscale import _fused
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale._config import check_keras_rule_arguments
@@ -209,7 +209,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         configuration alone decides."""
         if self._step_path is not None:
             return self._step_path
-        return self._describe_path(self._static_fused_reason())
+        return self._decide().path
 
     @_step.plain_python
     def scale_loss(self, loss):
@@ -218,44 +218,37 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     # ------------------------------------------------------------------
     # The fused step
 
-    def _describe_path(self, reason):
-        if reason is None:
-            return f"fused ({type(self.inner_optimizer).__name__})"
-        return f"stock: {reason}"
+    def _decide(self, grads=None, variables=None):
+        """``lossscale._fused.decide`` for this optimizer: its ``fused`` switch,
+        its rule, its inner optimizer; with ``grads``, for this step (and
+        recorded for ``step_path``)."""
+        decision = _fused.decide(self.inner_optimizer, enabled=self._fused,
+                                 rule_reason=self._rule.fused_reason(),
+                                 grads=grads, variables=variables)
+        if grads is not None:
+            self._step_path = decision.path
+        return decision
 
-    def _static_fused_reason(self):
-        if not self._fused:
-            return "fused=False"
-        return self._rule.fused_reason() or _fused_step.static_reason(self.inner_optimizer)
-
-    def _fused_reason(self, grads, trainable_variables):
-        """Why this step cannot be fused (None: it can), recorded for ``step_path``."""
-        reason = self._static_fused_reason() or _fused_step.step_reason(
-            self.inner_optimizer, grads, trainable_variables)
-        self._step_path = self._describe_path(reason)
-        return reason
-
-    def _fused_apply(self, grads, trainable_variables, unscale=None):
+    def _fused_apply(self, plan, unscale=None):
         """The step on the fused path: the read-only check of the gradients
         (as they come, inside the graph that makes them, a few small ones
         per op), the rule, then one native pass that unscales and updates
         every variable and slot."""
         # Mistakes fail before any state moves, with the stock step's message.
-        _compat.check_variables_are_known(self.inner_optimizer, trainable_variables)
+        _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
-        scalars = _fused_step.Scalars(self.inner_optimizer)
-        finite = native_ops.all_finite_grouped([g for g in grads if g is not None])
+        checks = plan.prepare_scalars()
+        finite = native_ops.all_finite_grouped(plan.grads)
         # A bad learning rate fails before the loss scale moves.
-        with tf.control_dependencies(scalars.checks):
+        with tf.control_dependencies(checks):
             finite = tf.identity(finite)
         should_apply = self._rule.advance(finite)
         if isinstance(should_apply, bool):
             should_apply = tf.constant(should_apply)
-        _fused_step.apply(self.inner_optimizer, grads, trainable_variables, scalars,
-                          scale=scale, unscale=unscale or self._rule.fused_unscale,
-                          should_apply=should_apply,
-                          advance_iterations_always=self._skipped_steps_advance_iterations)
+        _fused.apply(plan, scale=scale, unscale=unscale or self._rule.fused_unscale,
+                     should_apply=should_apply,
+                     advance_iterations_always=self._skipped_steps_advance_iterations)
 
     # ------------------------------------------------------------------
     # The step
@@ -349,8 +342,9 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         variables = list(trainable_variables or _compat.optimizer_trainable_variables(self))
-        if self._fused_reason(grads, variables) is None:
-            self._fused_apply(list(grads), variables)
+        plan = self._decide(list(grads), variables).plan
+        if plan is not None:
+            self._fused_apply(plan)
             return
         if _compat.strategy_supports_no_merge_call():
             self._common_apply(grads, trainable_variables=trainable_variables)

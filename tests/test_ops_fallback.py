@@ -212,6 +212,39 @@ def test_unusable_library_warns_once_and_falls_back(monkeypatch, tmp_path, probl
     assert outs[0].numpy().tolist() == [1.0, 2.0] and bool(finite)
 
 
+def test_stale_library_lacking_an_op_falls_back(monkeypatch):
+    """A library built from older sources (every op but the fused SGD) is not
+    loaded at all: the optimizer takes the stock path, with the same result
+    as stock Keras, instead of failing at apply."""
+    import keras
+
+    from lossscale import LossScaleOptimizer
+
+    real, _ = _loader.load()
+    assert real is not None
+    names = [_loader.python_name(op) for op in _loader.OP_NAMES]
+    assert "loss_scale_apply_sgd" in names and "loss_scale_apply_adam" in names
+    stale = type("Stale", (), {n: getattr(real, n) for n in names
+                               if n != "loss_scale_apply_sgd"})()
+    _loader.reset()
+    monkeypatch.setitem(_loader._modules, _loader.library_path(), stale)
+    with pytest.warns(RuntimeWarning, match="library lacks ops loss_scale_apply_sgd"):
+        assert not ops.native_available()
+
+    def run(cls):
+        v = keras.Variable(np.arange(6, dtype=np.float32), name="v")
+        opt = cls(keras.optimizers.SGD(0.1, momentum=0.9))
+        for g in ([1.0] * 6, [np.inf] * 6, [0.5] * 6):
+            opt.apply([tf.constant(np.array(g, np.float32) * 1024)], [v])
+        return opt, v.numpy()
+
+    ours, got = run(LossScaleOptimizer)
+    _, want = run(keras.optimizers.LossScaleOptimizer)
+    assert ours.step_path.startswith("stock: the native op library is not available "
+                                     "(library lacks ops loss_scale_apply_sgd")
+    assert_same_bits(got, want)
+
+
 # ------------------------------------------------------------------ XLA
 
 def test_xla_compilation_uses_the_fallback(native_results):

@@ -1,0 +1,305 @@
+"""The fused optimizer step: a stock Keras optimizer's update with the unscale
+folded in, as one native op over the whole variable list.
+
+Each fused family is declared once, in ``FAMILIES``: the Keras class whose
+``update_step`` it reproduces, its slots, its hyperparameters that must be
+plain numbers, the scalars it derives from ``iterations``, the native op
+that runs it, and which optimizer options it supports.  ``decide`` is the
+one function that turns an optimizer and a step into either a ``Plan``
+(what ``apply`` runs) or the reason the step takes the stock path, which a
+user reads in ``LossScaleOptimizer.step_path``.
+
+The fused op writes exactly what the inner optimizer's own ``apply`` would
+(variables, slots, ``iterations``), bit for bit: every per-element operation
+rounds as Keras' float32 op-by-op arithmetic does, and the scalars Keras
+derives from ``iterations`` (the learning rate of a schedule, Adam's
+``alpha``) are computed here with the same TensorFlow ops, in the same
+order, as Keras computes them.
+
+What a family does not support is left to the stock path: an option it
+does not declare (clipping, EMA, gradient accumulation, an inner
+``loss_scale_factor``), sparse gradients, variable constraints or
+``overwrite_with_gradient``, variables that are not float32, gradients that
+are not float16/bfloat16/float32, subclasses that override ``update_step``,
+several replicas, and any place the native op cannot run (library missing,
+not on the CPU, XLA).
+"""
+
+import keras
+import tensorflow as tf
+
+from lossscale import _compat, _step
+from lossscale import ops as native_ops
+
+_GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+
+# Optimizer options a family may support, by the attribute Keras keeps them
+# in, with the reason a step gives when its family does not.  Set as Keras
+# tests them: a clip of 0 clips nothing, a loss_scale_factor of any value
+# divides.
+_OPTIONS = (
+    ("clipnorm", "the inner optimizer sets clipnorm", bool),
+    ("clipvalue", "the inner optimizer sets clipvalue", bool),
+    ("global_clipnorm", "the inner optimizer sets global_clipnorm", bool),
+    ("use_ema", "the inner optimizer uses EMA", bool),
+    ("gradient_accumulation_steps", "the inner optimizer accumulates gradients", bool),
+    ("loss_scale_factor", "the inner optimizer sets loss_scale_factor",
+     lambda value: value is not None),
+)
+
+
+class Family:
+    """One fused optimizer family.
+
+    Args:
+      name: the family's name in the native op and in messages.
+      keras_class: the stock class whose ``update_step`` the kernel
+        reproduces; a subclass that overrides ``update_step`` is not it.
+      slots: ``slots(inner)`` -> the slot kinds this configuration keeps, in
+        the op's order (``_compat.optimizer_slots`` kinds).
+      numbers: hyperparameters that must be plain numbers (the kernel takes
+        them as constants).
+      scalars: ``scalars(inner, learning_rate)`` -> the step's scalar
+        tensors beside the learning rate, derived from ``iterations`` as
+        Keras derives them.
+      run: ``run(library, plan, should_apply, scale, unscale)`` launches the
+        native op.
+      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+    """
+
+    def __init__(self, name, keras_class, *, slots, numbers, scalars, run, supports=()):
+        self.name = name
+        self.keras_class = keras_class
+        self.slots = slots
+        self.numbers = tuple(numbers)
+        self.scalars = scalars
+        self.run = run
+        self.supports = frozenset(supports)
+
+    def reproduces(self, inner):
+        return (isinstance(inner, self.keras_class)
+                and type(inner).update_step is self.keras_class.update_step)
+
+    def __repr__(self):
+        return f"Family({self.name!r}, {self.keras_class.__name__})"
+
+
+class Plan:
+    """One fused step: the family, the gradients (dense, None dropped) with
+    their variables, and the native form of each variable's weight decay."""
+
+    def __init__(self, family, inner, grads, variables):
+        self.family = family
+        self.inner = inner
+        self.grads = [tf.convert_to_tensor(g) for g in grads]
+        self.variables = variables
+        self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
+                      for v in variables]
+        self.scalars = None
+
+    def handles(self, variables):
+        return [_step.tf_variable(v).handle for v in variables]
+
+    def slot_handles(self, kind):
+        return self.handles(_compat.optimizer_slots(self.inner, kind, self.variables))
+
+    def prepare_scalars(self):
+        """The step's scalars, computed as Keras computes them, and the
+        checks that must pass before any state moves (``self.checks``); made
+        before the loss scale moves."""
+        inner = self.inner
+        name = inner.name
+        lr = tf.cast(inner.learning_rate, tf.float32)
+        self.checks = [
+            tf.debugging.assert_all_finite(
+                lr, f"{name}: the learning rate is not finite; no variable was changed"),
+            tf.debugging.assert_greater_equal(
+                lr, tf.constant(0.0, tf.float32),
+                message=f"{name}: the learning rate is negative; no variable was changed"),
+        ]
+        wd = inner.weight_decay
+        self.scalars = dict(learning_rate=lr,
+                            weight_decay=tf.constant(0.0 if wd is None else float(wd), tf.float32),
+                            **self.family.scalars(inner, lr))
+        return self.checks
+
+
+# ------------------------------------------------------------- families
+
+def _sgd_slots(inner):
+    return ("momentum",) if float(inner.momentum) != 0 else ()
+
+
+def _run_sgd(library, plan, should_apply, scale, unscale):
+    inner, s = plan.inner, plan.scalars
+    momentum = float(inner.momentum)
+    library.loss_scale_apply_sgd(
+        should_apply, plan.handles(plan.variables),
+        plan.slot_handles("momentum") if momentum != 0 else [], plan.grads, scale,
+        s["learning_rate"], s["weight_decay"], momentum=momentum,
+        nesterov=bool(inner.nesterov), decay=plan.decay, unscale=unscale)
+
+
+def _adam_slots(inner):
+    return ("m", "v", "v_hat") if inner.amsgrad else ("m", "v")
+
+
+def _adam_scalars(inner, lr):
+    # Keras' Adam.update_step, scalars only.
+    local_step = tf.cast(inner.iterations + 1, tf.float32)
+    beta_1_power = tf.pow(tf.cast(inner.beta_1, tf.float32), local_step)
+    beta_2_power = tf.pow(tf.cast(inner.beta_2, tf.float32), local_step)
+    return {"alpha": lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)}
+
+
+def _run_adam(library, plan, should_apply, scale, unscale):
+    inner, s = plan.inner, plan.scalars
+    library.loss_scale_apply_adam(
+        should_apply, plan.handles(plan.variables), plan.slot_handles("m"),
+        plan.slot_handles("v"), plan.slot_handles("v_hat") if inner.amsgrad else [],
+        plan.grads, scale, s["learning_rate"], s["alpha"], s["weight_decay"],
+        one_minus_beta_1=1 - inner.beta_1, one_minus_beta_2=1 - inner.beta_2,
+        epsilon=float(inner.epsilon), decay=plan.decay, unscale=unscale)
+
+
+_ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"),
+             scalars=_adam_scalars, run=_run_adam)
+
+# Most derived class first: AdamW is an Adam.
+FAMILIES = (
+    Family("adam", keras.optimizers.AdamW, **_ADAM),
+    Family("adam", keras.optimizers.Adam, **_ADAM),
+    Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
+           scalars=lambda inner, lr: {}, run=_run_sgd),
+)
+
+_CLASS_NAMES = list(dict.fromkeys(f.keras_class.__name__ for f in reversed(FAMILIES)))
+_FAMILY_NAMES = ", ".join(_CLASS_NAMES[:-1]) + " or " + _CLASS_NAMES[-1]
+
+
+def family_of(inner):
+    """The ``Family`` that reproduces ``inner``, or None."""
+    return next((f for f in FAMILIES if f.reproduces(inner)), None)
+
+
+# -------------------------------------------------------------- decision
+
+class Decision:
+    """``plan`` (a ``Plan``, or None for the stock path) and ``path``, what
+    ``step_path`` reports: ``"fused (Adam)"`` or ``"stock: <reason>"``."""
+
+    __slots__ = ("plan", "path")
+
+    def __init__(self, inner, plan=None, reason=None):
+        self.plan = plan
+        self.path = f"stock: {reason}" if reason else f"fused ({type(inner).__name__})"
+
+
+def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None):
+    """The fused ``Plan`` for this step, or the reason it takes the stock path.
+
+    ``enabled`` is the optimizer's ``fused`` switch; ``rule_reason`` what
+    its loss-scale rule says against fusing (None: nothing).  Without
+    ``grads`` it answers for the configuration alone (``step_path`` before
+    any step) and never holds a plan.
+    """
+    def stock(reason):
+        return Decision(inner, reason=reason)
+
+    if not enabled:
+        return stock("fused=False")
+    if rule_reason:
+        return stock(rule_reason)
+    family = family_of(inner)
+    if family is None:
+        return stock(f"the inner optimizer ({type(inner).__name__}) is not a stock "
+                     f"{_FAMILY_NAMES}")
+    for attr, reason, is_set in _OPTIONS:
+        if attr not in family.supports and is_set(getattr(inner, attr, None)):
+            return stock(reason)
+    for attr in family.numbers:
+        value = getattr(inner, attr, 0.0)
+        if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
+            return stock(f"the inner optimizer's {attr} is not a number")
+    if grads is None:
+        return Decision(inner)
+    reason = _step_reason(family, grads, variables)
+    if reason is not None:
+        return stock(reason)
+    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
+                                     [v for _, v in pairs]))
+
+
+def _step_reason(family, grads, variables):
+    """Why these gradients and variables cannot take ``family``'s fused step."""
+    replica_context = tf.distribute.get_replica_context()
+    if "replicas" not in family.supports and tf.distribute.has_strategy() and (
+            replica_context is None or replica_context.num_replicas_in_sync > 1):
+        return "a tf.distribute strategy with several replicas"
+    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    if not pairs:
+        return "no gradients"
+    devices = []
+    for g, v in pairs:
+        if isinstance(g, tf.IndexedSlices) and "sparse" not in family.supports:
+            return f"the gradient of {v.name} is sparse (IndexedSlices)"
+        if getattr(v, "overwrite_with_gradient", False):
+            return f"{v.name} is overwritten with its gradient"
+        if getattr(v, "constraint", None) is not None:
+            return f"{v.name} has a constraint"
+        if tf.as_dtype(v.dtype) != tf.float32:
+            return f"{v.name} is {tf.as_dtype(v.dtype).name}, not float32"
+        if tf.as_dtype(g.dtype) not in _GRAD_DTYPES:
+            return f"the gradient of {v.name} is {tf.as_dtype(g.dtype).name}"
+        devices.append(native_ops.device_of(_step.tf_variable(v)))
+        devices.append(native_ops.device_of(g))
+    if native_ops.native_library_for(devices) is None:
+        status = native_ops.native_available()
+        if not status:
+            return f"the native op library is not available ({status.reason})"
+        return "a tensor is not on the CPU, or XLA is compiling"
+    return None
+
+
+# ------------------------------------------------------------------ run
+
+def _grappler_reassociates_products():
+    """Whether the stock step built here will have ``var * wd * lr``
+    reordered to ``var * (wd * lr)``: in a graph that TensorFlow's graph
+    optimizer rewrites (its arithmetic optimizer minimises broadcasts in
+    chains of multiplies), not eagerly."""
+    if tf.executing_eagerly():
+        return False
+    options = tf.config.optimizer.get_experimental_options()
+    return (not options.get("disable_meta_optimizer", False)
+            and options.get("arithmetic_optimization", True))
+
+
+def _decay_form(inner, variable, reassociated):
+    """The core's ls_decay for ``variable``: 0 none, 1 op by op, 2 reordered."""
+    if inner.weight_decay is None or not _compat.uses_weight_decay(inner, variable):
+        return 0
+    # A one-element variable has nothing to broadcast: the graph optimizer
+    # leaves its product alone.
+    size = 1
+    for d in variable.shape:
+        size *= int(d)
+    return 2 if reassociated and size > 1 else 1
+
+
+def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False):
+    """The fused step: when ``should_apply`` (a bool tensor), the inner
+    optimizer's update of ``plan``'s variables by its gradients unscaled by
+    ``scale`` — ``"divide"`` (Keras 3), ``"multiply"`` (TensorFlow 2.4) or
+    ``"none"`` — and ``iterations`` advanced; when not, nothing changes.
+    ``plan.prepare_scalars()`` must have run before the loss scale moved.
+    With ``advance_iterations_always`` a skipped step advances
+    ``iterations`` too, as TensorFlow 2.4's optimizer did."""
+    scale = tf.convert_to_tensor(scale, tf.float32)
+    plan.family.run(native_ops.native_library_for([]), plan, should_apply, scale, unscale)
+    iterations = _compat.optimizer_iterations(plan.inner)
+    if advance_iterations_always:
+        iterations.assign_add(1)
+    else:
+        iterations.assign_add(tf.cast(should_apply, iterations.dtype))
