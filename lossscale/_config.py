@@ -29,9 +29,14 @@ import numpy as np
 
 __all__ = ["ScaleConfig", "RULES", "op_config", "dynamic_loss_scale_config",
            "check_keras_rule_arguments", "keras_rule_config", "is_real_number",
-           "FLOAT32_MAX", "INT64_MAX"]
+           "FLOAT32_MAX", "INT64_MAX", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_STEPS"]
 
 RULES = ("tf24", "keras3")
+# The defaults of both rules, as TensorFlow 2.4 and Keras 3 set them: start
+# high (a scale too high comes down far faster than one too low goes up),
+# grow after this many finite steps in a row.
+DEFAULT_INITIAL_SCALE = 2**15
+DEFAULT_GROWTH_STEPS = 2000
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -61,7 +66,7 @@ class ScaleConfig:
     """
 
     rule: str = "tf24"
-    increment_period: int = 2000
+    increment_period: int = DEFAULT_GROWTH_STEPS
     multiplier: float = 2.0
     backoff_factor: Optional[float] = None
     min_loss_scale: float = 1.0

@@ -30,6 +30,7 @@ from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale import optimizer as optimizer_module
 from lossscale.loss_scale import DynamicLossScale, FixedLossScale, LossScale
+from lossscale._config import DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE
 
 import keras
 
@@ -389,8 +390,8 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
             inner = config.pop("inner_optimizer")
             if config.pop("dynamic", True):
                 config["loss_scale"] = DynamicLossScale(
-                    config.pop("initial_scale", 2**15),
-                    config.pop("dynamic_growth_steps", 2000))
+                    config.pop("initial_scale", DEFAULT_INITIAL_SCALE),
+                    config.pop("dynamic_growth_steps", DEFAULT_GROWTH_STEPS))
             else:
                 config["loss_scale"] = FixedLossScale(config.pop("initial_scale"))
                 config.pop("dynamic_growth_steps", None)

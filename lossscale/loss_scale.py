@@ -21,7 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 from lossscale import _compat, ops
-from lossscale._config import FLOAT32_MAX, dynamic_loss_scale_config, is_real_number
+from lossscale._config import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, FLOAT32_MAX,
+                               dynamic_loss_scale_config, is_real_number)
 
 __all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "CrossReplicaContextError",
            "get", "serialize", "deserialize"]
@@ -279,8 +280,8 @@ class DynamicLossScale(LossScale):
     """
 
     def __init__(self,
-                 initial_loss_scale=2**15,  # Starting high is cheap: see below.
-                 increment_period=2000,
+                 initial_loss_scale=DEFAULT_INITIAL_SCALE,  # Starting high is cheap: see below.
+                 increment_period=DEFAULT_GROWTH_STEPS,
                  multiplier=2.0,
                  *,
                  min_loss_scale=1.0,

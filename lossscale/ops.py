@@ -47,7 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from lossscale import _compat, _fallback, _loader
-from lossscale._config import op_config
+from lossscale._config import DEFAULT_GROWTH_STEPS, op_config
 
 __all__ = ["native_available", "unscale_and_check", "all_finite", "all_finite_grouped",
            "update_loss_scale"]
@@ -340,7 +340,7 @@ def _state_variable(name, v, dtypes):
 
 @tf.autograph.experimental.do_not_convert
 def update_loss_scale(finite, scale, counter, *, overflow_run=None, skipped=None, rule="tf24",
-                      increment_period=2000, multiplier=2.0, backoff_factor=None,
+                      increment_period=DEFAULT_GROWTH_STEPS, multiplier=2.0, backoff_factor=None,
                       min_loss_scale=1.0, max_loss_scale=None, hysteresis=1):
     """Advances the loss scale one step, in place, and returns ``finite``.
 

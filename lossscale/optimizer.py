@@ -58,14 +58,16 @@ from lossscale import _compat, _step, _which_keras
 from lossscale import _fused
 from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
-from lossscale._config import check_keras_rule_arguments
+from lossscale._config import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE,
+                               check_keras_rule_arguments)
 
 __all__ = ["LossScaleOptimizer"]
 
 _StockLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
-_DEFAULT_INITIAL_SCALE = 2.0**15
-_DEFAULT_GROWTH_STEPS = 2000
+# Keras' defaults (its initial scale is a float).
+_DEFAULT_INITIAL_SCALE = float(DEFAULT_INITIAL_SCALE)
+_DEFAULT_GROWTH_STEPS = DEFAULT_GROWTH_STEPS
 
 
 def _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_steps):
