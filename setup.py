@@ -36,7 +36,7 @@ TF_DIR = os.path.join("_core", "tf")
 BUILD_INFO = "_build_info"
 
 sys.path[:0] = [os.path.join(HERE, "_core"), os.path.join(HERE, "build_backend")]
-import kernel_sets  # noqa: E402  (the one list of kernel sets and their flags)
+import kernel_sets  # noqa: E402  (reads the one list of kernel sets, _core/src/kernel_sets.def)
 import lossscale_backend as backend  # noqa: E402  (which TensorFlow to build against)
 
 COMMON_CFLAGS = kernel_sets.COMMON_CFLAGS
@@ -107,9 +107,7 @@ class BuildWithCore(build_ext):
                 output_dir=build_temp,
                 include_dirs=[INCLUDE, CORE],
                 extra_postargs=COMMON_CFLAGS + flags,
-                depends=[os.path.join(INCLUDE, "lossscale.h"),
-                         os.path.join(CORE, "kernels.h"),
-                         os.path.join(CORE, "internal.h")],
+                depends=[d for d in CORE_DEPENDS if not d.endswith(".c")],
             )
         for ext in self.extensions:
             ext.extra_objects = list(objects) + list(ext.extra_objects or [])
@@ -165,7 +163,7 @@ CORE_DEPENDS = sorted(
     os.path.join(d, f)
     for d in (CORE, INCLUDE)
     for f in os.listdir(os.path.join(HERE, d))
-    if f.endswith((".c", ".h"))
+    if f.endswith((".c", ".h", ".def"))
 )
 
 

@@ -1,19 +1,24 @@
-"""The core's kernel sets as the build sees them: one list, read by setup.py
-and tools/*.sh (``python3 _core/kernel_sets.py sources``).
+"""The core's kernel sets as the build sees them, read from the one list,
+``_core/src/kernel_sets.def`` (which ``dispatch.c``, ``kernels.h`` and
+``optim.h`` include as C), for setup.py and tools/*.sh
+(``python3 _core/kernel_sets.py sources``).
 
 A kernel set's files are named ``<family>_<set>.c`` (``kernels_avx2.c``);
 each is compiled with its set's flags and nothing else is.  The files of no
 set (``dispatch.c``, ``lists.c``, ...) get no ISA flags, so the library
 loads on any CPU of its architecture and picks its kernels at run time
-(``dispatch.c`` holds the run-time table: what each set needs of the CPU).
+(``dispatch.c``'s table, from the same list: what each set needs of the
+CPU).
 """
 
 import os
 import platform
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "src")
+LIST = os.path.join(SRC, "kernel_sets.def")
 
 # Flags every core file gets.  -ffp-contract=off: no a*b+c may become one
 # fused multiply-add (rounded once), since the results must round every
@@ -22,19 +27,40 @@ COMMON_CFLAGS = ["-O3", "-std=c11", "-fvisibility=hidden", "-fno-strict-aliasing
                  "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter",
                  "-pthread"]
 
-_X86 = ("x86_64", "amd64", "i686", "i386")
-_ARM64 = ("aarch64", "arm64")
+# kernel_sets.def's `arch` column: the machines (platform.machine()) it
+# means; None: all.
+ARCHES = {
+    "ANY": None,
+    "X86": ("x86_64", "amd64", "i686", "i386"),
+    "ARM64": ("aarch64", "arm64"),
+}
 
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mf16c", "-mfma"]
+_ENTRY = re.compile(
+    r"LS_KERNEL_SET\(\s*(?P<name>\w+)\s*,\s*(?P<arch>\w+)\s*,\s*(?P<needs>[^,()]+?)\s*,"
+    r"\s*(?P<unscale>\w+)\s*,\s*(?P<optim>\w+)\s*,\s*\"(?P<flags>[^\"]*)\"\s*\)")
 
-# (set, machines it is built on (None: all), its files' flags), by priority.
-KERNEL_SETS = [
-    ("scalar", None, []),
-    ("avx2", _X86, ["-mavx2", "-mf16c", "-mfma"]),
-    ("avx512", _X86, _AVX512),
-    ("avx512bf16", _X86, _AVX512 + ["-mavx512bf16"]),
-    ("neon", _ARM64, []),
-]
+
+def read_list(path=LIST):
+    """kernel_sets.def's entries, best first, as dicts of its columns
+    (``flags`` split into a list)."""
+    with open(path) as f:
+        text = re.sub(r"/\*.*?\*/", " ", f.read(), flags=re.S)
+    entries = []
+    for m in _ENTRY.finditer(text):
+        entry = m.groupdict()
+        if entry["arch"] not in ARCHES:
+            raise ValueError(f"{path}: {entry['name']}: unknown arch {entry['arch']}")
+        entry["flags"] = entry["flags"].split()
+        entries.append(entry)
+    # Anything else that looks like an entry is one the pattern missed.
+    if len(entries) != text.count("LS_KERNEL_SET(") or not entries:
+        raise ValueError(f"{path}: an LS_KERNEL_SET entry is not of the form "
+                         "LS_KERNEL_SET(name, arch, needs, unscale, optim, \"flags\")")
+    return entries
+
+
+# (set, machines it is built on (None: all), its files' flags), best first.
+KERNEL_SETS = [(e["name"], ARCHES[e["arch"]], e["flags"]) for e in read_list()]
 
 
 def sets_for(machine=None):
@@ -68,7 +94,7 @@ if __name__ == "__main__":
     if what == "sources":      # one line per file: path, then its flags
         for path, flags in core_sources():
             print(" ".join([path, *flags]))
-    elif what == "sets":       # the sets built here, by priority
+    elif what == "sets":       # the sets built here, best first
         print(" ".join(name for name, _ in sets_for()))
     elif what == "cflags":
         print(" ".join(COMMON_CFLAGS))

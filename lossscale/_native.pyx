@@ -128,8 +128,8 @@ def _check_status(int rc):
 
 
 def simd_level():
-    """The kernel set in use: ``"avx512bf16"``, ``"avx512"``, ``"avx2"``,
-    ``"neon"`` or ``"scalar"``.
+    """The kernel set in use: one of ``simd_levels(runnable=False)``
+    (``_core/src/kernel_sets.def``), ``"scalar"`` where no vector set runs.
 
     Raises RuntimeError when ``LOSSSCALE_SIMD`` asks for a set this CPU
     cannot run (or names no set)."""

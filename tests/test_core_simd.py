@@ -12,6 +12,7 @@ non-finite value at every interesting position, both flags.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -93,6 +94,40 @@ def test_table_is_the_build_list():
     assert sorted(ALL_LEVELS) == sorted(name for name, _, _ in module.KERNEL_SETS)
     assert set(core.simd_levels()) <= set(built)
     assert ALL_LEVELS[-1] == "scalar" and "scalar" in core.simd_levels()
+
+
+def test_table_order_is_the_list_order():
+    """dispatch.c's table is kernel_sets.def, entry for entry, best first."""
+    _, module = built_levels()
+    assert ALL_LEVELS == [name for name, _, _ in module.KERNEL_SETS]
+
+
+def readme_listings():
+    """Every place the README names the kernel sets: after
+    ``LOSSSCALE_SIMD=`` (``a|b|c``) and in the comment on
+    ``simd_level()`` (quoted names)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    found = []
+    for m in re.finditer(r"LOSSSCALE_SIMD=(\w+(?:\|\w+)+)", text):
+        found.append(("LOSSSCALE_SIMD=...", m.group(1).split("|")))
+    for line in text.splitlines():
+        if "simd_level()" in line and "#" in line:
+            names = re.findall(r'"(\w+)"', line.split("#", 1)[1])
+            if names:
+                found.append((line.strip(), names))
+    return found
+
+
+def test_readme_names_every_kernel_set():
+    """The README's copies of the list (the one list is
+    _core/src/kernel_sets.def) name exactly its sets."""
+    _, module = built_levels()
+    want = sorted(name for name, _, _ in module.KERNEL_SETS)
+    listings = readme_listings()
+    assert listings, "the README no longer lists the kernel sets anywhere this test looks"
+    for where, names in listings:
+        assert sorted(names) == want, (where, names, want)
 
 
 @pytest.mark.parametrize("level", [lv for lv in ALL_LEVELS if lv != "scalar"])

@@ -81,8 +81,9 @@ enum {
 
 /*
  * Kernel sets ("levels") are the entries of one table in dispatch.c,
- * best first: "avx512bf16", "avx512", "avx2", "neon", "scalar".  A level is
- * an index into it.  Every set gives the same bits as "scalar": every core
+ * best first, as _core/src/kernel_sets.def lists them; the last one,
+ * "scalar", is the reference and runs everywhere.  A level is an index
+ * into the table (ls_simd_count(), ls_simd_name() list it).  Every set gives the same bits as "scalar": every core
  * file is compiled with -ffp-contract=off (_core/kernel_sets.py) and the
  * kernels multiply with plain multiply instructions, so no a*b+c is ever
  * fused into one rounding; each operation must round as numpy's and

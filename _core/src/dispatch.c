@@ -30,13 +30,12 @@ enum {
 };
 
 /*
- * The kernel sets, best first.  Every entry is listed on every machine so
- * that LOSSSCALE_SIMD can name any of them; a set not built for this
- * architecture has no kernels and needs a feature no CPU of it reports.
- * Each kernel family has its column: the unscale/check kernels
- * (kernels_<set>.c) and the fused optimizer updates (optim_<set>.c), which
- * the BF16 set shares with the plain AVX-512 one (they convert nothing
- * to bfloat16).
+ * The kernel sets, best first (kernel_sets.def).  Every entry is listed on
+ * every machine so that LOSSSCALE_SIMD can name any of them; a set not
+ * built for this architecture has no kernels and needs a feature no CPU of
+ * it reports.  Each kernel family has its column: the unscale/check
+ * kernels (kernels_<set>.c) and the fused optimizer updates
+ * (optim_<set>.c).
  */
 typedef struct impl {
     const char *name;
@@ -45,24 +44,12 @@ typedef struct impl {
     const ls_optim_kernels *optim;
 } impl;
 
-#ifdef LS_X86
-#define X86_ONLY(set) (&(set))
-#else
-#define X86_ONLY(set) NULL
-#endif
-#if defined(__aarch64__)
-#define ARM64_ONLY(set) (&(set))
-#else
-#define ARM64_ONLY(set) NULL
-#endif
-
 static const impl impls[] = {
-    {"avx512bf16", CPU_AVX512 | CPU_AVX512BF16, X86_ONLY(ls_kernels_avx512bf16),
-     X86_ONLY(ls_optim_avx512)},
-    {"avx512", CPU_AVX512, X86_ONLY(ls_kernels_avx512), X86_ONLY(ls_optim_avx512)},
-    {"avx2", CPU_AVX2, X86_ONLY(ls_kernels_avx2), X86_ONLY(ls_optim_avx2)},
-    {"neon", CPU_NEON, ARM64_ONLY(ls_kernels_neon), ARM64_ONLY(ls_optim_neon)},
-    {"scalar", 0, &ls_kernels_scalar, &ls_optim_scalar},
+#define LS_KERNEL_SET(name, arch, needs, unscale, optim, flags)                    \
+    {#name, needs, LS_BUILT_##arch(&ls_kernels_##unscale, NULL),                   \
+     LS_BUILT_##arch(&ls_optim_##optim, NULL)},
+#include "kernel_sets.def"
+#undef LS_KERNEL_SET
 };
 enum { NUM_IMPLS = sizeof impls / sizeof impls[0] };
 

@@ -1,9 +1,9 @@
 /*
  * The contract between the dispatcher and the per-ISA kernel files.
  *
- * Each kernel set (kernels_<set>.c, its flags in _core/kernel_sets.py)
- * fills one ls_kernel_set, which dispatch.c's table lists with the CPU
- * features it needs.  Only the per-ISA files are compiled with ISA flags;
+ * Each kernel set (kernels_<set>.c; the list, with each set's flags and
+ * the CPU features it needs, is kernel_sets.def) fills one ls_kernel_set,
+ * which dispatch.c's table points at.  Only the per-ISA files are compiled with ISA flags;
  * the dispatcher touches a set only after cpuid said the CPU runs it.
  * The scalar set is the reference every other set is tested against, bit
  * for bit; its per-element arithmetic is the ls_unscale1_* below, which
@@ -46,15 +46,25 @@ typedef struct ls_kernel_set {
     ls_unscale_fn unscale[LS_NUM_DTYPES];
 } ls_kernel_set;
 
-extern const ls_kernel_set ls_kernels_scalar;
+/* LS_BUILT_<arch>(x, otherwise): x where kernel_sets.def's `arch` is built,
+ * else `otherwise`. */
+#define LS_BUILT_ANY(x, otherwise) x
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-extern const ls_kernel_set ls_kernels_avx2;
-extern const ls_kernel_set ls_kernels_avx512;
-extern const ls_kernel_set ls_kernels_avx512bf16;
+#define LS_BUILT_X86(x, otherwise) x
+#else
+#define LS_BUILT_X86(x, otherwise) otherwise
 #endif
 #if defined(__aarch64__)
-extern const ls_kernel_set ls_kernels_neon;
+#define LS_BUILT_ARM64(x, otherwise) x
+#else
+#define LS_BUILT_ARM64(x, otherwise) otherwise
 #endif
+
+/* ls_kernels_<set> of every set built here (kernel_sets.def). */
+#define LS_KERNEL_SET(name, arch, needs, unscale, optim, flags) \
+    LS_BUILT_##arch(extern const ls_kernel_set ls_kernels_##unscale;, )
+#include "kernel_sets.def"
+#undef LS_KERNEL_SET
 
 /* Kernels that must be inlined into their loops (the vector sets pass
  * constants such as check_inputs that should specialise them). */

@@ -1,7 +1,7 @@
 /*
  * The contract between the fused optimizer step (optim.c) and its per-ISA
- * kernel files (optim_scalar.c, optim_avx2.c, optim_avx512.c,
- * optim_neon.c), and the one-element reference every one of them follows.
+ * kernel files (optim_<set>.c, for the sets of kernel_sets.def), and the
+ * one-element reference every one of them follows.
  *
  * A kernel updates elements [lo, hi) of one variable and its slots.  The
  * caller has set the floating-point control state (FTZ/DAZ per
@@ -51,14 +51,12 @@ typedef struct ls_optim_kernels {
     ls_optim_fn adam[LS_NUM_DTYPES];
 } ls_optim_kernels;
 
-extern const ls_optim_kernels ls_optim_scalar;
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-extern const ls_optim_kernels ls_optim_avx2;
-extern const ls_optim_kernels ls_optim_avx512;
-#endif
-#if defined(__aarch64__)
-extern const ls_optim_kernels ls_optim_neon;
-#endif
+/* ls_optim_<set> of every set built here (kernel_sets.def's optim column;
+ * a table two sets share is declared twice, which C allows). */
+#define LS_KERNEL_SET(name, arch, needs, unscale, optim, flags) \
+    LS_BUILT_##arch(extern const ls_optim_kernels ls_optim_##optim;, )
+#include "kernel_sets.def"
+#undef LS_KERNEL_SET
 
 /* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
  * cannot run it; and a run of `k` over [begin, end) of validated arguments,
