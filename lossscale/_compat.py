@@ -223,3 +223,54 @@ def lookup_dependency(trackable, name, cached_dependencies=None):
 def deferred_dependencies(trackable):
     """The restorations ``trackable`` holds for children not made yet."""
     return trackable._deferred_dependencies  # pylint: disable=protected-access
+
+
+# =====================================================================
+# tf_keras: the compile hook and the native loss-scale optimizer
+# (lossscale._compile_hook, lossscale._tf_keras).  New functions of this
+# section go below; the sections above are for everything else.
+
+__all__ += [
+    "tf_keras_optimizer_wrapping_method", "tf_keras_dynamic_loss_scale_state_class",
+    "tf_keras_update_dynamic_state_with", "tf_keras_note_gradients_unscaled",
+]
+
+
+def tf_keras_optimizer_wrapping_method():
+    """``(class, name)`` of the method that wraps ``compile``'s optimizer in
+    every ``tf_keras`` model: ``Model._get_optimizer(self, optimizer)``, which
+    takes what was passed to ``compile`` (an optimizer, a name or a nest of
+    them) and returns what the model trains with.  It is where ``tf_keras``
+    decides on loss-scale wrapping, and no public hook exists; the compile
+    hook (``lossscale._compile_hook``) replaces it."""
+    return tf_keras_model_class(), "_get_optimizer"
+
+
+def tf_keras_dynamic_loss_scale_state_class():
+    """``tf_keras``' ``_DynamicLossScaleState``: the trackable that holds a
+    dynamic loss-scale optimizer's ``current_loss_scale`` and ``good_steps``
+    variables and whose ``update(grads)`` steps them.  Not exported."""
+    return tf_keras_loss_scale_optimizer_module()._DynamicLossScaleState  # pylint: disable=protected-access
+
+
+def tf_keras_update_dynamic_state_with(optimizer, state_class):
+    """Has the dynamic loss-scale state of ``optimizer``, a ``tf_keras``
+    loss-scale optimizer just constructed, update by ``state_class``, a
+    subclass of ``tf_keras_dynamic_loss_scale_state_class()`` that adds no
+    state; nothing happens for a fixed loss scale.
+
+    ``tf_keras`` makes the state (its ``_loss_scale``) inside the optimizer's
+    constructor and offers no way to choose its class.  Changing the class of
+    that very object keeps its variables, their creation order and their
+    tracking, so checkpoints and ``get_config`` stay exactly ``tf_keras``'.
+    """
+    state = optimizer._loss_scale  # pylint: disable=protected-access
+    if isinstance(state, tf_keras_dynamic_loss_scale_state_class()):
+        state.__class__ = state_class
+
+
+def tf_keras_note_gradients_unscaled(optimizer):
+    """Records on a ``tf_keras`` loss-scale optimizer that its
+    ``get_unscaled_gradients`` ran, as ``tf_keras``' own does (its
+    ``apply_gradients`` warns when a custom loop forgot to unscale)."""
+    optimizer._gradients_have_been_unscaled = True  # pylint: disable=protected-access

@@ -8,8 +8,9 @@ which ``tf.keras`` resolves to when ``TF_USE_LEGACY_KERAS`` is set and
 user hands them ``tf_keras`` objects:
 
 * ``Policy``: a ``tf_keras.mixed_precision.Policy`` (layers accept it) with
-  the loss scale of ``lossscale.policy.Policy`` (the same recipe, the same
-  serialization: ``tf_keras`` reads it back as its own ``Policy``);
+  the loss-scale half of ``lossscale.policy.Policy``
+  (``lossscale._policy_loss_scale``: the same recipe, the same serialization;
+  ``tf_keras`` reads it back as its own ``Policy``);
 * ``LossScaleOptimizer``: a drop-in for
   ``tf_keras.mixed_precision.LossScaleOptimizer``.  It *is* ``tf_keras``'s
   class (``LossScaleOptimizerV3``, or the legacy one for
@@ -18,17 +19,22 @@ user hands them ``tf_keras`` objects:
   check and update run as the native ops, on TensorFlow 2.4's rule, which is
   ``tf_keras``'s: the results are bit-identical;
 * the compile hook: ``tf_keras``'s ``Model`` wraps a plain optimizer in its
-  ``_get_optimizer``; ours wraps it following a ``Policy``'s loss scale
-  (always once ``set_policy`` or an explicit loss scale asked for it), and a
-  plain ``"mixed_float16"`` policy's in ours too after ``patch_keras()``.
+  ``_get_optimizer``; ``GET_OPTIMIZER`` replaces that method, through
+  ``lossscale._compile_hook`` (which also holds the rule it follows), once
+  ``set_policy``, a ``Policy`` with an explicit loss scale or
+  ``patch_keras()`` asks: it wraps following a ``Policy``'s loss scale, and
+  a plain ``"mixed_float16"`` policy's optimizer in ours too after
+  ``patch_keras()``.  Keras 3's ``compile`` is left alone.
+
+Every private ``tf_keras`` name used here comes from ``lossscale._compat``.
 """
 
 import tensorflow as tf
 import tf_keras
 
-from lossscale import _compat
+from lossscale import _compat, _compile_hook
 from lossscale import ops
-from lossscale import policy as _keras3_policy
+from lossscale._policy_loss_scale import PolicyLossScale
 from lossscale._which_keras import KERAS_NAME
 
 _lso = _compat.tf_keras_loss_scale_optimizer_module()
@@ -36,33 +42,26 @@ _lso = _compat.tf_keras_loss_scale_optimizer_module()
 
 # ------------------------------------------------------------------ policy
 
-class Policy(tf_keras.mixed_precision.Policy):
+class Policy(PolicyLossScale, tf_keras.mixed_precision.Policy):
     """``lossscale.experimental.Policy`` under ``tf_keras``: a ``tf_keras`` policy with a loss scale.
 
     Layers read ``name``, ``compute_dtype`` and ``variable_dtype`` as from
     ``tf_keras.mixed_precision.Policy(name)``; ``Model.compile`` wraps the
     optimizer following ``loss_scale`` (see ``lossscale.policy.Policy`` for
-    the arguments; the loss scale is resolved exactly as there).  A saved
-    model holds ``{'name': ...}`` and the explicit loss scale, which
-    ``tf_keras`` drops when it reads the policy back as its own.
+    the arguments; the loss scale is resolved exactly as there, by the same
+    code).  A saved model holds ``{'name': ...}`` and the explicit loss
+    scale, which ``tf_keras`` drops when it reads the policy back as its own.
+
+    An explicit loss scale is TensorFlow 2.4's request to compile with it:
+    constructing such a policy installs ``tf_keras``' compile hook (once),
+    and leaves Keras 3's ``compile`` alone.
     """
 
     def __init__(self, name, loss_scale="auto"):
         super().__init__(name)
-        recipe = _keras3_policy.Policy(name, loss_scale)
-        self._loss_scale = recipe.loss_scale
-        self._using_default_loss_scale = recipe._using_default_loss_scale  # pylint: disable=protected-access
-        if self._loss_scale is not None and not self._using_default_loss_scale:
-            # An explicit loss scale is TensorFlow 2.4's request to compile with it.
-            hook_compile()
-
-    # The loss-scale half is the Keras 3 policy's, unchanged.
-    loss_scale = _keras3_policy.Policy.loss_scale
-    __repr__ = _keras3_policy.Policy.__repr__
-    __eq__ = _keras3_policy.Policy.__eq__
-    __hash__ = None
-    get_config = _keras3_policy.Policy.get_config
-    from_config = _keras3_policy.Policy.__dict__["from_config"]
+        self._init_loss_scale(name, loss_scale)
+        if self.loss_scale is not None and not self._using_default_loss_scale:
+            _compile_hook.install(GET_OPTIMIZER)
 
 
 def set_policy(policy):
@@ -74,7 +73,8 @@ def set_policy(policy):
                         f"tf_keras.mixed_precision.Policy, got {type(policy).__name__} "
                         f"({policy!r}).")
     tf_keras.mixed_precision.set_global_policy(policy)
-    hook_compile()
+    # TensorFlow 2.4's set_policy: compile follows the policy's loss scale.
+    _compile_hook.install(GET_OPTIMIZER)
 
 
 def global_policy():
@@ -84,7 +84,7 @@ def global_policy():
 
 # --------------------------------------------------------------- optimizer
 
-class _NativeDynamicLossScaleState(_lso._DynamicLossScaleState):  # pylint: disable=protected-access
+class _NativeDynamicLossScaleState(_compat.tf_keras_dynamic_loss_scale_state_class()):
     """``tf_keras``'s dynamic loss-scale state, its ``update`` on the native ops.
 
     Same variables, same checkpoint layout; the check and the step of the
@@ -116,13 +116,6 @@ class _NativeDynamicLossScaleState(_lso._DynamicLossScaleState):  # pylint: disa
         return self._step(is_finite, self.current_loss_scale, self.counter), is_finite
 
 
-def _use_native_state(optimizer):
-    # The state tf_keras made (variables, tracking) stays; only its update changes.
-    state = optimizer._loss_scale  # pylint: disable=protected-access
-    if isinstance(state, _lso._DynamicLossScaleState):  # pylint: disable=protected-access
-        state.__class__ = _NativeDynamicLossScaleState
-
-
 class _NativeOps:
     """What ours changes in a ``tf_keras`` loss-scale optimizer: the unscaling
     (tf_keras multiplies by ``tf.cast(1 / scale, g.dtype)``, which is what
@@ -131,10 +124,11 @@ class _NativeOps:
     def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
                  dynamic_growth_steps=None):
         super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
-        _use_native_state(self)
+        # The state tf_keras made (variables, tracking) stays; only its update changes.
+        _compat.tf_keras_update_dynamic_state_with(self, _NativeDynamicLossScaleState)
 
     def get_unscaled_gradients(self, grads):
-        self._gradients_have_been_unscaled = True
+        _compat.tf_keras_note_gradients_unscaled(self)
         unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
         return unscaled
 
@@ -221,51 +215,27 @@ def is_loss_scale_optimizer(optimizer):
 
 # ----------------------------------------------------------- compile hook
 
-_MODEL = _compat.tf_keras_model_class()
-_ORIGINAL = None
-_HOOK = None
-# Whether a plain "mixed_float16" policy gets ours too (patch_keras()).
-_WRAP_MIXED_FLOAT16 = False
-
-
-def _wrap(model, optimizer):
+def _wrap(model, original, wrapper, optimizer):
+    if wrapper.kind == _compile_hook.STOCK:
+        return original(model, optimizer)
     optimizer = tf_keras.optimizers.get(optimizer)
-    if is_loss_scale_optimizer(optimizer):
+    if wrapper.kind == _compile_hook.NONE or is_loss_scale_optimizer(optimizer):
         return optimizer
-    policy = model.dtype_policy
-    if isinstance(policy, Policy):
-        if policy.loss_scale is None:
-            return optimizer
-        fresh = type(policy.loss_scale).from_config(policy.loss_scale.get_config())
-        return from_loss_scale(optimizer, fresh)
-    if policy.name == "mixed_float16":
-        if _WRAP_MIXED_FLOAT16:
-            return LossScaleOptimizer(optimizer)
-        return _lso.BaseLossScaleOptimizer(optimizer)
-    return optimizer
+    loss_scale = wrapper.fresh_loss_scale()
+    if loss_scale is None:
+        return LossScaleOptimizer(optimizer)
+    return from_loss_scale(optimizer, loss_scale)
 
 
-def _get_optimizer(self, optimizer):
-    return tf.nest.map_structure(lambda opt: _wrap(self, opt), optimizer)
+def _make_get_optimizer(original):
+    def _get_optimizer(self, optimizer):
+        wrapper = _compile_hook.wrapper_for(self.dtype_policy, "tf_keras")
+        return tf.nest.map_structure(lambda opt: _wrap(self, original, wrapper, opt), optimizer)
+
+    return _get_optimizer
 
 
-def hook_compile(wrap_mixed_float16=False):
-    """Has ``tf_keras``'s ``Model.compile`` wrap by our ``Policy``'s loss scale
-    (and, with ``wrap_mixed_float16``, a plain ``"mixed_float16"`` policy's
-    optimizer in ours).  Idempotent."""
-    global _ORIGINAL, _HOOK, _WRAP_MIXED_FLOAT16
-    _WRAP_MIXED_FLOAT16 = _WRAP_MIXED_FLOAT16 or wrap_mixed_float16
-    if _HOOK is not None and _MODEL.__dict__.get("_get_optimizer") is _HOOK:
-        return
-    _ORIGINAL = _MODEL.__dict__["_get_optimizer"]
-    _HOOK = _get_optimizer
-    _MODEL._get_optimizer = _HOOK  # pylint: disable=protected-access
-
-
-def unhook_compile():
-    """``tf_keras``'s ``Model.compile`` is its own again."""
-    global _ORIGINAL, _HOOK, _WRAP_MIXED_FLOAT16
-    _WRAP_MIXED_FLOAT16 = False
-    if _HOOK is not None and _MODEL.__dict__.get("_get_optimizer") is _HOOK:
-        _MODEL._get_optimizer = _ORIGINAL  # pylint: disable=protected-access
-    _ORIGINAL = _HOOK = None
+# tf_keras' Model method that wraps compile's optimizer, as the compile hook
+# patches it (``lossscale._compile_hook.wrapper_for`` decides).
+GET_OPTIMIZER = _compile_hook.Patch("tf_keras", *_compat.tf_keras_optimizer_wrapping_method(),
+                                    _make_get_optimizer)

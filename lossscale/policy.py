@@ -15,37 +15,36 @@ reading side (``DTypePolicy.from_config`` rejects unknown keys), so it is
 dropped on the writing side: when Keras's own serialization asks for the
 config, it gets exactly what it would write for ``keras.DTypePolicy(name)``,
 under the public name ``keras.DTypePolicy``.
-"""
 
-import logging
+The loss-scale half is shared with the ``tf_keras`` policy of
+``lossscale._tf_keras`` (``lossscale._policy_loss_scale``); the dtype half is
+Keras 3's own.
+"""
 
 import keras
 
 from lossscale import _compat, keras_patch
-from lossscale import loss_scale as loss_scale_module
+from lossscale._policy_loss_scale import PolicyLossScale
 
 __all__ = ["Policy"]
 
-_logger = logging.getLogger(__name__)
 
-
-def _same_loss_scale(a, b):
-    if a is None or b is None:
-        return a is b
-    return type(a) is type(b) and a.get_config() == b.get_config()
-
-
-class Policy(keras.DTypePolicy):
+class Policy(PolicyLossScale, keras.DTypePolicy):
     """A dtype policy for a Keras layer, with a loss scale for ``Model.compile``.
 
     The difference from ``keras.DTypePolicy`` is the ``loss_scale`` field.  The
-    loss scale is used only by ``Model.compile`` (with no switch to turn on: a
-    policy with a loss scale installs the policy hook of
-    ``lossscale.keras_patch``), which wraps a plain optimizer in a
-    ``lossscale.LossScaleOptimizer`` following that loss scale; it is only used
-    during ``Model.fit``, ``Model.train_on_batch`` and similar methods, never by
-    layers.  With a plain ``keras.DTypePolicy``, ``Model.compile`` instead wraps
-    the optimizer only if the policy's name is ``"mixed_float16"``.
+    loss scale is used only by ``Model.compile``, which wraps a plain
+    optimizer in a ``lossscale.LossScaleOptimizer`` following that loss scale;
+    it is only used during ``Model.fit``, ``Model.train_on_batch`` and similar
+    methods, never by layers.  With a plain ``keras.DTypePolicy``,
+    ``Model.compile`` instead wraps the optimizer only if the policy's name is
+    ``"mixed_float16"``.
+
+    As in TensorFlow 2.4 there is no switch to turn this on: constructing a
+    policy that has a loss scale installs the compile hook of
+    ``lossscale.keras_patch`` (once; later policies find it in place), which
+    wraps for models whose policy asks and leaves every other model's
+    ``compile`` stock.  ``lossscale.unpatch_keras()`` removes it.
 
     Deserializing an object that holds this policy with Keras's generic
     functions (``keras.saving.deserialize_keras_object``,
@@ -67,62 +66,10 @@ class Policy(keras.DTypePolicy):
 
     def __init__(self, name, loss_scale="auto"):
         super().__init__(name)
-        if isinstance(loss_scale, str) and loss_scale == "auto":
-            loss_scale = "dynamic" if name == "mixed_float16" else None
-            self._using_default_loss_scale = True
-        else:
-            self._using_default_loss_scale = False
-        self._loss_scale = loss_scale_module.get(loss_scale)
-        if self._loss_scale is not None and self.compute_dtype != "float16":
-            _logger.warning(
-                "Creating a Policy with a loss scale is only useful for float16 "
-                "policies. You passed loss_scale=%r for policy %s. Consider not "
-                "passing any loss_scale instead.", loss_scale, name)
-        if self._loss_scale is not None:
-            # Asking for a loss scale is asking Model.compile to follow it.
+        self._init_loss_scale(name, loss_scale)
+        if self.loss_scale is not None:
+            # TensorFlow 2.4's documented contract: compile follows the loss scale.
             keras_patch.install_policy_hook()
-
-    @property
-    def loss_scale(self):
-        """The loss scale of this policy: a ``lossscale.LossScale``, or None."""
-        return self._loss_scale
-
-    def __repr__(self):
-        return f'<Policy "{self.name}", loss_scale={self._loss_scale}>'
-
-    def __eq__(self, other):
-        return (type(other) is type(self) and self.name == other.name
-                and _same_loss_scale(self._loss_scale, other._loss_scale))
-
-    def get_config(self):
-        """``{'name': ...}``, plus ``'loss_scale'`` if one was passed explicitly.
-
-        Keras's serializers get ``{'name': ...}`` only: that is what is written
-        into a saved model (see the module docstring).
-        """
-        config = {"name": self.name}
-        # Asked by Keras itself: its serializers.
-        if not self._using_default_loss_scale and not _compat.caller_is_keras():
-            config["loss_scale"] = loss_scale_module.serialize(self._loss_scale)
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """The policy of ``get_config``'s dict, its loss scale included.
-
-        Args:
-          config: ``{'name': ...}``, optionally with ``'loss_scale'`` (a
-            serialized loss scale or any ``lossscale.loss_scale.get`` identifier).
-          custom_objects: ``{name: class}`` for loss-scale classes of your own.
-        """
-        if not isinstance(config, dict):
-            raise ValueError(f"Policy.from_config: config must be a dict such as "
-                             f"{{'name': 'mixed_float16'}}, got {config!r}")
-        config = dict(config)
-        if isinstance(config.get("loss_scale"), dict):
-            config["loss_scale"] = loss_scale_module.deserialize(
-                config["loss_scale"], custom_objects=custom_objects)
-        return cls(**config)
 
 
 # Keras writes this class under the public name ``keras.DTypePolicy`` (and
