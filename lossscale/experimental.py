@@ -339,14 +339,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
         # The LossScale's own update: checks the (per-replica) gradients,
         # combines the flags and steps the scale, as TensorFlow 2.4 did.
         _, should_apply = self.loss_scale_object.update(grads)
-
-        def apply():
-            distribution.extended.call_for_each_replica(
-                lambda g: self.inner_optimizer.apply(
-                    g, trainable_variables=trainable_variables),
-                args=(grads,))
-
-        _step.cond(should_apply, apply, self._skip_step)
+        self._apply_for_each_replica(distribution, should_apply, grads, trainable_variables)
 
     @_step.plain_python
     def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):

@@ -270,20 +270,7 @@ def all_finite(grads):
 
     Same inputs as `unscale_and_check`; reads only.  Empty: True.
     """
-    with tf.name_scope("all_finite"):
-        values, module = _finite_check_inputs(grads, "all_finite")
-        if not values:
-            return tf.constant(True)
-        if module is None:
-            return _fallback.all_finite(values)
-        return module.loss_scale_all_finite(values)
-
-
-def _finite_check_inputs(grads, caller):
-    """(the dense float tensors of ``grads``, the op library when the native
-    check may run on them, else None) for the finite checks."""
-    values, devices, _ = _dense_values(_gradient_list(grads, caller), caller)
-    return values, _native_library(devices)
+    return _all_finite(grads, "all_finite", group_bytes=None)
 
 
 # Gradients up to this size are checked together with their neighbours in
@@ -300,12 +287,21 @@ def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
     """`all_finite` as a step should run it inside the graph that makes the
     gradients: one op per large gradient, small neighbours grouped up to
     ``group_bytes``, the flags combined.  Same result as `all_finite`."""
-    with tf.name_scope("all_finite_grouped"):
-        values, module = _finite_check_inputs(grads, "all_finite_grouped")
+    return _all_finite(grads, "all_finite_grouped", group_bytes)
+
+
+def _all_finite(grads, caller, group_bytes):
+    """The finite check of ``grads`` in groups of up to ``group_bytes`` (None:
+    one group), one op each, the flags combined."""
+    with tf.name_scope(caller):
+        values, devices, _ = _dense_values(_gradient_list(grads, caller), caller)
         if not values:
             return tf.constant(True)
+        module = _native_library(devices)
         if module is None:
             return _fallback.all_finite(values)
+        if group_bytes is None:
+            return module.loss_scale_all_finite(values)
         flags, group, size = [], [], 0
         for v in values:
             nbytes = v.shape.num_elements()

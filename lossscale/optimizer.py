@@ -368,15 +368,18 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         total = distribution.reduce(tf.distribute.ReduceOp.SUM, finite_per_replica, axis=None)
         finite = tf.equal(total, distribution.num_replicas_in_sync)
         should_apply = self._rule.advance(finite, unscaled)
+        self._apply_for_each_replica(distribution, should_apply, unscaled, trainable_variables)
 
+    def _apply_for_each_replica(self, distribution, should_apply, grads, trainable_variables):
+        """The inner optimizer's step on each replica's ``grads`` when
+        ``should_apply``, else the skip: a cond branch in the cross-replica
+        context, since the inner optimizer's own merge call would not be
+        allowed in a replica context under a cond."""
         def apply():
-            # A cond branch in the cross-replica context: the inner
-            # optimizer's own merge call would not be allowed in a replica
-            # context under a cond.
             distribution.extended.call_for_each_replica(
                 lambda g: self.inner_optimizer.apply(
                     g, trainable_variables=trainable_variables),
-                args=(unscaled,))
+                args=(grads,))
 
         _step.cond(should_apply, apply, self._skip_step)
 

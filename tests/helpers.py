@@ -207,3 +207,19 @@ def two_cpu_replicas():
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def batch_recorder(callbacks, record):
+    """A ``callbacks.Callback`` (Keras 3's or tf_keras' module) whose
+    ``states`` list gets ``record(model, optimizer)`` after every training
+    batch of ``fit``."""
+
+    class Recorder(callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.states = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.states.append(record(self.model, self.model.optimizer))
+
+    return Recorder()

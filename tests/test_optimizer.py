@@ -23,7 +23,7 @@ import lossscale
 from lossscale import ops
 from lossscale.loss_scale import DynamicLossScale, FixedLossScale
 from lossscale.optimizer import LossScaleOptimizer
-from helpers import bits, keras3_train_step, mixed_mlp, tf24_reference_step, tf_dynamic
+from helpers import batch_recorder, bits, keras3_train_step, mixed_mlp, tf24_reference_step, tf_dynamic
 
 Stock = keras.optimizers.LossScaleOptimizer
 INF = float("inf")
@@ -161,15 +161,6 @@ def test_train_on_batch_bit_identical_to_stock():
     assert int(ours.iterations.numpy()) < 60
 
 
-class _Snapshots(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.states = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.states.append(snapshot(self.model, self.model.optimizer))
-
-
 def test_fit_jit_compile_bit_identical_to_stock():
     """fit with jit_compile=True: XLA compiles the step, the ops take their TF path."""
     x, y = zip(*batches(40, seed=5))
@@ -183,7 +174,7 @@ def test_fit_jit_compile_bit_identical_to_stock():
         opt = cls(keras.optimizers.SGD(0.01, momentum=0.5), initial_scale=2.0**13,
                   dynamic_growth_steps=2)
         model.compile(optimizer=opt, loss="mse", jit_compile=True)
-        snaps = _Snapshots()
+        snaps = batch_recorder(keras.callbacks, snapshot)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[snaps])
         histories.append(snaps.states)
     stock_states, our_states = histories

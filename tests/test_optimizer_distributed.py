@@ -24,7 +24,7 @@ WORKER = r'''
 import json, sys
 import numpy as np
 import tensorflow as tf
-from helpers import two_cpu_replicas
+from helpers import batch_recorder, two_cpu_replicas
 
 strategy = two_cpu_replicas()
 
@@ -140,22 +140,13 @@ xs[8 * 5 + 1, 0, 0, 0] = xs[8 * 5 + 5, 0, 0, 0] = np.inf
 xs[8 * 13 + 2, 1, 1, 1] = xs[8 * 13 + 6, 1, 1, 1] = np.nan
 
 
-class Snapshots(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.states = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.states.append(state(self.model, self.model.optimizer))
-
-
 fit_states = []
 for cls in (Stock, LossScaleOptimizer):
     with strategy.scope():
         model = build(0)
         opt = cls(keras.optimizers.SGD(0.01), initial_scale=2.0**10, dynamic_growth_steps=2)
         model.compile(optimizer=opt, loss="mse")
-    snaps = Snapshots()
+    snaps = batch_recorder(keras.callbacks, state)
     model.fit(xs, ys, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[snaps])
     fit_states.append(snaps.states)
 report["fit_batches"] = [len(s) for s in fit_states]
