@@ -24,7 +24,9 @@ def pytest_terminal_summary(terminalreporter):
 def stock_keras_compile():
     """Stock Keras's ``compile`` and the global policy around a test; yields
     that ``compile``.  A ``lossscale.Policy`` with a loss scale made by an
-    earlier test installs compile's policy hook, so it is undone first."""
+    earlier test has installed compile's policy hook (TensorFlow 2.4's
+    documented behaviour, see ``lossscale._compile_hook``), so
+    ``unpatch_keras()``, which takes out every hook, runs first."""
     import keras  # pylint: disable=import-outside-toplevel
 
     import lossscale  # pylint: disable=import-outside-toplevel

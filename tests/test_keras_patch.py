@@ -113,6 +113,24 @@ def test_unpatch_leaves_a_later_patch_alone():
     lossscale.unpatch_keras()
 
 
+def test_the_policy_hook_is_installed_once_by_the_first_policy_with_a_loss_scale():
+    from lossscale import experimental  # pylint: disable=import-outside-toplevel
+
+    Policy("float32")
+    Policy("mixed_float16", loss_scale=None)
+    assert Trainer.__dict__["compile"] is STOCK_COMPILE
+    Policy("mixed_float16")
+    hooked = Trainer.__dict__["compile"]
+    assert hooked is not STOCK_COMPILE and not keras_patch.is_keras_patched()
+    Policy("float32", loss_scale=8)
+    experimental.set_policy(Policy("mixed_float16", loss_scale=None))
+    assert Trainer.__dict__["compile"] is hooked
+    lossscale.patch_keras()
+    assert Trainer.__dict__["compile"] is hooked and keras_patch.is_keras_patched()
+    lossscale.unpatch_keras()
+    assert Trainer.__dict__["compile"] is STOCK_COMPILE
+
+
 # ----------------------------------------------------------------------
 # What compile wraps
 

@@ -104,3 +104,61 @@ def test_tf_keras_unscale_is_tf_keras_multiply():
         assert unscaled[-1] is None
         for got, want in zip(unscaled, stock.get_unscaled_gradients(grads)):
             assert_same_bits(got.numpy(), want.numpy(), f"scale {initial}")
+
+
+def test_a_tf_keras_policy_under_keras3_patches_only_tf_keras(stock_keras_compile):
+    from lossscale import _compat, _tf_keras  # pylint: disable=import-outside-toplevel
+
+    trainer = _compat.trainer_class()
+    model_class, name = _compat.tf_keras_optimizer_wrapping_method()
+    tf_keras_stock = model_class.__dict__[name]
+    try:
+        _tf_keras.Policy("mixed_float16")
+        assert model_class.__dict__[name] is tf_keras_stock
+        _tf_keras.Policy("mixed_float16", loss_scale=128)
+        assert trainer.__dict__["compile"] is stock_keras_compile
+        assert model_class.__dict__[name] is not tf_keras_stock
+    finally:
+        import lossscale  # pylint: disable=import-outside-toplevel
+
+        lossscale.unpatch_keras()
+    assert model_class.__dict__[name] is tf_keras_stock
+
+
+# The private tf_keras names of lossscale._compat's last section, checked
+# against the installed tf_keras (each failure names the one that moved).
+
+def test_compat_tf_keras_optimizer_wrapping_method():
+    from lossscale import _compat  # pylint: disable=import-outside-toplevel
+
+    owner, name = _compat.tf_keras_optimizer_wrapping_method()
+    assert issubclass(tf_keras.Model, owner) and callable(owner.__dict__.get(name)), (
+        "tf_keras_optimizer_wrapping_method: tf_keras' Model no longer defines _get_optimizer")
+
+
+def test_compat_tf_keras_dynamic_state_and_unscaled_flag():
+    from lossscale import _compat  # pylint: disable=import-outside-toplevel
+
+    state_class = _compat.tf_keras_dynamic_loss_scale_state_class()
+    stock = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD())
+    assert type(stock._loss_scale) is state_class, (  # pylint: disable=protected-access
+        "tf_keras_dynamic_loss_scale_state_class: tf_keras' dynamic LossScaleOptimizer no "
+        "longer keeps a _DynamicLossScaleState in _loss_scale")
+
+    class Marked(state_class):
+        pass
+
+    variables = list(stock.variables)
+    _compat.tf_keras_update_dynamic_state_with(stock, Marked)
+    assert type(stock._loss_scale) is Marked  # pylint: disable=protected-access
+    assert list(stock.variables) == variables and float(stock.loss_scale) == 2**15
+    fixed = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(),
+                                                         dynamic=False, initial_scale=4)
+    _compat.tf_keras_update_dynamic_state_with(fixed, Marked)
+    assert not fixed.dynamic
+
+    assert stock._gradients_have_been_unscaled is False, (  # pylint: disable=protected-access
+        "tf_keras_note_gradients_unscaled: tf_keras' LossScaleOptimizer no longer keeps "
+        "_gradients_have_been_unscaled")
+    _compat.tf_keras_note_gradients_unscaled(stock)
+    assert stock._gradients_have_been_unscaled is True  # pylint: disable=protected-access

@@ -319,6 +319,44 @@ def test_compile_honours_the_policys_loss_scale():
     ).LossScaleOptimizerV3
 
 
+def _keras3_compile():
+    return _compat.trainer_class().__dict__["compile"]
+
+
+def test_tf_keras_policies_leave_keras3_compile_alone():
+    # TensorFlow 2.4's ways of asking compile to follow a loss scale, under
+    # tf_keras, patch tf_keras' compile and never Keras 3's.
+    import keras  # pylint: disable=import-outside-toplevel
+
+    stock = _keras3_compile()
+    model_class, name = _compat.tf_keras_optimizer_wrapping_method()
+    tf_keras_stock = model_class.__dict__[name]
+    for policy in (lossscale.Policy("mixed_float16"), lossscale.Policy("float32", loss_scale=None),
+                   mixed_precision.Policy("mixed_float16", loss_scale=128),
+                   lossscale.Policy("mixed_float16", loss_scale="dynamic")):
+        assert isinstance(policy, tf_keras.mixed_precision.Policy)
+        assert _keras3_compile() is stock
+    mixed_precision.set_policy("mixed_float16")
+    assert _keras3_compile() is stock
+    hooked = model_class.__dict__[name]
+    assert hooked is not tf_keras_stock
+    # Asking again installs nothing more.
+    mixed_precision.Policy("mixed_float16", loss_scale=64)
+    mixed_precision.set_policy(mixed_precision.Policy("mixed_float16", loss_scale=8))
+    assert model_class.__dict__[name] is hooked
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    assert isinstance(model.optimizer, lossscale.LossScaleOptimizer)
+    assert float(model.optimizer.loss_scale) == 8.0
+    # A Keras 3 model beside it compiles as stock Keras 3.
+    keras3 = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    keras3.compile(keras.optimizers.SGD(), "mse")
+    assert type(keras3.optimizer) is keras.optimizers.SGD
+    assert _keras3_compile() is stock
+    lossscale.unpatch_keras()
+    assert model_class.__dict__[name] is tf_keras_stock
+
+
 def test_patch_keras_hooks_tf_keras_compile():
     model_class = _compat.tf_keras_model_class()
     original = model_class.__dict__["_get_optimizer"]
