@@ -274,3 +274,31 @@ def tf_keras_note_gradients_unscaled(optimizer):
     ``get_unscaled_gradients`` ran, as ``tf_keras``' own does (its
     ``apply_gradients`` warns when a custom loop forgot to unscale)."""
     optimizer._gradients_have_been_unscaled = True  # pylint: disable=protected-access
+
+
+class TfKerasBatchHooks:
+    """Mixin before ``keras.callbacks.Callback`` for a Keras 3 callback that
+    ``tf_keras``' ``fit`` runs too: ``tf_keras``' ``CallbackList`` asks each
+    callback which batch hooks it implements
+    (``_implements_{train,test,predict}_batch_hooks``), methods Keras 3's
+    ``Callback`` lacks.  The answer is ``tf_keras``' own: whether the class
+    overrides that mode's ``on_*_batch_begin`` or ``on_*_batch_end``."""
+
+    def _overrides_batch_hooks(self, mode):
+        import keras
+
+        base = keras.callbacks.Callback
+        return any(getattr(type(self), hook) is not getattr(base, hook)
+                   for hook in (f"on_{mode}_batch_begin", f"on_{mode}_batch_end"))
+
+    def _implements_train_batch_hooks(self):
+        return self._overrides_batch_hooks("train")
+
+    def _implements_test_batch_hooks(self):
+        return self._overrides_batch_hooks("test")
+
+    def _implements_predict_batch_hooks(self):
+        return self._overrides_batch_hooks("predict")
+
+
+__all__ += ["TfKerasBatchHooks"]

@@ -14,6 +14,8 @@ import warnings
 
 import keras
 
+from lossscale import _compat
+
 __all__ = ["LossScaleMonitor"]
 
 
@@ -35,7 +37,9 @@ def _read(value):
     return float(value.numpy() if hasattr(value, "numpy") else value)
 
 
-class LossScaleMonitor(keras.callbacks.Callback):
+# TfKerasBatchHooks: what tf_keras' CallbackList asks a callback (it then
+# calls the batch hooks it is told of).
+class LossScaleMonitor(_compat.TfKerasBatchHooks, keras.callbacks.Callback):
     """Logs the loss scale and the skipped steps; warns when the scale is stuck low.
 
     At the end of every epoch (and of every batch with ``log_batches=True``)
@@ -148,17 +152,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------
     # Callback hooks
-
-    # What tf_keras' CallbackList asks a callback (it calls the hooks it says).
-
-    def _implements_train_batch_hooks(self):
-        return True
-
-    def _implements_test_batch_hooks(self):
-        return False
-
-    def _implements_predict_batch_hooks(self):
-        return False
 
     def on_train_begin(self, logs=None):
         opt = getattr(self.model, "optimizer", None)

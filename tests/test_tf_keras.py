@@ -162,3 +162,14 @@ def test_compat_tf_keras_dynamic_state_and_unscaled_flag():
         "_gradients_have_been_unscaled")
     _compat.tf_keras_note_gradients_unscaled(stock)
     assert stock._gradients_have_been_unscaled is True  # pylint: disable=protected-access
+
+
+def test_compat_tf_keras_batch_hooks():
+    import lossscale  # pylint: disable=import-outside-toplevel
+
+    # pylint: disable=protected-access
+    callbacks = tf_keras.callbacks.CallbackList([lossscale.LossScaleMonitor()])
+    assert (callbacks._should_call_train_batch_hooks, callbacks._should_call_test_batch_hooks,
+            callbacks._should_call_predict_batch_hooks) == (True, False, False), (
+        "TfKerasBatchHooks: tf_keras' CallbackList no longer asks "
+        "_implements_*_batch_hooks")
