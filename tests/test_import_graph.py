@@ -191,10 +191,9 @@ print("OK", len(order))
 _FIRST = ["lossscale._tf_keras", "lossscale.keras_patch", "lossscale.policy",
           "lossscale.callbacks", "lossscale.experimental"]
 ORDERS = {
-    "sorted": [m for m in PYTHON_MODULES if m != "lossscale.__main__"],
-    "reversed": [m for m in reversed(PYTHON_MODULES) if m != "lossscale.__main__"],
-    "hook users first": _FIRST + [m for m in PYTHON_MODULES
-                                  if m not in _FIRST and m != "lossscale.__main__"],
+    "sorted": PYTHON_MODULES,
+    "reversed": PYTHON_MODULES[::-1],
+    "hook users first": _FIRST + [m for m in PYTHON_MODULES if m not in _FIRST],
 }
 
 
