@@ -1,7 +1,7 @@
 """Turns the raw pytest-benchmark JSON of one run of the suite into
 ``REPORT.md`` and its plots, in the JSON's directory.
 
-    python bench/report.py bench/results/raw.json
+    python bench/report.py [--no-readme] bench/results/raw.json
 
 Per method on a workload, every timed sample of every round is divided by
 the calls (and, for ``fit``, the steps) it covered; the report gives their
@@ -15,6 +15,13 @@ stock Keras and torch, a parameter-heavy ``fit`` step, tracing, the finite
 check alone -- and keeps the isolated ops below.  Plots need
 matplotlib; without it the report says so and is written without them.
 The raw JSON is rewritten without indentation (same content).
+
+The README's performance headline is generated here too, never copied by
+hand: from the results of a full run (not ``--quick`` ones, and not with
+``--no-readme``) the text between the README's ``<!-- headline:start -->``
+and ``<!-- headline:end -->`` markers is rewritten by ``readme_block``.
+``tests/test_readme_headline.py`` checks that the README holds what the
+committed ``bench/results/raw.json`` gives.
 """
 
 import dataclasses
@@ -542,6 +549,161 @@ class Report:
                              [(f"{PEER_LABELS[('check', p)]} ÷ composite", p, "composite")
                               for p in ours],
                              lambda c, p: self.get("check", c, p))
+
+    # -------------------------------------------------------- README headline
+
+    def readme_headline(self):
+        """The README's performance headline, as lines of Markdown: what lies
+        between its ``headline`` markers, generated from this run alone."""
+        f = self.facts
+        t = self.threads
+        out = [GENERATED_NOTE, ""]
+
+        def rv(layer, case, ours, peer, threads=None):
+            return ratio(self.get(layer, case, ours, threads), self.get(layer, case, peer, threads))
+
+        def cells(*rs):
+            return " / ".join(fmt_ratio(r, spread=False) for r in rs)
+
+        rounds = f.get("rounds")
+        out.append(
+            f"From the committed run of `make bench` ({f.get('cpu', 'unknown CPU')}, "
+            f"{f.get('cores_available')} cores, kernel set `{f.get('simd_level')}`, "
+            f"{t} thread{'s' if t > 1 else ''}; TensorFlow {f.get('tensorflow')}, Keras "
+            f"{f.get('keras')}, torch {f.get('torch') or 'absent'}).  Time ratios **ours ÷ "
+            "peer**: below 1 ours is faster"
+            + (f"; the median of the {rounds} rounds' ratios" if rounds else "")
+            + "; where the gradients are made in the graph, making them is timed apart "
+            "and taken off.")
+        out += ["", "The step a user times, `LossScaleOptimizer.apply` on scaled float32 "
+                "gradients made in the graph:", "",
+                "| | path | ours ÷ stock Keras | ours ÷ torch `fused=True` + GradScaler "
+                "| ours ÷ roofline |", "|---|---|---:|---:|---:|"]
+        for optimizer in ("adam", "sgdm"):
+            for name in STEP_GOAL_WORKLOADS:
+                case = f"{name}/float32/{optimizer}"
+                if not self.get("step", case, "ours"):
+                    continue
+                out.append(f"| {OPTIMIZER_LABELS[optimizer]}, {case_label(case).split(' ')[0]}"
+                           f" ({workloads.values(name) / 1e6:.1f}M values) | "
+                           f"{self.step_path(case)} | "
+                           + " | ".join(fmt_ratio(ratio(self.step_get(case, "ours"),
+                                                        self.step_get(case, peer)), spread=False)
+                                        for peer in ("stock", "torch_fused", "roofline"))
+                           + " |")
+        tiny = [f"{TRACING_GOAL_WORKLOAD}/float32/{o}" for o in ("adam", "sgdm")]
+        if all(self.get("step", c, "ours") for c in tiny):
+            out.append(f"| Adam / SGD-momentum, {case_label(tiny[0]).split(' float32')[0]} | "
+                       + " / ".join(self.step_path(c) for c in tiny) + " | "
+                       + " | ".join(cells(*(ratio(self.step_get(c, "ours"),
+                                                  self.step_get(c, peer)) for c in tiny))
+                                    for peer in ("stock", "torch_fused"))
+                       + " | — |")
+        bw = rv("core", f"{workloads.BIG}/float32", "ours", "roofline")
+        out += ["", "The roofline is the bytes the step must move ("
+                + ", ".join(f"{b} B per value for {OPTIMIZER_LABELS[o]}"
+                            for o, b in sorted(STEP_BYTES_PER_PARAM.items(),
+                                               key=lambda kv: kv[1]))
+                + ") at the bandwidth of numpy's single-threaded in-place `np.multiply` over "
+                "1 GiB"
+                + (f"; `lossscale.core` at {t} threads streams the same 1 GiB in "
+                   f"{_r(bw.value)} of its time, hence ratios below 1." if bw and t > 1 else ".")]
+        rows = []
+
+        def row(what, *rs):
+            if any(r is not None for r in rs):
+                rows.append(f"| {what} | {cells(*rs)} |")
+
+        mlp = "mlp_4096x3/mixed_float16"
+        ident = self.records.get("fit_mlp", {})
+        same = ident.get("identical", {}).get("ours")
+        row(f"a whole `fit` step, {case_label(mlp).replace('MLP ', '')} MLP"
+            + (f" ({ident['params'] / 1e6:.1f}M parameters)" if ident else "")
+            + ", Adam ÷ stock Keras" + (" (weights bit-identical)" if same else ""),
+            rv("fit", mlp, "ours", "stock"))
+        row("tracing `apply` over 2,000 variables, Adam / SGD-momentum ÷ stock Keras",
+            *(self.first_ratio("step", c, "ours", "stock") for c in tiny))
+        check = self.best_check()
+        row(f"finite check alone ({PEER_LABELS[('check', check)]}), gradients made in the "
+            "graph, ResNet-50 / 2,000 × 64 ÷ stock composite",
+            *(rv("check", f"{w}/float32", check, "composite")
+              for w in ("resnet50", TRACING_GOAL_WORKLOAD)))
+        row("`lossscale.core`, ResNet-50 float32, 1 thread ÷ in-place `np.multiply` "
+            "(memory roofline)", rv("core", "resnet50/float32", "ours", "roofline", 1))
+        dtypes = ("float32", "float16", "bfloat16")
+        for threads in sorted({1, t}):
+            row(f"`lossscale.core`, ResNet-50 {' / '.join(dtypes)}, {threads} thread"
+                f"{'s' if threads > 1 else ''} ÷ torch `_amp_foreach_non_finite_check_and_"
+                "unscale_`", *(rv("core", f"resnet50/{d}", "ours", "torch", threads)
+                               for d in dtypes))
+        row(f"`lossscale.core`, 2,000 tiny float32 tensors, {t} thread{'s' if t > 1 else ''}"
+            " ÷ numpy loop / ÷ torch",
+            *(rv("core", "tiny_2000x64/float32", "ours", p) for p in ("numpy", "torch")))
+        row("TF op in `tf.function`, ResNet-50 / BERT-base / 2,000 tiny float32 ÷ stock "
+            "composite", *(rv("tf_op", f"{w}/float32", "ours", "composite")
+                           for w in workloads.LISTS))
+        row("`LossScale.update`, ResNet-50 / 2,000 tiny float32 ÷ "
+            "`tf.compat.v1.mixed_precision.DynamicLossScale`",
+            *(rv("loss_scale", f"{w}/float32", "ours", "stock")
+              for w in ("resnet50", TRACING_GOAL_WORKLOAD)))
+        mem = self.records.get("memory")
+        if mem:
+            inside = mem["situations"]["inside"]
+            rows.append(f"| peak memory one step adds to a "
+                        f"{workloads.size_label(mem['gradient_bytes'])} gradient made in the "
+                        f"step: ours / stock composite | "
+                        f"{inside['native']['fraction_of_gradient'] * 100:.0f}% / "
+                        f"{inside['composite']['fraction_of_gradient'] * 100:.0f}% |")
+        tr = self.records.get("training")
+        if tr:
+            runs = tr["runs"]
+            rows.append(f"| digits CNN, {runs['float32']['epochs']} epochs: test accuracy "
+                        f"stock / ours | {runs['mixed_stock']['test_accuracy']:.4f} / "
+                        f"{runs['mixed_lossscale']['test_accuracy']:.4f} |")
+        if rows:
+            out += ["", "| | ours ÷ peer |", "|---|---:|", *rows]
+        out += ["", *self.readme_summary(tiny)]
+        return out
+
+    def step_path(self, case):
+        """The path ``ours`` took on a step workload, as ``step_path`` said it."""
+        e = self.info.get(("step", case, self.threads, "ours"), {})
+        return f"`{e['step_path']}`" if "step_path" in e else "—"
+
+    def readme_summary(self, tiny):
+        """The headline's closing paragraph: speed-ups and losses, read from this run."""
+        parts = []
+        for optimizer in ("adam", "sgdm"):
+            cases = [f"{w}/float32/{optimizer}" for w in STEP_GOAL_WORKLOADS]
+            ups = [x for c in cases for x in [speedup(self.step_get(c, "ours"),
+                                                      self.step_get(c, "stock"))] if x]
+            torch = [r.value for c in cases for r in [ratio(self.step_get(c, "ours"),
+                                                            self.step_get(c, "torch_fused"))]
+                     if r is not None]
+            if not ups:
+                continue
+            label = "Adam" if optimizer == "adam" else "SGD with momentum"
+            text = (f"{label} steps {self._span(ups, lambda x: f'{x:.1f}')}× faster than "
+                    "stock Keras on ResNet-50 and BERT-base")
+            if torch:
+                verdict = ("faster than" if max(torch) < FASTER else
+                           "level with" if max(torch) <= SLOWER else "slower than")
+                text += f", {verdict} torch's fused CPU optimizer ({self._span(torch, _r)})"
+            parts.append(text)
+        lines = []
+        if parts:
+            lines += ["; ".join(parts) + ".", ""]
+        losses = []
+        for case in tiny:
+            for peer in ("torch_fused", "torch_foreach"):
+                r = ratio(self.step_get(case, "ours"), self.step_get(case, peer))
+                if r is not None and r.value > SLOWER:
+                    losses.append(f"{case_label(case).split(' float32')[0]} "
+                                  f"{OPTIMIZER_LABELS[case.split('/')[2]]} ÷ "
+                                  f"{PEER_LABELS[('step', peer)]} {_r(r.value)}")
+        if losses:
+            lines += ["Where the step loses in this run: " + "; ".join(losses) + ".", ""]
+        return lines[:-1]
 
     # -------------------------------------------------------- sections
 
@@ -1081,6 +1243,45 @@ class Report:
         return path
 
 
+# ------------------------------------------------------------ README
+
+README = os.path.join(os.path.dirname(HERE), "README.md")
+HEADLINE_START = "<!-- headline:start -->"
+HEADLINE_END = "<!-- headline:end -->"
+GENERATED_NOTE = ("<!-- Generated by bench/report.py from bench/results/raw.json "
+                  "(a full make bench): edit report.py, not this. -->")
+
+
+def readme_block(rep):
+    """The text that lies between the README's headline markers."""
+    return "\n".join(rep.readme_headline()) + "\n"
+
+
+def split_readme(text):
+    """``(before, headline, after)``: the README around its headline markers;
+    exactly one pair must be there, in order."""
+    if text.count(HEADLINE_START) != 1 or text.count(HEADLINE_END) != 1:
+        raise ValueError(f"README.md: expected one {HEADLINE_START} and one {HEADLINE_END}")
+    before, rest = text.split(HEADLINE_START)
+    headline, after = rest.split(HEADLINE_END)
+    if not headline.startswith("\n"):
+        raise ValueError(f"README.md: {HEADLINE_START} must end its line")
+    return before + HEADLINE_START + "\n", headline[1:], HEADLINE_END + after
+
+
+def update_readme(rep, path=README):
+    """Rewrites the README's headline from ``rep``; True when it changed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    before, old, after = split_readme(text)
+    new = readme_block(rep)
+    if new == old:
+        return False
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(before + new + after)
+    return True
+
+
 # ------------------------------------------------------------ plots
 
 def make_plots(rep):
@@ -1246,6 +1447,9 @@ def plot_training(rep, plt, path):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    readme = README
+    if argv[:1] == ["--no-readme"]:
+        readme, argv = None, argv[1:]
     if len(argv) != 1:
         print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
         return 2
@@ -1256,6 +1460,9 @@ def main(argv=None):
         json.dump(rep.raw, f, separators=(",", ":"))
     path = rep.write()
     print(f"report: {path}")
+    if readme and not rep.facts.get("quick"):
+        changed = update_readme(rep, readme)
+        print(f"report: README headline {'rewritten' if changed else 'unchanged'} ({readme})")
     for line in rep.records.get("skipped", []):
         print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
