@@ -1,9 +1,10 @@
 """The compile hook's state and rule: what is patched, and which wrapper a policy gets.
 
 ``Model.compile`` wraps a plain optimizer in a loss-scale optimizer; this
-module decides how, for Keras 3 (whose ``compile`` ``lossscale.keras_patch``
-replaces) and ``tf_keras`` (whose ``_get_optimizer`` ``lossscale._tf_keras``
-replaces).  Those two modules describe their replacement as a ``Patch``;
+module decides how, for Keras 3 (``lossscale.keras_patch`` replaces its
+``Trainer.compile``) and for ``tf_keras`` (``lossscale._tf_keras`` replaces
+its ``Model._get_optimizer``).  Those two modules describe their
+replacement as a ``Patch``;
 ``install`` is the one function that puts a patch in place, once (calling
 it again does nothing), and ``uninstall_all`` the one that takes every
 patch out again (``lossscale.unpatch_keras``).  Nothing is patched on
@@ -35,7 +36,7 @@ __all__ = ["Patch", "install", "uninstall_all", "is_explicit", "follow",
 LOSS_SCALE_POLICY = "_compile_follows_loss_scale"
 
 # What ``wrapper_for`` answers.
-STOCK = "stock"  # the Keras's own compile decides, as if not patched
+STOCK = "stock"  # that Keras's own compile decides, as if not patched
 NONE = "none"    # no loss-scale optimizer
 OURS = "ours"    # lossscale's loss-scale optimizer
 
