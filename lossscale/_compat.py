@@ -250,7 +250,8 @@ def tf_keras_dynamic_loss_scale_state_class():
     """``tf_keras``' ``_DynamicLossScaleState``: the trackable that holds a
     dynamic loss-scale optimizer's ``current_loss_scale`` and ``good_steps``
     variables and whose ``update(grads)`` steps them.  Not exported."""
-    return tf_keras_loss_scale_optimizer_module()._DynamicLossScaleState  # pylint: disable=protected-access
+    module = tf_keras_loss_scale_optimizer_module()
+    return module._DynamicLossScaleState  # pylint: disable=protected-access
 
 
 def tf_keras_update_dynamic_state_with(optimizer, state_class):
