@@ -1,26 +1,15 @@
 /*
- * The fused optimizer kernels, written once over a small vector vocabulary
- * that each ISA file defines before including this file:
- *
- *   LS_V, LS_VW          the float32 vector type and its lane count
- *   v_load, v_store      unaligned float32 loads and stores
- *   v_load_f16, v_load_bf16   LS_VW 16-bit gradients widened (exactly)
- *   v_set1, v_add, v_sub, v_mul, v_div, v_sqrt   IEEE, each rounded once
- *   v_max(a, b)          (a > b) ? a : b
- *   LS_OPTIM_SET         the set's name (a token)
+ * The fused optimizer kernels, written once over simd.h's vector
+ * vocabulary (float32 vectors: v_load, v_load_f16, v_mul, ...) and
+ * compiled by each set's optim_<set>.c, which includes its vocabulary
+ * header first.
  *
  * Each vector statement is the one-element reference of optim.h on LS_VW
  * lanes, operation for operation, so the two can be read side by side.
  * Tails, and float16/bfloat16 gradients under TensorFlow 2.4's rounded
  * multiply, run the reference itself.
  */
-#ifndef LS_OPTIM_SET
-#error "define the vector vocabulary and LS_OPTIM_SET before including optim_body.h"
-#endif
-
-#define LS_OPTIM_CAT2(a, b) a##b
-#define LS_OPTIM_CAT(a, b) LS_OPTIM_CAT2(a, b)
-#define LS_OPTIM_FN(name) LS_OPTIM_CAT(name##_, LS_OPTIM_SET)
+#include "simd.h"
 
 /* Every stream is prefetched LS_PREFETCH_BYTES ahead: the hardware
  * prefetchers stop at each 4 KiB page, and TensorFlow's buffers are on
@@ -36,7 +25,7 @@ static inline __attribute__((always_inline)) void ls_prefetch(const void *base, 
 }
 
 static inline __attribute__((always_inline)) LS_V
-LS_OPTIM_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
+LS_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
 {
     LS_V g;
     if (dt == LS_FLOAT16)
@@ -53,7 +42,7 @@ LS_OPTIM_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor
 }
 
 static inline __attribute__((always_inline)) LS_V
-LS_OPTIM_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
+LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
 {
     if (decay == LS_DECAY_OP_BY_OP)
         return v_sub(w, v_mul(v_mul(w, wd), lr));
@@ -63,7 +52,7 @@ LS_OPTIM_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
 }
 
 /* The vector loop's reach: none when a rounded 16-bit multiply is asked. */
-static inline size_t LS_OPTIM_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
+static inline size_t LS_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
                                              const ls_optim_args *a)
 {
     if (a->grad_mode == LS_GRAD_MUL_ROUNDED && p->grad_dtype != LS_FLOAT32)
@@ -72,12 +61,12 @@ static inline size_t LS_OPTIM_FN(vector_end)(const ls_param *p, size_t lo, size_
 }
 
 static inline __attribute__((always_inline)) void
-LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
                      ls_dtype dt)
 {
     const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
                wd_lr = v_set1(a->wd_lr), mu = v_set1(a->momentum);
-    const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
+    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
     /* Read once: the stores below could alias them as far as C knows, and
      * reloading them would keep the compiler from unswitching the loop. */
     const void *const grad = p->grad;
@@ -91,9 +80,9 @@ LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_arg
         ls_prefetch(var, i * sizeof(float));
         if (use_momentum)
             ls_prefetch(mom, i * sizeof(float));
-        LS_V g = LS_OPTIM_FN(grad)(grad, i, dt, mode, factor);
+        LS_V g = LS_FN(grad)(grad, i, dt, mode, factor);
         LS_V w = v_load(var + i);
-        w = LS_OPTIM_FN(decay)(w, decay, wd, lr, wd_lr);
+        w = LS_FN(decay)(w, decay, wd, lr, wd_lr);
         if (use_momentum) {
             LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
             v_store(mom + i, m);
@@ -107,13 +96,13 @@ LS_OPTIM_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_arg
 }
 
 static inline __attribute__((always_inline)) void
-LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
                       ls_dtype dt)
 {
     const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
                wd_lr = v_set1(a->wd_lr), c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
                eps = v_set1(a->epsilon);
-    const size_t end = LS_OPTIM_FN(vector_end)(p, lo, hi, a);
+    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
     const void *const grad = p->grad; /* read once, as in sgd_run */
     float *const var = p->var, *const ms = p->slot[0], *const vs = p->slot[1],
                  *const vhs = p->slot[2];
@@ -127,9 +116,9 @@ LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_ar
         ls_prefetch(vs, i * sizeof(float));
         if (amsgrad)
             ls_prefetch(vhs, i * sizeof(float));
-        LS_V g = LS_OPTIM_FN(grad)(grad, i, dt, mode, factor);
+        LS_V g = LS_FN(grad)(grad, i, dt, mode, factor);
         LS_V w = v_load(var + i);
-        w = LS_OPTIM_FN(decay)(w, decay, wd, lr, wd_lr);
+        w = LS_FN(decay)(w, decay, wd, lr, wd_lr);
         LS_V m = v_load(ms + i), v = v_load(vs + i);
         m = v_add(m, v_mul(v_sub(g, m), c1));
         v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
@@ -145,11 +134,11 @@ LS_OPTIM_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_ar
     ls_adam_elements(p, i, hi, a);
 }
 
-#define LS_OPTIM_DEFINE(opt, dtname, dt)                                                     \
-    static void LS_OPTIM_CAT(LS_OPTIM_FN(opt), _##dtname)(const ls_param *p, size_t lo,      \
-                                                          size_t hi, const ls_optim_args *a) \
-    {                                                                                        \
-        LS_OPTIM_FN(opt##_run)(p, lo, hi, a, dt);                                            \
+#define LS_OPTIM_DEFINE(opt, dtname, dt)                                                 \
+    static void LS_KFN(opt##_##dtname)(const ls_param *p, size_t lo, size_t hi,          \
+                                       const ls_optim_args *a)                           \
+    {                                                                                    \
+        LS_FN(opt##_run)(p, lo, hi, a, dt);                                              \
     }
 
 LS_OPTIM_DEFINE(sgd, f16, LS_FLOAT16)
@@ -159,10 +148,8 @@ LS_OPTIM_DEFINE(adam, f16, LS_FLOAT16)
 LS_OPTIM_DEFINE(adam, bf16, LS_BFLOAT16)
 LS_OPTIM_DEFINE(adam, f32, LS_FLOAT32)
 
-const ls_optim_kernels LS_OPTIM_CAT(ls_optim_, LS_OPTIM_SET) = {
-    LS_OPTIM_NAME,
-    {LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _f16), LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _bf16),
-     LS_OPTIM_CAT(LS_OPTIM_FN(sgd), _f32), NULL},
-    {LS_OPTIM_CAT(LS_OPTIM_FN(adam), _f16), LS_OPTIM_CAT(LS_OPTIM_FN(adam), _bf16),
-     LS_OPTIM_CAT(LS_OPTIM_FN(adam), _f32), NULL},
+const ls_optim_kernels LS_CAT(ls_optim_, LS_SET) = {
+    LS_SET_NAME,
+    {LS_KFN(sgd_f16), LS_KFN(sgd_bf16), LS_KFN(sgd_f32), NULL},
+    {LS_KFN(adam_f16), LS_KFN(adam_bf16), LS_KFN(adam_f32), NULL},
 };
