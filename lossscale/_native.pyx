@@ -66,6 +66,9 @@ cdef extern from "lossscale.h" nogil:
         int64_t overflow_run
         int64_t skipped_steps
 
+    const float LS_DEFAULT_LOSS_SCALE
+    const int LS_DEFAULT_INCREMENT_PERIOD
+
     void ls_scale_config_default(ls_scale_config *config, int rule)
     int ls_scale_config_check(const ls_scale_config *config, const char **why)
     int ls_scale_update(const ls_scale_config *config, ls_scale_state *state, int grads_finite)
@@ -332,9 +335,14 @@ def unscale_(arrays, inv_scale, *, bint check_inputs=False, bint flush_denormals
 
 RULE_TF24 = 0
 RULE_KERAS3 = 1
+# The rules' defaults as the core holds them (lossscale.h): the initial loss
+# scale, 2**15, and the growth period.
+DEFAULT_LOSS_SCALE = float(LS_DEFAULT_LOSS_SCALE)
+DEFAULT_INCREMENT_PERIOD = int(LS_DEFAULT_INCREMENT_PERIOD)
 
 
-def scale_update(state, bint grads_finite, *, int rule=RULE_TF24, increment_period=2000,
+def scale_update(state, bint grads_finite, *, int rule=RULE_TF24,
+                 increment_period=DEFAULT_INCREMENT_PERIOD,
                  multiplier=2.0, backoff_factor=None, min_loss_scale=1.0,
                  max_loss_scale=None, hysteresis=1):
     """One step of the loss-scale state machine of the C core.

@@ -123,6 +123,17 @@ int ls_get_num_threads(void);
  * This is what every unscale entry point multiplies by. */
 double ls_round_to_dtype(double value, ls_dtype dtype);
 
+/* 1 / scale in float32, one rounding; with LS_FLUSH_DENORMALS as
+ * TensorFlow's CPU kernels compute it (subnormal input and result
+ * flushed), else IEEE. */
+float ls_reciprocal_f32(float scale, unsigned flags);
+
+/* 1 when x / scale == x * (1 / scale) for every float32 and float64 x,
+ * subnormals kept or flushed alike: scale is a positive power of two whose
+ * reciprocal is a normal float32.  Only then may a division by the loss
+ * scale run as a multiplication. */
+int ls_exact_reciprocal(float scale);
+
 /* -------------------------------------------------------- whole lists */
 
 /*
@@ -161,6 +172,31 @@ int ls_all_finite_range(const ls_buffer *bufs, size_t count, unsigned flags,
 /* Validate a list without touching it: LS_OK or the error. */
 int ls_validate(const ls_buffer *bufs, size_t count);
 
+/* ----------------------------------------- a host's threads (parallel-for)
+ *
+ * The whole-list entry points split their work through a parallel-for:
+ * the library's own threads, or a host's pool (TensorFlow's intra-op
+ * threads) passed in as `parallel` and `host`.  Either way the arguments
+ * are validated once, by the entry point, before any range runs.
+ */
+
+/* Work on elements [begin, end) of a job: 1 or 0 (a finite flag), or a
+ * negative ls_status. */
+typedef int (*ls_range_fn)(const void *ctx, size_t begin, size_t end);
+
+/* Calls range(ctx, begin, end) over disjoint ranges that cover
+ * [0, total), on one thread or several at once, and returns their results
+ * combined: the AND of the finite flags, or a negative status (the ranges
+ * left may then be skipped).  lossscale_chunks.h plans the ranges as the
+ * library's threads cut them. */
+typedef int (*ls_parallel_fn)(void *host, ls_range_fn range, const void *ctx, size_t total);
+
+/* ls_unscale and ls_all_finite on `parallel` (NULL: the library's threads). */
+int ls_unscale_with(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags,
+                    ls_parallel_fn parallel, void *host);
+int ls_all_finite_with(const ls_buffer *bufs, size_t count, unsigned flags,
+                       ls_parallel_fn parallel, void *host);
+
 /* ---------------------------------------------------- loss-scale rules */
 
 typedef enum ls_rule {
@@ -198,7 +234,14 @@ typedef struct ls_scale_state {
     int64_t skipped_steps;       /* total non-finite (skipped) steps */
 } ls_scale_state;
 
-/* The seed's defaults for the TF 2.4 rule (multiplier 2, period 2000, ...). */
+/* The defaults of TensorFlow 2.4's DynamicLossScale and of Keras 3's
+ * LossScaleOptimizer: the loss scale a dynamic rule starts from, and the
+ * finite steps before it grows. */
+#define LS_DEFAULT_LOSS_SCALE 32768.0f /* 2^15 */
+#define LS_DEFAULT_INCREMENT_PERIOD 2000
+
+/* The seed's defaults for `rule` (multiplier 2, period
+ * LS_DEFAULT_INCREMENT_PERIOD, floor 1, no cap, hysteresis 1). */
 void ls_scale_config_default(ls_scale_config *config, int rule);
 
 /* LS_OK or LS_ERR_ARG with a short reason in *why (may be NULL). */
@@ -292,6 +335,10 @@ typedef struct ls_optim_config {
 /* Validate a step without touching anything: LS_OK or the error. */
 int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_config *config);
 
+/* The configuration's part of ls_optim_validate: LS_OK, or LS_ERR_ARG with
+ * a short reason in *why (may be NULL). */
+int ls_optim_config_check(const ls_optim_config *config, const char **why);
+
 /*
  * One optimizer step over the list: first a read-only check that every
  * gradient is finite; when one is not, nothing is written and 0 is
@@ -302,10 +349,16 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
 int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
                   unsigned flags);
 
-/* The update alone (no check) over elements [begin, end) of the
- * concatenation of the variables, on the calling thread: for hosts with
- * their own pool, which check first (ls_all_finite_range on the
- * gradients).  Disjoint ranges may run concurrently.  1 or < 0. */
+/* The update alone (no check): every variable and slot updated, split
+ * over `parallel` (NULL: the library's threads), for hosts that decided
+ * the step applies beforehand.  The arguments are validated once, before
+ * anything is written.  1 or < 0. */
+int ls_optim_update_with(const ls_param *params, size_t count, const ls_optim_config *config,
+                         unsigned flags, ls_parallel_fn parallel, void *host);
+
+/* The update alone over elements [begin, end) of the concatenation of the
+ * variables, on the calling thread (each call validates the whole step).
+ * Disjoint ranges may run concurrently.  1 or < 0. */
 int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_config *config,
                         unsigned flags, size_t begin, size_t end);
 

@@ -26,6 +26,21 @@ typedef struct ls_fpenv {
 void ls_fpenv_enter(ls_fpenv *env, int flush);
 void ls_fpenv_leave(const ls_fpenv *env);
 
+/* One float32 operation, rounded to float32 on its own: the store through
+ * a volatile keeps the compiler from holding a wider intermediate (x87) or
+ * fusing it with a neighbour.  Rounds in the caller's floating-point state. */
+static inline float ls_f32_mul(float a, float b)
+{
+    volatile float r = a * b;
+    return r;
+}
+
+static inline float ls_f32_div(float a, float b)
+{
+    volatile float r = a / b;
+    return r;
+}
+
 /* lists.c: argument checks shared by every entry point, then one range. */
 int ls_prepare(const ls_buffer *bufs, size_t count, const double *inv_scale, unsigned flags,
                double inv_by_dtype[LS_NUM_DTYPES], const ls_kernel_set **kernels);
@@ -33,15 +48,16 @@ int ls_run_range(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
                  const double *inv_by_dtype, unsigned flags, size_t begin, size_t end);
 
 /* threads.c: `range(ctx, begin, end)` over [0, total) split across the
- * library's threads (or on the caller's alone when they are busy or the
- * work is small); returns the AND of the parts' results, which must be 0
- * or 1.  Parts begin on multiples of 64 elements. */
-typedef int (*ls_range_fn)(const void *ctx, size_t begin, size_t end);
+ * library's threads as lossscale_chunks.h plans it (or on the caller's
+ * alone when they are busy or the work is small); returns the parts'
+ * results combined (ls_combine_status).  ls_own_threads is the same as an
+ * ls_parallel_fn: what a NULL `parallel` means. */
 int ls_run_parallel(ls_range_fn range, const void *ctx, size_t total);
+int ls_own_threads(void *host, ls_range_fn range, const void *ctx, size_t total);
 
-/* A whole list of ls_run_range over the library's threads; assumes
- * validated arguments. */
+/* A whole list of ls_run_range over `parallel` (NULL: the library's
+ * threads); assumes validated arguments. */
 int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
-                 const double *inv, unsigned flags);
+                 const double *inv, unsigned flags, ls_parallel_fn parallel, void *host);
 
 #endif /* LOSSSCALE_INTERNAL_H */

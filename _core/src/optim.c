@@ -1,7 +1,8 @@
 /*
  * The fused optimizer step: argument checks, the configuration resolved
- * per gradient dtype, and the kernels run over a range of the concatenated
+ * per gradient dtype, and the kernels run over ranges of the concatenated
  * elements (how the work is split between threads, ours or a host's).
+ * Each entry point validates and resolves once, however many ranges run.
  * The check that every gradient is finite runs first and reads only;
  * nothing is written unless it passes.
  */
@@ -20,27 +21,38 @@ static int slots_needed(const ls_optim_config *c)
     return c->amsgrad ? 3 : 2;
 }
 
-static int check_config(const ls_optim_config *c)
+/* What is wrong with a configuration, or NULL. */
+static const char *config_problem(const ls_optim_config *c)
 {
     if (c == NULL)
-        return LS_ERR_ARG;
+        return "config is NULL";
     if (c->optimizer != LS_OPTIM_SGD && c->optimizer != LS_OPTIM_ADAM)
-        return LS_ERR_ARG;
+        return "unknown optimizer";
     if (c->unscale < LS_UNSCALE_NONE || c->unscale > LS_UNSCALE_MULTIPLY)
-        return LS_ERR_ARG;
+        return "unknown unscale mode";
     /* Keras 3 divides by whatever its scale has become (its rule has no
      * floor: a scale flushed to 0 gives inf and NaN, in stock Keras too);
      * TensorFlow 2.4's scale is finite and >= 1 by its rule. */
     if (c->unscale == LS_UNSCALE_MULTIPLY && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
-        return LS_ERR_ARG;
-    if (!finite_f(c->learning_rate) || c->learning_rate < 0.0f || !finite_f(c->weight_decay))
-        return LS_ERR_ARG;
+        return "the loss scale must be finite and > 0 to multiply by its reciprocal";
+    if (!finite_f(c->learning_rate) || c->learning_rate < 0.0f)
+        return "the learning rate must be finite and >= 0";
+    if (!finite_f(c->weight_decay))
+        return "the weight decay must be finite";
     if (c->optimizer == LS_OPTIM_SGD)
-        return finite_f(c->momentum) ? LS_OK : LS_ERR_ARG;
+        return finite_f(c->momentum) ? NULL : "the momentum must be finite";
     if (!finite_f(c->alpha) || !finite_f(c->one_minus_beta_1) ||
         !finite_f(c->one_minus_beta_2) || !finite_f(c->epsilon))
-        return LS_ERR_ARG;
-    return LS_OK;
+        return "alpha, 1 - beta_1, 1 - beta_2 and epsilon must be finite";
+    return NULL;
+}
+
+int ls_optim_config_check(const ls_optim_config *config, const char **why)
+{
+    const char *reason = config_problem(config);
+    if (why)
+        *why = reason ? reason : "";
+    return reason ? LS_ERR_ARG : LS_OK;
 }
 
 static int disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
@@ -78,7 +90,7 @@ static int check_param(const ls_param *p, int nslots)
 
 int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_config *config)
 {
-    int rc = check_config(config);
+    int rc = ls_optim_config_check(config, NULL);
     if (rc != LS_OK)
         return rc;
     if (count > 0 && params == NULL)
@@ -90,26 +102,29 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
     return LS_OK;
 }
 
-/* Whether g / scale == g * (1 / scale) for every float32 g: a positive
- * power of two whose reciprocal is a normal float32. */
-static int exact_reciprocal(float scale)
-{
-    uint32_t bits;
-    memcpy(&bits, &scale, sizeof bits);
-    const unsigned exponent = bits >> 23; /* a set sign bit makes it > 255 */
-    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
-}
+/* A step ready to run over any range: validated, its kernels chosen and
+ * its configuration resolved per gradient dtype, once. */
+typedef struct optim_job {
+    const ls_optim_kernels *kernels;
+    const ls_param *params;
+    size_t count;
+    int optimizer;
+    unsigned flags;
+    ls_optim_args args[LS_NUM_DTYPES];
+} optim_job;
 
-/* The arguments of every kernel call, by gradient dtype.  Runs inside the
- * caller's floating-point state: TensorFlow computes 1 / scale with
- * subnormals flushed. */
-static void resolve(const ls_optim_config *c, ls_optim_args args[LS_NUM_DTYPES])
+/* The arguments of every kernel call, by gradient dtype.  Computed in the
+ * step's floating-point state: TensorFlow computes 1 / scale and wd * lr
+ * with subnormals flushed. */
+static void resolve(const ls_optim_config *c, unsigned flags, ls_optim_args args[LS_NUM_DTYPES])
 {
+    ls_fpenv env;
+    ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
     ls_optim_args a;
     memset(&a, 0, sizeof a);
     a.lr = c->learning_rate;
     a.wd = c->weight_decay;
-    a.wd_lr = c->weight_decay * c->learning_rate;
+    a.wd_lr = ls_f32_mul(c->weight_decay, c->learning_rate);
     a.momentum = c->momentum;
     a.use_momentum = c->momentum != 0.0f;
     a.nesterov = c->nesterov != 0;
@@ -118,55 +133,76 @@ static void resolve(const ls_optim_config *c, ls_optim_args args[LS_NUM_DTYPES])
     a.c2 = c->one_minus_beta_2;
     a.epsilon = c->epsilon;
     a.amsgrad = c->amsgrad != 0;
+    const float scale = (float)c->scale;
     for (int t = 0; t < LS_NUM_DTYPES; t++) {
         args[t] = a;
-        const float scale = (float)c->scale;
         switch (c->unscale) {
         case LS_UNSCALE_DIVIDE:
-            if (exact_reciprocal(scale)) {
+            if (ls_exact_reciprocal(scale)) {
                 args[t].grad_mode = LS_GRAD_MULTIPLY;
-                args[t].factor = 1.0f / scale;
+                args[t].factor = ls_f32_div(1.0f, scale);
             } else {
                 args[t].grad_mode = LS_GRAD_DIVIDE;
                 args[t].factor = scale;
             }
             break;
-        case LS_UNSCALE_MULTIPLY: {
-            volatile float one = 1.0f;
-            const float inv = one / scale;
+        case LS_UNSCALE_MULTIPLY:
             args[t].grad_mode = t == LS_FLOAT32 ? LS_GRAD_MULTIPLY : LS_GRAD_MUL_ROUNDED;
-            args[t].factor = (float)ls_round_to_dtype(inv, (ls_dtype)t);
+            args[t].factor = (float)ls_round_to_dtype(ls_f32_div(1.0f, scale), (ls_dtype)t);
             break;
-        }
         default:
             args[t].grad_mode = LS_GRAD_AS_IS;
             args[t].factor = 1.0f;
         }
     }
+    ls_fpenv_leave(&env);
+}
+
+static void job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *params,
+                     size_t count, const ls_optim_config *c, unsigned flags)
+{
+    j->kernels = k;
+    j->params = params;
+    j->count = count;
+    j->optimizer = c->optimizer;
+    j->flags = flags;
+    resolve(c, flags, j->args);
+}
+
+/* The kernels over elements [begin, end) of the concatenation. */
+static void job_run(const optim_job *j, size_t begin, size_t end)
+{
+    ls_fpenv env;
+    ls_fpenv_enter(&env, (j->flags & LS_FLUSH_DENORMALS) != 0);
+    size_t offset = 0; /* start of params[i] in the concatenation */
+    for (size_t i = 0; i < j->count && offset < end; offset += j->params[i].length, i++) {
+        const ls_param *p = &j->params[i];
+        size_t lo = begin > offset ? begin - offset : 0;
+        size_t hi = p->length < end - offset ? p->length : end - offset;
+        if (lo >= hi)
+            continue;
+        ls_optim_args a = j->args[p->grad_dtype];
+        a.decay = p->decay;
+        if (j->optimizer == LS_OPTIM_SGD)
+            j->kernels->sgd[p->grad_dtype](p, lo, hi, &a);
+        else
+            j->kernels->adam[p->grad_dtype](p, lo, hi, &a);
+    }
+    ls_fpenv_leave(&env);
+}
+
+static int job_range(const void *ctx, size_t begin, size_t end)
+{
+    job_run((const optim_job *)ctx, begin, end);
+    return 1;
 }
 
 void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
                   const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
 {
-    ls_fpenv env;
-    ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
-    ls_optim_args args[LS_NUM_DTYPES];
-    resolve(c, args);
-    size_t offset = 0; /* start of params[i] in the concatenation */
-    for (size_t i = 0; i < count && offset < end; offset += params[i].length, i++) {
-        const ls_param *p = &params[i];
-        size_t lo = begin > offset ? begin - offset : 0;
-        size_t hi = p->length < end - offset ? p->length : end - offset;
-        if (lo >= hi)
-            continue;
-        ls_optim_args *a = &args[p->grad_dtype];
-        a->decay = p->decay;
-        if (c->optimizer == LS_OPTIM_SGD)
-            k->sgd[p->grad_dtype](p, lo, hi, a);
-        else
-            k->adam[p->grad_dtype](p, lo, hi, a);
-    }
-    ls_fpenv_leave(&env);
+    optim_job j;
+    job_init(&j, k, params, count, c, flags);
+    job_run(&j, begin, end);
 }
 
 static size_t total_length(const ls_param *params, size_t count)
@@ -177,8 +213,8 @@ static size_t total_length(const ls_param *params, size_t count)
     return total;
 }
 
-/* The checks every entry point makes first; the kernels to run, or NULL
- * with the error in *rc. */
+/* The checks every entry point makes first, once per call; the kernels to
+ * run, or NULL with the error in *rc. */
 static const ls_optim_kernels *prepare(const ls_param *params, size_t count,
                                        const ls_optim_config *config, unsigned flags, int *rc)
 {
@@ -207,20 +243,18 @@ int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_con
     return 1;
 }
 
-/* The update over one part of the list, for the library's threads. */
-typedef struct optim_job {
-    const ls_optim_kernels *kernels;
-    const ls_param *params;
-    size_t count;
-    const ls_optim_config *config;
-    unsigned flags;
-} optim_job;
-
-static int optim_range(const void *ctx, size_t begin, size_t end)
+int ls_optim_update_with(const ls_param *params, size_t count, const ls_optim_config *config,
+                         unsigned flags, ls_parallel_fn parallel, void *host)
 {
-    const optim_job *j = (const optim_job *)ctx;
-    ls_optim_run(j->kernels, j->params, j->count, j->config, j->flags, begin, end);
-    return 1;
+    int rc;
+    const ls_optim_kernels *k = prepare(params, count, config, flags, &rc);
+    if (k == NULL)
+        return rc;
+    optim_job job;
+    job_init(&job, k, params, count, config, flags);
+    rc = (parallel ? parallel : ls_own_threads)(host, job_range, &job,
+                                                total_length(params, count));
+    return rc < 0 ? rc : 1;
 }
 
 int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
@@ -243,6 +277,7 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
-    const optim_job job = {k, params, count, config, flags};
-    return ls_run_parallel(optim_range, &job, total_length(params, count));
+    optim_job job;
+    job_init(&job, k, params, count, config, flags);
+    return ls_run_parallel(job_range, &job, total_length(params, count));
 }

@@ -22,7 +22,7 @@
 void ls_scale_config_default(ls_scale_config *c, int rule)
 {
     c->rule = rule;
-    c->increment_period = 2000;
+    c->increment_period = LS_DEFAULT_INCREMENT_PERIOD;
     c->multiplier = 2.0f;
     c->backoff_factor = 0.0f;
     c->min_loss_scale = 1.0f;
@@ -54,20 +54,6 @@ int ls_scale_config_check(const ls_scale_config *c, const char **why)
     return reason ? LS_ERR_ARG : LS_OK;
 }
 
-/* Stores through a volatile so that the compiler cannot keep a wider
- * intermediate (x87, FMA contraction): each step is one float32 rounding. */
-static float f32_mul(float a, float b)
-{
-    volatile float r = a * b;
-    return r;
-}
-
-static float f32_div(float a, float b)
-{
-    volatile float r = a / b;
-    return r;
-}
-
 /* Counters come from a restored state, which may hold anything: they stop
  * at INT64_MAX rather than overflow (undefined in C, and a wrap to a
  * negative count would read as a step far in the past). */
@@ -78,7 +64,7 @@ static void step_tf24(const ls_scale_config *c, ls_scale_state *s, int finite)
     if (finite) {
         s->overflow_run = 0;
         if (s->good_steps >= c->increment_period - 1) { /* good_steps + 1 >= period */
-            float grown = f32_mul(s->scale, c->multiplier);
+            float grown = ls_f32_mul(s->scale, c->multiplier);
             if (grown > c->max_loss_scale)
                 grown = c->max_loss_scale;
             if (isfinite(grown))
@@ -95,8 +81,8 @@ static void step_tf24(const ls_scale_config *c, ls_scale_state *s, int finite)
     if (s->overflow_run < c->hysteresis)
         return;
     s->overflow_run = 0;
-    float lowered = c->backoff_factor != 0.0f ? f32_mul(s->scale, c->backoff_factor)
-                                              : f32_div(s->scale, c->multiplier);
+    float lowered = c->backoff_factor != 0.0f ? ls_f32_mul(s->scale, c->backoff_factor)
+                                              : ls_f32_div(s->scale, c->multiplier);
     /* maximum(x, floor): NaN propagates as in tf.maximum */
     s->scale = (isnan(lowered) || lowered >= c->min_loss_scale) ? lowered : c->min_loss_scale;
 }
@@ -105,7 +91,7 @@ static void step_keras3(const ls_scale_config *c, ls_scale_state *s, int finite)
 {
     if (finite) {
         if (s->good_steps == c->increment_period - 1) {
-            s->scale = f32_mul(s->scale, c->multiplier);
+            s->scale = ls_f32_mul(s->scale, c->multiplier);
             s->good_steps = 0;
         } else {
             s->good_steps = count_one(s->good_steps);
@@ -114,7 +100,7 @@ static void step_keras3(const ls_scale_config *c, ls_scale_state *s, int finite)
     }
     s->good_steps = 0;
     s->skipped_steps = count_one(s->skipped_steps);
-    s->scale = f32_div(s->scale, c->multiplier);
+    s->scale = ls_f32_div(s->scale, c->multiplier);
 }
 
 int ls_scale_update(const ls_scale_config *config, ls_scale_state *state, int grads_finite)

@@ -3,33 +3,22 @@
  * bindings).  One pool per process, started on first need.  A call that
  * finds the pool busy — another Python thread is in the middle of a large
  * unscale — runs on its own thread instead of queueing or adding threads,
- * so concurrent callers never oversubscribe the cores.
+ * so concurrent callers never oversubscribe the cores.  A job is cut as
+ * lossscale_chunks.h plans it, the planner a host's pool uses too.
  */
 #include <stdlib.h>
 #include <unistd.h>
 
 #include "internal.h"
+#include "lossscale_chunks.h"
 
-/* Below this many elements per thread, waking threads costs more than the
- * memory pass it would share. */
-#define LS_MIN_PER_THREAD (1u << 16)
-/* Range boundaries fall on multiples of this many elements (cache lines
- * of every dtype), so no two threads write into one line. */
-#define LS_GRAIN 64u
-/* A job is cut into this many chunks per thread (none under
- * LS_MIN_PER_THREAD elements), which the threads take in turn: a thread
- * that gets no core for a while (another library's spinning threads, the
- * machine's other work) costs its share of the job, not a fixed half. */
-#define LS_CHUNKS_PER_THREAD 32u
 #define LS_MAX_THREADS 256
 
 typedef struct job {
     ls_range_fn range;
     const void *ctx;
-    size_t total;
-    int parts;     /* threads on the job, the caller included */
-    size_t chunks;
-    size_t next;   /* the next chunk to take (atomic) */
+    ls_chunk_plan plan; /* lossscale_chunks.h: how many threads, which chunks */
+    size_t next;        /* the next chunk to take (atomic) */
 } job;
 
 static struct {
@@ -64,31 +53,7 @@ int ls_get_num_threads(void)
     return n > 0 ? n : online_cores();
 }
 
-/* Finite flags combine by AND; the first negative status wins. */
-static int combine(int a, int b)
-{
-    if (a < 0)
-        return a;
-    if (b < 0)
-        return b;
-    return a & b;
-}
-
-/* Takes chunks of `j` until none is left; the combined result. */
-static int run_chunks(job *j)
-{
-    size_t grains = (j->total + LS_GRAIN - 1) / LS_GRAIN;
-    int result = 1;
-    for (;;) {
-        size_t c = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (c >= j->chunks)
-            return result;
-        size_t b = grains * c / j->chunks * LS_GRAIN;
-        size_t e = grains * (c + 1) / j->chunks * LS_GRAIN;
-        result = combine(result, j->range(j->ctx, b < j->total ? b : j->total,
-                                          e < j->total ? e : j->total));
-    }
-}
+static int run_chunks(job *j) { return ls_take_chunks(&j->plan, &j->next, j->range, j->ctx); }
 
 static void *worker(void *arg)
 {
@@ -99,13 +64,13 @@ static void *worker(void *arg)
         while (pool.generation == seen)
             pthread_cond_wait(&pool.work, &pool.lock);
         seen = pool.generation;
-        if (index >= pool.current.parts)
+        if (index >= pool.current.plan.threads)
             continue;
         /* pool.current stays put until the last worker is done with it. */
         pthread_mutex_unlock(&pool.lock);
         int finite = run_chunks(&pool.current);
         pthread_mutex_lock(&pool.lock);
-        pool.result = combine(pool.result, finite);
+        pool.result = ls_combine_status(pool.result, finite);
         if (--pool.pending == 0)
             pthread_cond_signal(&pool.done);
     }
@@ -145,35 +110,36 @@ static void register_atfork(void) { pthread_atfork(NULL, NULL, reset_after_fork)
 
 int ls_run_parallel(ls_range_fn range, const void *ctx, size_t total)
 {
-    int threads = ls_get_num_threads();
-    size_t by_size = total / LS_MIN_PER_THREAD;
-    int parts = by_size < (size_t)threads ? (int)by_size : threads;
+    ls_chunk_plan plan = ls_plan_chunks(total, ls_get_num_threads());
     pthread_once(&atfork_once, register_atfork);
-    if (parts < 2 || pthread_mutex_trylock(&pool.busy) != 0)
+    if (plan.threads < 2 || pthread_mutex_trylock(&pool.busy) != 0)
         return range(ctx, 0, total);
 
     pthread_mutex_lock(&pool.lock);
-    parts = grow_pool(parts);
-    /* At least one chunk per thread: parts <= by_size. */
-    size_t chunks = (size_t)parts * LS_CHUNKS_PER_THREAD;
-    if (chunks > by_size)
-        chunks = by_size;
-    pool.current = (job){range, ctx, total, parts, chunks, 0};
-    pool.pending = parts - 1;
+    /* As many threads as could be started: fewer threads, fewer chunks. */
+    plan = ls_plan_chunks(total, grow_pool(plan.threads));
+    pool.current = (job){range, ctx, plan, 0};
+    pool.pending = plan.threads - 1;
     pool.result = 1;
     pool.generation++;
     pthread_cond_broadcast(&pool.work);
     pthread_mutex_unlock(&pool.lock);
 
-    int result = parts > 1 ? run_chunks(&pool.current) : range(ctx, 0, total);
+    int result = run_chunks(&pool.current);
 
     pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.lock);
-    result = combine(result, pool.result);
+    result = ls_combine_status(result, pool.result);
     pthread_mutex_unlock(&pool.lock);
     pthread_mutex_unlock(&pool.busy);
     return result;
+}
+
+int ls_own_threads(void *host, ls_range_fn range, const void *ctx, size_t total)
+{
+    (void)host;
+    return ls_run_parallel(range, ctx, total);
 }
 
 /* The unscale/check kernels over one part of a list. */
@@ -192,8 +158,9 @@ static int list_range(const void *ctx, size_t begin, size_t end)
 }
 
 int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
-                 const double *inv, unsigned flags)
+                 const double *inv, unsigned flags, ls_parallel_fn parallel, void *host)
 {
     const list_job j = {k, bufs, count, inv, flags};
-    return ls_run_parallel(list_range, &j, ls_total_length(bufs, count));
+    return (parallel ? parallel : ls_own_threads)(host, list_range, &j,
+                                                  ls_total_length(bufs, count));
 }

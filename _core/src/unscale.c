@@ -1,7 +1,7 @@
 /*
  * The public entry points of unscaling and checking, as the header lists
- * them: whole lists, split over the library's threads (threads.c), and
- * ranges, for hosts with their own pool.  Each validates its arguments
+ * them: whole lists, split over the library's threads (threads.c) or a
+ * host's parallel-for, and ranges.  Each validates its arguments
  * (lists.c) before any buffer is touched, so a rejected call writes
  * nothing.
  */
@@ -10,23 +10,35 @@
 
 #include "internal.h"
 
-int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags)
+int ls_unscale_with(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags,
+                    ls_parallel_fn parallel, void *host)
 {
     double inv[LS_NUM_DTYPES];
     const ls_kernel_set *k;
     int rc = ls_prepare(bufs, count, &inv_scale, flags, inv, &k);
     if (rc != LS_OK)
         return rc;
-    return ls_run_split(k, bufs, count, inv, flags);
+    return ls_run_split(k, bufs, count, inv, flags, parallel, host);
 }
 
-int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags)
+int ls_all_finite_with(const ls_buffer *bufs, size_t count, unsigned flags,
+                       ls_parallel_fn parallel, void *host)
 {
     const ls_kernel_set *k;
     int rc = ls_prepare(bufs, count, NULL, flags, NULL, &k);
     if (rc != LS_OK)
         return rc;
-    return ls_run_split(k, bufs, count, NULL, flags);
+    return ls_run_split(k, bufs, count, NULL, flags, parallel, host);
+}
+
+int ls_unscale(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags)
+{
+    return ls_unscale_with(bufs, count, inv_scale, flags, NULL, NULL);
+}
+
+int ls_all_finite(const ls_buffer *bufs, size_t count, unsigned flags)
+{
+    return ls_all_finite_with(bufs, count, flags, NULL, NULL);
 }
 
 int ls_unscale_range(const ls_buffer *bufs, size_t count, double inv_scale, unsigned flags,
@@ -108,4 +120,21 @@ double ls_round_to_dtype(double value, ls_dtype dtype)
     }
     ls_fpenv_leave(&env);
     return r;
+}
+
+float ls_reciprocal_f32(float scale, unsigned flags)
+{
+    ls_fpenv env;
+    ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
+    const float r = ls_f32_div(1.0f, scale);
+    ls_fpenv_leave(&env);
+    return r;
+}
+
+int ls_exact_reciprocal(float scale)
+{
+    uint32_t bits;
+    memcpy(&bits, &scale, sizeof bits);
+    const unsigned exponent = bits >> 23; /* a set sign bit makes it > 255 */
+    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
 }

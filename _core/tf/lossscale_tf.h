@@ -1,33 +1,37 @@
 /*
- * Glue between TensorFlow kernels and the C core: dtype mapping, a list of
- * tensors as an ls_buffer list, core status codes as TensorFlow errors,
- * and one element range split over TensorFlow's intra-op thread pool.
+ * Glue between TensorFlow kernels and the C core: dtype mapping, core
+ * status codes as TensorFlow errors, TensorFlow's intra-op thread pool as
+ * the core's parallel-for, and the locking and copy-on-write of resource
+ * variables the ops update.
  * The arithmetic itself is the core's (lossscale.h); nothing here
  * computes on gradient values.
  */
 #ifndef LOSSSCALE_TF_H
 #define LOSSSCALE_TF_H
 
-#include <atomic>
+// Before any Eigen header: training_op_helpers.h copies tensors on the
+// thread-pool device.
+#ifndef EIGEN_USE_THREADS
+#define EIGEN_USE_THREADS
+#endif
+
 #include <cstddef>
-#include <functional>
+#include <memory>
 #include <vector>
 
 #include "lossscale.h"
+#include "lossscale_chunks.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tsl/platform/blocking_counter.h"
 
 namespace lossscale_tf {
 
 namespace tf = ::tensorflow;
-
-// Elements per scheduling unit of the thread pool.  Big enough that the
-// per-range fixed cost of the core (argument checks, floating-point state)
-// is negligible, small enough that a ResNet-sized list keeps every
-// intra-op thread busy.
-constexpr size_t kElementsPerBlock = size_t{1} << 15;
 
 inline bool ToCoreDtype(tf::DataType dt, ls_dtype* out) {
     switch (dt) {
@@ -50,39 +54,97 @@ inline tf::Status CoreError(int rc, const char* what) {
     }
 }
 
-// Runs `range(begin, end)` over [0, total) — on the calling thread when the
-// list is small, else split over the device's intra-op pool.  Combines the
-// results as the core's entry points do: the AND of the finite flags, or the
-// first negative status.  Returns 1, 0 or a negative ls_status.
-inline int RunOverRange(tf::OpKernelContext* ctx, size_t total,
-                        const std::function<int(size_t, size_t)>& range) {
-    const size_t block = kElementsPerBlock;
-    const size_t blocks = (total + block - 1) / block;
-    if (blocks <= 1)
-        return range(0, total);
-    std::atomic<int> finite{1};
-    std::atomic<int> error{0};
-    auto work = [&](int64_t first_block, int64_t last_block) {
-        size_t begin = static_cast<size_t>(first_block) * block;
-        size_t end = static_cast<size_t>(last_block) * block;
-        if (end > total)
-            end = total;
-        int rc = range(begin, end);
-        if (rc < 0) {
-            int expected = 0;
-            error.compare_exchange_strong(expected, rc);
-        } else if (rc == 0) {
-            finite.store(0, std::memory_order_relaxed);
-        }
-    };
+// The core's ls_parallel_fn on the device's intra-op pool (`host` is the
+// OpKernelContext): the job cut by the core's own planner
+// (lossscale_chunks.h), the calling thread and up to num_threads - 1 of the
+// pool's taking chunks in turn.  Returns the ranges' results combined.
+inline int ParallelForOnPool(void* host, ls_range_fn range, const void* arg, size_t total) {
+    auto* ctx = static_cast<tf::OpKernelContext*>(host);
     const auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    // Cost of one block, in the units Shard compares against (about one per
-    // element): always worth parallelising once there are two blocks.
-    tf::Shard(pool->num_threads, pool->workers, static_cast<int64_t>(blocks),
-              static_cast<int64_t>(block), work);
-    int err = error.load();
-    return err < 0 ? err : finite.load();
+    const ls_chunk_plan plan = ls_plan_chunks(total, pool->num_threads);
+    if (plan.threads < 2)
+        return range(arg, 0, total);
+    size_t next = 0;  // taken with atomic builtins by ls_take_chunks
+    std::vector<int> results(static_cast<size_t>(plan.threads), 1);
+    tsl::BlockingCounter done(plan.threads - 1);
+    for (int t = 1; t < plan.threads; ++t)
+        pool->workers->Schedule([&, t] {
+            results[t] = ls_take_chunks(&plan, &next, range, arg);
+            done.DecrementCount();
+        });
+    results[0] = ls_take_chunks(&plan, &next, range, arg);
+    done.Wait();
+    int rc = 1;
+    for (int r : results)
+        rc = ls_combine_status(rc, r);
+    return rc;
 }
+
+// The resource variables an op updates, held from lookup to the last
+// write.  Locking and copy-on-write are TensorFlow's own, as its training
+// ops use them: MaybeLockVariableInputMutexesInOrder (every mutex in
+// address order, so two ops sharing variables cannot deadlock) and
+// PrepareToUpdateVariable (a buffer a reader still holds, or any buffer of
+// a variable in copy-on-read mode, is copied before the update writes).
+class UpdatedVariables {
+  public:
+    // Looks up the variable of every input in `inputs`.  *twice: the
+    // position in `inputs` of the first variable that repeats an earlier
+    // one, or -1; the op refuses such a list in its own words, since
+    // TensorFlow's lock would take the variable once and the update would
+    // then apply to it twice.
+    tf::Status LookUp(tf::OpKernelContext* ctx, const std::vector<int>& inputs, int* twice) {
+        inputs_ = inputs;
+        vars_.clear();
+        vars_.resize(inputs.size());
+        *twice = -1;
+        for (size_t i = 0; i < inputs.size(); ++i) {
+            TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, inputs[i]),
+                                                  &vars_[i]));
+            for (size_t j = 0; *twice < 0 && j < i; ++j)
+                if (vars_[j]->mu() == vars_[i]->mu())
+                    *twice = static_cast<int>(i);
+        }
+        return tf::OkStatus();
+    }
+
+    // Takes every variable's lock, exclusively, until this object goes.
+    void Lock(tf::OpKernelContext* ctx) {
+        locks_ = std::make_unique<tf::VariableInputLockHolder>(
+            tf::MaybeLockVariableInputMutexesInOrder<Eigen::ThreadPoolDevice, float>(
+                ctx, /*do_lock=*/true, /*sparse=*/false, inputs_));
+    }
+
+    tf::Var* var(size_t i) const { return vars_[i].get(); }
+    size_t size() const { return vars_.size(); }
+
+    // Makes variable i's buffer its own before an update writes it (the
+    // lock held).  Its value is unchanged: a failure here, before any
+    // write, leaves every variable as it was.
+    tf::Status PrepareToUpdate(tf::OpKernelContext* ctx, size_t i) const {
+        tf::Var* v = vars_[i].get();
+        const bool copy_on_read = v->copy_on_read_mode.load();
+        switch (v->tensor()->dtype()) {
+        case tf::DT_FLOAT:
+            return tf::PrepareToUpdateVariable<Eigen::ThreadPoolDevice, float>(
+                ctx, v->tensor(), copy_on_read);
+        case tf::DT_INT32:
+            return tf::PrepareToUpdateVariable<Eigen::ThreadPoolDevice, tf::int32>(
+                ctx, v->tensor(), copy_on_read);
+        case tf::DT_INT64:
+            return tf::PrepareToUpdateVariable<Eigen::ThreadPoolDevice, tf::int64>(
+                ctx, v->tensor(), copy_on_read);
+        default:
+            return tf::errors::Internal("no copy-on-write for a variable of dtype ",
+                                        tf::DataTypeString(v->tensor()->dtype()));
+        }
+    }
+
+  private:
+    std::vector<int> inputs_;
+    std::vector<tf::core::RefCountPtr<tf::Var>> vars_;
+    std::unique_ptr<tf::VariableInputLockHolder> locks_;
+};
 
 }  // namespace lossscale_tf
 

@@ -6,90 +6,28 @@
  * `apply` is the step's verdict, computed before (the finite check of the
  * gradients and the loss-scale rule): when it is false the op returns at
  * once and no variable or slot is touched.  Otherwise every variable and
- * slot is looked up, checked (initialized, float32, the gradient's shape)
- * and locked in mutex-address order, as TensorFlow's training ops lock;
- * a buffer another tensor still reads is copied first
- * (copy-on-write, as the training ops' PrepareToUpdateVariable does), and
- * only then is anything written, so an error leaves every variable as it
- * was.  The arithmetic is the core's, with subnormals flushed as
- * TensorFlow's CPU kernels compute.
+ * slot is looked up and locked as TensorFlow's training ops lock
+ * (lossscale_tf.h's UpdatedVariables), checked (initialized, float32, the
+ * gradient's shape), a buffer another tensor still reads is copied first
+ * (TensorFlow's PrepareToUpdateVariable), and only then is anything
+ * written, so an error leaves every variable as it was.  The core
+ * validates the step once and splits it over the intra-op pool; the
+ * arithmetic is the core's, with subnormals flushed as TensorFlow's CPU
+ * kernels compute.
  */
-#include <algorithm>
-#include <atomic>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "lossscale_tf.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tsl/platform/blocking_counter.h"
 
 namespace lossscale_tf {
 namespace {
 
 using tf::shape_inference::InferenceContext;
-
-// Below this many elements per thread, waking a thread costs more than the
-// share of the pass it would take; no chunk is smaller either.
-constexpr size_t kMinElementsPerPart = size_t{1} << 16;
-// Chunks per thread: enough that a thread the machine takes away for a
-// while costs only its share, few enough that every chunk is a long stream.
-constexpr size_t kChunksPerThread = 32;
-// Chunks begin on multiples of this many elements: no two threads write
-// into one cache line.
-constexpr size_t kPartGrain = 64;
-
-// `range` over [0, total) on the calling thread and the intra-op pool's
-// threads, in contiguous chunks each thread takes in turn from a shared
-// counter.  Measured on ResNet-50-sized lists, 2 threads:
-// - Shard's cost-model splitting (many small blocks) made the two-thread
-//   update slower than one thread; chunks of at least 64K elements stream
-//   at the memory's rate;
-// - one fixed half per thread waits for the later thread: on a shared
-//   machine the pool's thread started 1-5 ms late in about one step in
-//   six (the cores busy outside the process), and the caller then idled
-//   after its half.  With chunks the caller takes over the work: the op's
-//   mean time over 5 x 40 steps 7% lower (its median about the same).
-// Returns 1 or the first negative status.
-int RunInParts(tf::OpKernelContext* ctx, size_t total,
-               const std::function<int(size_t, size_t)>& range) {
-    const auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    const size_t threads = std::min<size_t>(static_cast<size_t>(pool->num_threads),
-                                            total / kMinElementsPerPart);
-    if (threads < 2)
-        return range(0, total);
-    // At least one chunk per thread: threads <= total / kMinElementsPerPart.
-    const size_t chunks = std::min(threads * kChunksPerThread, total / kMinElementsPerPart);
-    const size_t grains = (total + kPartGrain - 1) / kPartGrain;
-    auto bound = [&](size_t c) { return std::min(total, grains * c / chunks * kPartGrain); };
-    std::atomic<size_t> next{0};
-    std::atomic<int> failed{0};
-    auto work = [&] {
-        for (size_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-            const int rc = range(bound(c), bound(c + 1));
-            if (rc < 0) {
-                int none = 0;
-                failed.compare_exchange_strong(none, rc);
-                next.store(chunks, std::memory_order_relaxed);
-            }
-        }
-    };
-    tsl::BlockingCounter done(static_cast<int>(threads - 1));
-    for (size_t t = 1; t < threads; ++t)
-        pool->workers->Schedule([&] {
-            work();
-            done.DecrementCount();
-        });
-    work();
-    done.Wait();
-    const int rc = failed.load();
-    return rc < 0 ? rc : 1;
-}
 
 // Shape function of both ops: `apply` and the trailing `scalars` inputs are
 // scalars.  Before the scalars: `apply`, the variables, `lists` more lists
@@ -171,12 +109,6 @@ float ScalarInput(tf::OpKernelContext* ctx, int index) {
     return ctx->input(index).scalar<float>()();
 }
 
-// One resource input and the tensor the step will write.
-struct Target {
-    int input;
-    tf::core::RefCountPtr<tf::Var> var;
-};
-
 class FusedStepOp : public tf::OpKernel {
   public:
     FusedStepOp(tf::OpKernelConstruction* ctx, int optimizer) : tf::OpKernel(ctx) {
@@ -210,25 +142,17 @@ class FusedStepOp : public tf::OpKernel {
         config.learning_rate = ScalarInput(ctx, first_scalar + 1);
 
         // Every resource: the variables, then each slot list in order.
-        std::vector<Target> targets;
+        std::vector<int> inputs;
         for (int i = 1; i < grads_first; ++i)
-            targets.push_back({i, {}});
-        std::vector<tf::mutex*> mutexes;
-        for (Target& t : targets) {
-            OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, t.input), &t.var));
-            mutexes.push_back(t.var->mu());
-        }
-        std::vector<tf::mutex*> order = mutexes;
-        std::sort(order.begin(), order.end());
-        for (size_t i = 1; i < order.size(); ++i)
-            OP_REQUIRES(ctx, order[i] != order[i - 1],
-                        tf::errors::InvalidArgument(
-                            type_string(), ": a variable or slot is passed twice (",
-                            NameOf(ctx, Duplicate(mutexes, order[i])), ")"));
-        std::vector<tf::mutex_lock> locks;
-        locks.reserve(order.size());
-        for (tf::mutex* mu : order)
-            locks.emplace_back(*mu);
+            inputs.push_back(i);
+        UpdatedVariables vars;
+        int twice = -1;
+        OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
+        OP_REQUIRES(ctx, twice < 0,
+                    tf::errors::InvalidArgument(type_string(),
+                                                ": a variable or slot is passed twice (",
+                                                NameOf(ctx, inputs[twice]), ")"));
+        vars.Lock(ctx);
 
         // Check everything before any write.
         std::vector<ls_param> params(n);
@@ -240,10 +164,10 @@ class FusedStepOp : public tf::OpKernel {
                                                     " has unsupported dtype ",
                                                     tf::DataTypeString(g.dtype())));
             for (int s = 0; s * n + i < grads_first - 1; ++s) {
-                const Target& t = targets[s * n + i];
-                const tf::Tensor* value = t.var->tensor();
-                const std::string what = NameOf(ctx, t.input);
-                OP_REQUIRES(ctx, t.var->is_initialized,
+                tf::Var* var = vars.var(s * n + i);
+                const tf::Tensor* value = var->tensor();
+                const std::string what = NameOf(ctx, inputs[s * n + i]);
+                OP_REQUIRES(ctx, var->is_initialized,
                             tf::errors::FailedPrecondition(type_string(), ": ", what,
                                                            " is not initialized"));
                 OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
@@ -261,54 +185,32 @@ class FusedStepOp : public tf::OpKernel {
             params[i].length = static_cast<size_t>(g.NumElements());
             params[i].decay = decay_[i];
         }
-        int rc = ls_optim_validate(params.data(), 0, &config);
-        OP_REQUIRES(ctx, rc == LS_OK,
-                    tf::errors::InvalidArgument(
-                        type_string(), ": the learning rate (", config.learning_rate,
-                        "), the loss scale (", config.scale,
-                        ") or a hyperparameter is not finite or out of range"));
+        const char* why = nullptr;
+        OP_REQUIRES(ctx, ls_optim_config_check(&config, &why) == LS_OK,
+                    tf::errors::InvalidArgument(type_string(), ": ", why, " (learning rate ",
+                                                config.learning_rate, ", loss scale ",
+                                                config.scale, ")"));
 
         // Copy-on-write where a reader still holds a buffer; then point the
         // core at the buffers it may write.
-        for (Target& t : targets) {
-            tf::Tensor* value = t.var->tensor();
-            if (t.var->copy_on_read_mode.load() || !value->RefCountIsOne()) {
-                tf::Tensor copy;
-                tf::AllocatorAttributes attr;
-                attr.set_gpu_compatible(true);
-                attr.set_nic_compatible(true);
-                OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, value->shape(), &copy, attr));
-                std::memcpy(const_cast<char*>(copy.tensor_data().data()),
-                            value->tensor_data().data(), value->TotalBytes());
-                *value = copy;
-            }
-        }
+        for (size_t t = 0; t < vars.size(); ++t)
+            OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));
         for (int i = 0; i < n; ++i) {
-            params[i].var = Floats(targets[i]);
+            params[i].var = Floats(vars.var(i));
             for (int s = 1; s * n + i < grads_first - 1; ++s)
-                params[i].slot[s - 1] = Floats(targets[s * n + i]);
+                params[i].slot[s - 1] = Floats(vars.var(s * n + i));
         }
-        rc = ls_optim_validate(params.data(), params.size(), &config);
-        OP_REQUIRES(ctx, rc == LS_OK, CoreError(rc, type_string().c_str()));
-        size_t total = 0;
-        for (const ls_param& p : params)
-            total += p.length;
-        rc = RunInParts(ctx, total, [&](size_t begin, size_t end) {
-            return ls_optim_step_range(params.data(), params.size(), &config, LS_FLUSH_DENORMALS,
-                                       begin, end);
-        });
+        // Validated once (buffers included), then split over the pool.
+        const int rc = ls_optim_update_with(params.data(), params.size(), &config,
+                                            LS_FLUSH_DENORMALS, ParallelForOnPool, ctx);
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, type_string().c_str()));
     }
 
     virtual int TotalSlots() const = 0;
 
   private:
-    static float* Floats(const Target& t) {
-        return reinterpret_cast<float*>(const_cast<char*>(t.var->tensor()->tensor_data().data()));
-    }
-
-    static size_t Duplicate(const std::vector<tf::mutex*>& all, tf::mutex* mu) {
-        return static_cast<size_t>(std::find(all.begin(), all.end(), mu) - all.begin());
+    static float* Floats(tf::Var* var) {
+        return reinterpret_cast<float*>(const_cast<char*>(var->tensor()->tensor_data().data()));
     }
 
     static std::string NameOf(tf::OpKernelContext* ctx, size_t input) {

@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -23,7 +22,6 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
-#include "tsl/platform/denormal.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace lossscale_tf {
@@ -66,25 +64,6 @@ REGISTER_OP("LossScaleAllFinite")
         return tf::OkStatus();
     })
     .Doc("True when every element of every tensor is finite.");
-
-// The float32 reciprocal TensorFlow's RealDiv kernel computes for `1 / scale`
-// on the CPU: IEEE division with subnormal inputs and results flushed.
-float ReciprocalAsTensorFlow(float scale) {
-    tsl::port::ScopedFlushDenormal flush;
-    volatile float one = 1.0f;
-    volatile float inv = one / scale;
-    return inv;
-}
-
-// Whether g * (1/scale) == g / scale for every float32 and float64 g: a
-// positive power of two whose reciprocal is normal (both sides then round
-// the same real number and flush the same subnormals).
-bool IsExactReciprocal(float scale) {
-    uint32_t bits;
-    std::memcpy(&bits, &scale, sizeof bits);
-    const int exponent = static_cast<int>(bits >> 23);  // the sign bit makes it > 255
-    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
-}
 
 // out = in / factor or in * factor, factor cast to T: TensorFlow's own
 // RealDiv / Mul expression for a scalar right-hand side.
@@ -201,7 +180,8 @@ class UnscaleAndCheckOp : public tf::OpKernel {
                     tf::errors::InvalidArgument("scale must be a scalar, got shape ",
                                                 scale_t.shape().DebugString()));
         const float scale = scale_t.scalar<float>()();
-        const float inv = ReciprocalAsTensorFlow(scale);
+        // As TensorFlow's RealDiv computes `1 / scale` on the CPU.
+        const float inv = ls_reciprocal_f32(scale, LS_FLUSH_DENORMALS);
 
         std::vector<ls_buffer> bufs;
         OP_REQUIRES_OK(ctx, DescribeList(grads, &bufs));
@@ -217,19 +197,14 @@ class UnscaleAndCheckOp : public tf::OpKernel {
         // in them too: those, and every inexact scale, divide with Eigen.
         bool by_core = std::isfinite(inv);
         if (divide_) {
-            by_core = by_core && IsExactReciprocal(scale);
+            by_core = by_core && ls_exact_reciprocal(scale);
             for (int i = 0; by_core && i < n; ++i)
                 by_core = grads[i].dtype() == tf::DT_FLOAT || grads[i].dtype() == tf::DT_DOUBLE;
         }
         int rc;
         if (by_core) {
             const unsigned flags = LS_FLUSH_DENORMALS | (check_inputs_ ? LS_CHECK_INPUTS : 0u);
-            const double inv_d = inv;
-            rc = RunOverRange(ctx, ls_total_length(bufs.data(), bufs.size()),
-                              [&](size_t begin, size_t end) {
-                                  return ls_unscale_range(bufs.data(), bufs.size(), inv_d,
-                                                          flags, begin, end);
-                              });
+            rc = ls_unscale_with(bufs.data(), bufs.size(), inv, flags, ParallelForOnPool, ctx);
         } else {
             rc = UnscaleWithEigen(ctx, grads, outs, &bufs, divide_ ? scale : inv);
         }
@@ -250,7 +225,8 @@ class UnscaleAndCheckOp : public tf::OpKernel {
                          float factor) {
         int inputs_finite = 1;
         if (check_inputs_) {
-            inputs_finite = ls_all_finite(bufs->data(), bufs->size(), 0);
+            inputs_finite = ls_all_finite_with(bufs->data(), bufs->size(), 0, ParallelForOnPool,
+                                               ctx);
             if (inputs_finite < 0)
                 return inputs_finite;
         }
@@ -270,7 +246,7 @@ class UnscaleAndCheckOp : public tf::OpKernel {
             return inputs_finite;
         for (size_t i = 0; i < bufs->size(); ++i)
             (*bufs)[i].src = (*bufs)[i].dst;
-        return ls_all_finite(bufs->data(), bufs->size(), 0);
+        return ls_all_finite_with(bufs->data(), bufs->size(), 0, ParallelForOnPool, ctx);
     }
 
     bool check_inputs_ = false;
@@ -286,11 +262,8 @@ class AllFiniteOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
         std::vector<ls_buffer> bufs;
         OP_REQUIRES_OK(ctx, DescribeList(grads, &bufs));
-        const int rc = RunOverRange(ctx, ls_total_length(bufs.data(), bufs.size()),
-                                    [&](size_t begin, size_t end) {
-                                        return ls_all_finite_range(bufs.data(), bufs.size(), 0,
-                                                                   begin, end);
-                                    });
+        const int rc =
+            ls_all_finite_with(bufs.data(), bufs.size(), 0, ParallelForOnPool, ctx);
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, "LossScaleAllFinite"));
         tf::Tensor* flag = nullptr;
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &flag));

@@ -1,9 +1,10 @@
 /*
  * LossScaleUpdate: one step of the loss-scale state machine on resource
- * variables.  Locks the variables (in mutex-address order, as TensorFlow's
- * training ops do, so two updates sharing variables cannot deadlock),
- * reads them, advances the state with the core's ls_scale_update and
- * writes every variable back before releasing the locks.
+ * variables.  Locks the variables as TensorFlow's training ops do
+ * (lossscale_tf.h's UpdatedVariables: mutex-address order, so two updates
+ * sharing variables cannot deadlock), reads them, advances the state with
+ * the core's ls_scale_update and writes every variable back (each buffer
+ * copied first where a reader still holds it) before releasing the locks.
  *
  * Variables: scale (float32) and counter (int32 or int64, attr Tcounter)
  * always; overflow_run and skipped (int64) each optional, passed as a list
@@ -11,16 +12,12 @@
  * Keras 3 optimizer does, pass empty lists; hysteresis > 1 then cannot be
  * honoured and is refused.
  */
-#include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
-#include "lossscale.h"
+#include "lossscale_tf.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tsl/platform/denormal.h"
@@ -28,7 +25,10 @@
 namespace lossscale_tf {
 namespace {
 
-namespace tf = ::tensorflow;
+// The attr's default, from the core's.
+#define LS_STRINGIFY(x) #x
+#define LS_STR(x) LS_STRINGIFY(x)
+
 using tf::shape_inference::InferenceContext;
 using tf::shape_inference::ShapeHandle;
 
@@ -43,7 +43,7 @@ REGISTER_OP("LossScaleUpdate")
     .Attr("num_overflow_run: int >= 0 = 0")
     .Attr("num_skipped: int >= 0 = 0")
     .Attr("rule: {'tf24', 'keras3'} = 'tf24'")
-    .Attr("increment_period: int >= 1 = 2000")
+    .Attr("increment_period: int >= 1 = " LS_STR(LS_DEFAULT_INCREMENT_PERIOD))
     .Attr("multiplier: float = 2.0")
     .Attr("backoff_factor: float = 0.0")
     .Attr("min_loss_scale: float = 1.0")
@@ -65,24 +65,7 @@ struct VarSlot {
     const char* name;
     int input;
     tf::DataType dtype;
-    tf::core::RefCountPtr<tf::Var> var;
 };
-
-// The tensor a scalar update writes into.  In place only when no reader
-// shares the variable's buffer (a value read earlier must not change under
-// it); otherwise a fresh buffer, as AssignVariableOp does.  Everything is
-// allocated before anything is written, so a failure changes no variable.
-tf::Status TargetFor(tf::OpKernelContext* ctx, tf::Var* var, tf::Tensor* target) {
-    tf::Tensor* t = var->tensor();
-    if (!var->copy_on_read_mode.load() && t->RefCountIsOne()) {
-        *target = *t;
-        return tf::OkStatus();
-    }
-    tf::AllocatorAttributes attr;
-    attr.set_gpu_compatible(true);
-    attr.set_nic_compatible(true);
-    return ctx->allocate_temp(t->dtype(), tf::TensorShape({}), target, attr);
-}
 
 class LossScaleUpdateOp : public tf::OpKernel {
   public:
@@ -126,32 +109,29 @@ class LossScaleUpdateOp : public tf::OpKernel {
         const bool finite = finite_t.scalar<bool>()();
 
         std::vector<VarSlot> slots;
-        slots.push_back({"scale", 1, tf::DT_FLOAT, {}});
-        slots.push_back({"counter", 2, counter_dtype_, {}});
+        slots.push_back({"scale", 1, tf::DT_FLOAT});
+        slots.push_back({"counter", 2, counter_dtype_});
         int next = 3;
         if (num_overflow_run_)
-            slots.push_back({"overflow_run", next++, tf::DT_INT64, {}});
+            slots.push_back({"overflow_run", next++, tf::DT_INT64});
         if (num_skipped_)
-            slots.push_back({"skipped", next++, tf::DT_INT64, {}});
+            slots.push_back({"skipped", next++, tf::DT_INT64});
 
-        std::vector<tf::mutex*> mutexes;
-        for (VarSlot& s : slots) {
-            OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, s.input), &s.var));
-            for (tf::mutex* mu : mutexes)
-                OP_REQUIRES(ctx, mu != s.var->mu(),
-                            tf::errors::InvalidArgument("LossScaleUpdate: ", s.name,
-                                                        " is the same variable as another input"));
-            mutexes.push_back(s.var->mu());
-        }
-        std::sort(mutexes.begin(), mutexes.end());
-        std::vector<tf::mutex_lock> locks;
-        locks.reserve(mutexes.size());
-        for (tf::mutex* mu : mutexes)
-            locks.emplace_back(*mu);
+        std::vector<int> inputs;
+        for (const VarSlot& s : slots)
+            inputs.push_back(s.input);
+        UpdatedVariables vars;
+        int twice = -1;
+        OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
+        OP_REQUIRES(ctx, twice < 0,
+                    tf::errors::InvalidArgument("LossScaleUpdate: ", slots[twice].name,
+                                                " is the same variable as another input"));
+        vars.Lock(ctx);
 
-        for (const VarSlot& s : slots) {
-            const tf::Tensor* t = s.var->tensor();
-            OP_REQUIRES(ctx, s.var->is_initialized,
+        for (size_t i = 0; i < slots.size(); ++i) {
+            const VarSlot& s = slots[i];
+            const tf::Tensor* t = vars.var(i)->tensor();
+            OP_REQUIRES(ctx, vars.var(i)->is_initialized,
                         tf::errors::FailedPrecondition("LossScaleUpdate: variable ", s.name,
                                                        " is not initialized"));
             OP_REQUIRES(ctx, t->dtype() == s.dtype,
@@ -165,14 +145,14 @@ class LossScaleUpdateOp : public tf::OpKernel {
         }
 
         ls_scale_state state;
-        state.scale = slots[0].var->tensor()->scalar<float>()();
+        state.scale = vars.var(0)->tensor()->scalar<float>()();
         state.good_steps = counter_dtype_ == tf::DT_INT32
-                               ? slots[1].var->tensor()->scalar<tf::int32>()()
-                               : slots[1].var->tensor()->scalar<tf::int64>()();
+                               ? vars.var(1)->tensor()->scalar<tf::int32>()()
+                               : vars.var(1)->tensor()->scalar<tf::int64>()();
         state.overflow_run = 0;
         state.skipped_steps = 0;
         for (size_t i = 2; i < slots.size(); ++i) {
-            tf::int64 v = slots[i].var->tensor()->scalar<tf::int64>()();
+            tf::int64 v = vars.var(i)->tensor()->scalar<tf::int64>()();
             if (slots[i].input == 3 && num_overflow_run_)
                 state.overflow_run = v;
             else
@@ -188,20 +168,20 @@ class LossScaleUpdateOp : public tf::OpKernel {
         }
         OP_REQUIRES(ctx, rc >= 0, tf::errors::InvalidArgument("LossScaleUpdate: bad config"));
 
-        std::vector<tf::Tensor> targets(slots.size());
+        // Every buffer made the variable's own (copy-on-write) before the
+        // first write, so a failure changes no variable.
         for (size_t i = 0; i < slots.size(); ++i)
-            OP_REQUIRES_OK(ctx, TargetFor(ctx, slots[i].var.get(), &targets[i]));
-        targets[0].scalar<float>()() = state.scale;
+            OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, i));
+        vars.var(0)->tensor()->scalar<float>()() = state.scale;
         if (counter_dtype_ == tf::DT_INT32)
-            targets[1].scalar<tf::int32>()() = static_cast<tf::int32>(state.good_steps);
+            vars.var(1)->tensor()->scalar<tf::int32>()() = static_cast<tf::int32>(state.good_steps);
         else
-            targets[1].scalar<tf::int64>()() = state.good_steps;
+            vars.var(1)->tensor()->scalar<tf::int64>()() = state.good_steps;
         for (size_t i = 2; i < slots.size(); ++i) {
             const bool is_run = slots[i].input == 3 && num_overflow_run_;
-            targets[i].scalar<tf::int64>()() = is_run ? state.overflow_run : state.skipped_steps;
+            vars.var(i)->tensor()->scalar<tf::int64>()() =
+                is_run ? state.overflow_run : state.skipped_steps;
         }
-        for (size_t i = 0; i < slots.size(); ++i)
-            *slots[i].var->tensor() = targets[i];
 
         tf::Tensor* out = nullptr;
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
