@@ -6,8 +6,9 @@
  * floating-point state, a thread count, cut points for the range entry
  * points and at most one deliberate fault.  Every entry point runs on it:
  * ls_unscale and ls_all_finite (dispatched kernel set, library threads),
- * their _range variants over the cuts, and every kernel set this CPU runs
- * called directly.  Each answer must equal the scalar set's, bit for bit
+ * their _range variants over the cuts, their _with variants on a host
+ * parallel-for that runs the cuts last to first, and every kernel set this
+ * CPU runs called directly.  Each answer must equal the scalar set's, bit for bit
  * (NaN payloads included: the SIMD sets promise the scalar set's bits, and
  * tests/test_core_simd.py holds them to it); every byte outside the
  * destinations, and every destination of a rejected call, must be left as
@@ -40,6 +41,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lossscale_chunks.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -507,16 +509,47 @@ static void run_kernel_sets(const fuzz_case *c, const reference *ref)
     }
 }
 
-static void run_public_unscale(const fuzz_case *c, const reference *ref, int ranges)
+/* How a public entry point is called. */
+enum call { CALL_WHOLE, CALL_RANGES, CALL_HOST };
+
+/* A host's parallel-for as the fuzzer plays it: the job cut at the case's
+ * cuts, the pieces run last to first; counts the calls, which must come
+ * only after the arguments were found good. */
+typedef struct cut_host {
+    const fuzz_case *c;
+    int calls;
+} cut_host;
+
+static int cut_parallel(void *host, ls_range_fn range, const void *ctx, size_t total)
 {
-    const char *who = ranges ? "ls_unscale_range" : "ls_unscale";
+    cut_host *h = (cut_host *)host;
+    h->calls++;
+    if (total != h->c->total)
+        fail("a parallel-for was handed the wrong total", 0, total);
+    int rc = 1;
+    for (size_t i = h->c->ncuts + 1; i-- > 0;)
+        rc = ls_combine_status(rc, range(ctx, h->c->cuts[i], h->c->cuts[i + 1]));
+    return rc;
+}
+
+static void run_public_unscale(const fuzz_case *c, const reference *ref, enum call how)
+{
+    static const char *const names[] = {"ls_unscale", "ls_unscale_range", "ls_unscale_with"};
+    const char *who = names[how];
     const int why = refusals(c, 1);
     arena a;
     arena_new(c, &a, 1);
     unsigned saved = caller_state_enter(c);
+    cut_host host = {c, 0};
     int rc;
-    if (!ranges) {
+    if (how == CALL_WHOLE) {
         rc = ls_unscale(a.bufs, c->count, call_scale(c), call_flags(c));
+    } else if (how == CALL_HOST) {
+        rc = ls_unscale_with(a.bufs, c->count, call_scale(c), call_flags(c), cut_parallel,
+                             &host);
+        if (host.calls != (rc >= 0))
+            fail("ls_unscale_with: the parallel-for ran for a refused call, or not once", 0,
+                 (size_t)host.calls);
     } else {
         rc = 1;
         for (size_t i = 0; i <= c->ncuts; i++) {
@@ -530,31 +563,40 @@ static void run_public_unscale(const fuzz_case *c, const reference *ref, int ran
         }
     }
     caller_state_check(saved, c);
+    char what[96];
     if (why) {
+        snprintf(what, sizeof what, "%s: wrong error code", who);
         if (!refused_as_expected(why, rc))
-            fail(ranges ? "ls_unscale_range: wrong error code" : "ls_unscale: wrong error code",
-                 0, (size_t)(rc < 0 ? -rc : rc));
+            fail(what, 0, (size_t)(rc < 0 ? -rc : rc));
         check_untouched(c, &a, who);
     } else {
+        snprintf(what, sizeof what, "%s: finite flag differs from the scalar set", who);
         if (rc != ref->unscale_finite)
-            fail(ranges ? "ls_unscale_range: finite flag differs from the scalar set"
-                        : "ls_unscale: finite flag differs from the scalar set",
-                 0, (size_t)rc);
+            fail(what, 0, (size_t)rc);
         check_outputs(c, &a, ref, who);
     }
     arena_free(c, &a);
 }
 
-static void run_public_check(const fuzz_case *c, const reference *ref, int ranges)
+static void run_public_check(const fuzz_case *c, const reference *ref, enum call how)
 {
+    static const char *const names[] = {"ls_all_finite", "ls_all_finite_range",
+                                        "ls_all_finite_with"};
+    const char *who = names[how];
     const int why = refusals(c, 0);
     arena a;
     arena_new(c, &a, 1);
     unsigned saved = caller_state_enter(c);
     const unsigned flags = call_flags(c);
+    cut_host host = {c, 0};
     int rc;
-    if (!ranges) {
+    if (how == CALL_WHOLE) {
         rc = ls_all_finite(a.bufs, c->count, flags);
+    } else if (how == CALL_HOST) {
+        rc = ls_all_finite_with(a.bufs, c->count, flags, cut_parallel, &host);
+        if (host.calls != (rc >= 0))
+            fail("ls_all_finite_with: the parallel-for ran for a refused call, or not once", 0,
+                 (size_t)host.calls);
     } else {
         rc = 1;
         for (size_t i = 0; i <= c->ncuts; i++) {
@@ -567,10 +609,11 @@ static void run_public_check(const fuzz_case *c, const reference *ref, int range
         }
     }
     caller_state_check(saved, c);
+    char what[96];
+    snprintf(what, sizeof what, "%s: wrong answer", who);
     if (why ? !refused_as_expected(why, rc) : rc != ref->inputs_finite)
-        fail(ranges ? "ls_all_finite_range: wrong answer" : "ls_all_finite: wrong answer", 0,
-             (size_t)(rc < 0 ? -rc : rc));
-    check_untouched(c, &a, ranges ? "ls_all_finite_range" : "ls_all_finite");
+        fail(what, 0, (size_t)(rc < 0 ? -rc : rc));
+    check_untouched(c, &a, who);
     arena_free(c, &a);
 }
 
@@ -622,11 +665,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             run_kernel_sets(&c, &ref);
             run_bad_ranges(&c);
         }
-        run_public_unscale(&c, &ref, 1);
-        run_public_check(&c, &ref, 1);
+        run_public_unscale(&c, &ref, CALL_RANGES);
+        run_public_check(&c, &ref, CALL_RANGES);
+        run_public_unscale(&c, &ref, CALL_HOST);
+        run_public_check(&c, &ref, CALL_HOST);
     }
-    run_public_unscale(&c, &ref, 0);
-    run_public_check(&c, &ref, 0);
+    run_public_unscale(&c, &ref, CALL_WHOLE);
+    run_public_check(&c, &ref, CALL_WHOLE);
     reference_free(&c, &ref);
     return 0;
 }

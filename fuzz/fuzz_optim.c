@@ -11,7 +11,9 @@
  *   - ls_optim_step: a configuration ls_optim_validate refuses, or a
  *     non-finite gradient, leaves every byte as it was; otherwise it
  *     equals the scalar set;
- *   - ls_optim_step_range over two parts equals one whole run;
+ *   - ls_optim_step_range over two parts equals one whole run, and so does
+ *     ls_optim_update_with on a host parallel-for running them in reverse;
+ *     a call either refuses, before the parallel-for runs, or updates;
  *   - no byte outside the buffers moves (guard bytes), gradients are never
  *     written, and the caller's floating-point control state comes back.
  *
@@ -37,6 +39,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lossscale_chunks.h"
 #include "optim.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -174,6 +177,22 @@ static unsigned read_csr(void)
 #endif
 }
 
+/* A host's parallel-for as the fuzzer plays it: the job cut at `cut`, the
+ * later part run first; counts its calls. */
+typedef struct cut_host {
+    size_t cut;
+    int calls;
+} cut_host;
+
+static int cut_parallel(void *host, ls_range_fn range, const void *ctx, size_t total)
+{
+    cut_host *h = (cut_host *)host;
+    h->calls++;
+    const size_t cut = h->cut < total ? h->cut : total;
+    const int later = range(ctx, cut, total);
+    return ls_combine_status(range(ctx, 0, cut), later);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fuzz_input in = {data, size, 0};
@@ -246,6 +265,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             fail("two ranges differ from one whole run");
         arena_free(&got);
     }
+
+    /* the update alone on a host's parallel-for (the cut, later part
+     * first): validated before any range runs, then the scalar set's bytes */
+    arena_fill(&got, &layout, &in, at);
+    cut_host host = {cut, 0};
+    const int urc = ls_optim_update_with(got.params, got.count, &c, flags, cut_parallel, &host);
+    check_guards(&got);
+    if (valid && ls_simd_level() >= 0) {
+        if (urc != 1 || host.calls != 1)
+            fail("ls_optim_update_with refused a valid call");
+        if (!same_results(&got, &ref))
+            fail("ls_optim_update_with differs from the scalar set");
+    } else if (urc >= 0 || host.calls != 0 || !identical(&got, &before)) {
+        fail("ls_optim_update_with ran an invalid call");
+    }
+    arena_free(&got);
 
     /* the whole step: check first, then all or nothing */
     arena_fill(&got, &layout, &in, at);

@@ -4,7 +4,8 @@
  * ThreadSanitizer for its locking): large lists split over every thread
  * count, concurrent callers (the pool busy, callers running alone), the
  * thread count changed while calls run, an early non-finite value in one
- * part, and a forked child that must start a pool of its own.  Every
+ * part, a forked child that must start a pool of its own, the chunk
+ * planner, and a host's own threads driving the _with entry points.  Every
  * answer is compared, byte for byte, with the scalar kernel set run on the
  * calling thread.  Exits non-zero on the first difference.
  */
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "lossscale_chunks.h"
 
 static const size_t esize[LS_NUM_DTYPES] = {2, 2, 4, 8};
 
@@ -164,6 +166,106 @@ static void test_split_over_every_thread_count(void)
     ls_set_num_threads(0);
 }
 
+/* The planner the library's threads and a host's pool share: every element
+ * in exactly one chunk, in order; chunks begin on LS_GRAIN boundaries; no
+ * more threads than LS_MIN_PER_THREAD shares, nor than asked for; at least
+ * one chunk per thread, none smaller than a share. */
+static void test_plan_covers_every_element(void)
+{
+    static const size_t totals[] = {0, 1, 63, 65535, 65536, 131071, 131072, 131073,
+                                    200000, 1u << 20, (1u << 20) + 17, 25557032};
+    for (size_t k = 0; k < sizeof totals / sizeof totals[0]; k++) {
+        const size_t total = totals[k];
+        for (int threads = -1; threads <= 300; threads += threads < 10 ? 1 : 37) {
+            const ls_chunk_plan p = ls_plan_chunks(total, threads);
+            const size_t shares = total / LS_MIN_PER_THREAD;
+            CHECK(p.total == total && p.threads >= 1, "plan of %zu", total);
+            CHECK(p.threads <= (threads < 1 ? 1 : threads), "%d threads asked, %d planned",
+                  threads, p.threads);
+            if (p.threads == 1) {
+                CHECK(p.chunks == 1, "one thread, %zu chunks", p.chunks);
+            } else {
+                CHECK((size_t)p.threads <= shares && p.chunks >= (size_t)p.threads &&
+                          p.chunks <= shares &&
+                          p.chunks <= (size_t)p.threads * LS_CHUNKS_PER_THREAD,
+                      "%zu elements: %d threads, %zu chunks", total, p.threads, p.chunks);
+            }
+            size_t end = 0;
+            for (size_t c = 0; c < p.chunks; c++) {
+                size_t b, e;
+                ls_chunk_bounds(&p, c, &b, &e);
+                CHECK(b == end && e >= b && (b % LS_GRAIN == 0 || b == total),
+                      "%zu elements, chunk %zu: [%zu, %zu) after %zu", total, c, b, e, end);
+                CHECK(p.threads == 1 || e - b >= LS_MIN_PER_THREAD - LS_GRAIN ||
+                          e == total,
+                      "%zu elements, chunk %zu: %zu only", total, c, e - b);
+                end = e;
+            }
+            CHECK(end == total, "%zu elements, the chunks end at %zu", total, end);
+        }
+    }
+}
+
+/* A host's pool as the core sees it: a parallel-for over threads of its
+ * own, cut by the same planner (what the TensorFlow ops do with the
+ * intra-op pool).  Counts its calls. */
+typedef struct host_part {
+    const ls_chunk_plan *plan;
+    size_t *next;
+    ls_range_fn range;
+    const void *ctx;
+    int result;
+} host_part;
+
+static void *host_worker(void *arg)
+{
+    host_part *h = (host_part *)arg;
+    h->result = ls_take_chunks(h->plan, h->next, h->range, h->ctx);
+    return NULL;
+}
+
+static int host_parallel(void *host, ls_range_fn range, const void *ctx, size_t total)
+{
+    enum { HOST_THREADS = 3 };
+    __atomic_fetch_add((int *)host, 1, __ATOMIC_RELAXED);
+    const ls_chunk_plan plan = ls_plan_chunks(total, HOST_THREADS);
+    size_t next = 0;
+    host_part parts[HOST_THREADS];
+    pthread_t t[HOST_THREADS];
+    for (int i = 1; i < plan.threads; i++) {
+        parts[i] = (host_part){&plan, &next, range, ctx, 1};
+        CHECK(pthread_create(&t[i], NULL, host_worker, &parts[i]) == 0, "pthread_create");
+    }
+    int rc = ls_take_chunks(&plan, &next, range, ctx);
+    for (int i = 1; i < plan.threads; i++) {
+        pthread_join(t[i], NULL);
+        rc = ls_combine_status(rc, parts[i].result);
+    }
+    return rc;
+}
+
+static void test_host_parallel_for(void)
+{
+    static const size_t lengths[] = {300000, 5, 0, 70001, 131072};
+    for (unsigned flags = 0; flags < 4; flags++) {
+        int calls = 0;
+        list l;
+        list_new(&l, 5, lengths, 7 + flags, flags % 2, 0.375, flags);
+        list_check(&l, ls_unscale_with(l.bufs, 5, 0.375, flags, host_parallel, &calls),
+                   "host parallel-for");
+        CHECK(ls_all_finite_with(l.bufs, 5, flags, host_parallel, &calls) ==
+                  l.want_inputs_finite,
+              "host all_finite");
+        CHECK(calls == 2, "the host's parallel-for ran %d times for 2 calls", calls);
+        /* refused before any range runs */
+        CHECK(ls_unscale_with(l.bufs, 5, 0.375, 1u << 7, host_parallel, &calls) == LS_ERR_ARG &&
+                  calls == 2,
+              "a bad flag reached the host");
+        list_check(&l, l.want_finite, "after a refused call");
+        list_free(&l);
+    }
+}
+
 /* One non-finite value, in every part of a split check. */
 static void test_check_finds_one_bad_value_anywhere(void)
 {
@@ -265,7 +367,9 @@ int main(void)
         printf("test_threads: %s\n", ls_simd_error());
         return 0;
     }
+    test_plan_covers_every_element();
     test_split_over_every_thread_count();
+    test_host_parallel_for();
     test_check_finds_one_bad_value_anywhere();
     test_concurrent_callers();
     test_fork_child_runs_its_own_pool();
