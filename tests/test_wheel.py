@@ -40,6 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
            PIP_DISABLE_PIP_VERSION_CHECK="1")
 ENV.pop("PYTHONPATH", None)
+# The stub TensorFlow of another minor is outside make test's lock on purpose.
+UNLOCKED = {k: v for k, v in ENV.items() if k != "PIP_CONSTRAINT"}
 BUILT_TF = version("tensorflow")   # what tools/wheel.sh builds against: this environment's
 MAJOR, MINOR = (int(p) for p in BUILT_TF.split(".")[:2])
 PIN = f"tensorflow<{MAJOR}.{MINOR + 1},>={MAJOR}.{MINOR}"
@@ -59,8 +61,10 @@ def new_venv(path):
 
 
 def requirement(name):
+    """``name``'s pin in the lock (which writes names normalised: ml-dtypes)."""
+    normalised = re.sub(r"[-_.]+", "-", name).lower()
     with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
-        return next(line.strip() for line in f if re.match(rf"{name}\b", line))
+        return next(line.strip() for line in f if re.match(rf"{normalised}==", line))
 
 
 class Release:
@@ -303,7 +307,7 @@ def other_minor_venv(tmp_path_factory):
     sh([py, "-m", "pip", "install", "--quiet", requirement("numpy"), requirement("ml_dtypes")],
        timeout=1800)
     sh([py, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(stubs),
-        "tensorflow", "keras"])
+        "tensorflow", "keras"], env=UNLOCKED)
     return py, stubs, other
 
 
@@ -311,7 +315,8 @@ def test_wheel_refuses_another_tensorflow_minor(release, other_minor_venv, tmp_p
     wheel, _ = release
     py, stubs, other = other_minor_venv
     done = sh([py, "-m", "pip", "install", "--no-index", "--find-links", str(stubs),
-               f"lossscale[tensorflow] @ {wheel.as_uri()}"], cwd=str(tmp_path), check=False)
+               f"lossscale[tensorflow] @ {wheel.as_uri()}"], cwd=str(tmp_path), check=False,
+              env=UNLOCKED)
     assert done.returncode != 0
     assert PIN in done.stdout + done.stderr, done.stdout + done.stderr
     installed = sh([py, "-m", "pip", "list", "--format=freeze"]).stdout
@@ -323,7 +328,7 @@ def test_wheel_forced_beside_another_minor_falls_back_with_the_fix(release, othe
     wheel, _ = release
     py, _, other = other_minor_venv
     sh([py, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--force-reinstall",
-        str(wheel)], cwd=str(tmp_path))
+        str(wheel)], cwd=str(tmp_path), env=UNLOCKED)
     fix = f"{shlex.quote(py)} -m pip install 'tensorflow>={MAJOR}.{MINOR},<{MAJOR}.{MINOR + 1}'"
     reason = f"built for TensorFlow {BUILT_TF}, running {other}"
     code = ("import warnings\n"
