@@ -185,11 +185,13 @@ def extensions():
                         if s.endswith(".cc"))
     if tf_sources:
         # Compile and link flags of the TensorFlow found are added by build_ext.
+        tf_headers = sorted(os.path.join(TF_DIR, h) for h in os.listdir(os.path.join(HERE, TF_DIR))
+                            if h.endswith(".h"))
         exts.append(Extension(
             "lossscale._lossscale_ops",
             sources=tf_sources,
             include_dirs=[INCLUDE],
-            depends=CORE_DEPENDS,
+            depends=CORE_DEPENDS + tf_headers,
             extra_compile_args=["-O3", "-fPIC", "-fvisibility=hidden",
                                 "-Wno-deprecated-declarations"],
             extra_link_args=["-pthread"],

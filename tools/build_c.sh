@@ -2,10 +2,11 @@
 # Links the C core, compiled with the given compiler and flags, into one
 # executable with the given sources: how the sanitizer and fuzz builds get
 # the core without touching the Python extension.  The core's files and
-# each one's ISA flags come from _core/kernel_sets.py, the list setup.py
-# builds from, so the binary runs on any CPU of its architecture and
-# dispatches at run time like the extension does.  The given flags come
-# after the common ones, so that they win (-O1 for MemorySanitizer, say).
+# each one's ISA flags come from _core/kernel_sets.py (which reads the one
+# list, _core/src/kernel_sets.def), as setup.py's do, so the binary runs on
+# any CPU of its architecture and dispatches at run time like the
+# extension does.  The given flags come after the common ones, so that
+# they win (-O1 for MemorySanitizer, say).
 #
 #   tools/build_c.sh OUTPUT CC "CFLAGS" SOURCE...
 set -eu

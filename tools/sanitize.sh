@@ -24,7 +24,7 @@ PY=${PY:-.venv/bin/python}
 CC=gcc
 OUT=build/sanitize
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
-# every kernel set built for this architecture (_core/kernel_sets.py)
+# every kernel set built for this architecture (_core/src/kernel_sets.def)
 LEVELS=$(python3 _core/kernel_sets.py sets)
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$OUT"

@@ -15,8 +15,10 @@
 #define EIGEN_USE_THREADS
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "lossscale.h"
@@ -97,14 +99,18 @@ class UpdatedVariables {
         inputs_ = inputs;
         vars_.clear();
         vars_.resize(inputs.size());
-        *twice = -1;
+        std::vector<std::pair<const tf::mutex*, int>> order(inputs.size());
         for (size_t i = 0; i < inputs.size(); ++i) {
             TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, inputs[i]),
                                                   &vars_[i]));
-            for (size_t j = 0; *twice < 0 && j < i; ++j)
-                if (vars_[j]->mu() == vars_[i]->mu())
-                    *twice = static_cast<int>(i);
+            order[i] = {vars_[i]->mu(), static_cast<int>(i)};
         }
+        // Sorted by mutex, then position: a repeat follows its first sight.
+        std::sort(order.begin(), order.end());
+        *twice = -1;
+        for (size_t i = 1; i < order.size(); ++i)
+            if (order[i].first == order[i - 1].first && (*twice < 0 || order[i].second < *twice))
+                *twice = order[i].second;
         return tf::OkStatus();
     }
 
