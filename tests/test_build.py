@@ -172,3 +172,52 @@ def test_fix_command_for_an_installed_package(monkeypatch, source, reason, fix):
     monkeypatch.setattr(_loader, "_installed_from", lambda: source)
     monkeypatch.setattr(_loader, "_recorded_tf_version", lambda: "2.21.0")
     assert _loader.fix_command(reason) == f"{shlex.quote(sys.executable)} {fix}"
+
+
+# ------------------------------------------------ one list, one default
+
+
+def load_kernel_sets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_sets", os.path.join(ROOT, "_core", "kernel_sets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_set_list_reads_every_entry():
+    """_core/kernel_sets.py reads each entry of _core/src/kernel_sets.def,
+    the list the C table expands: as many entries as the file has, each
+    with a known arch, scalar last and built everywhere."""
+    module = load_kernel_sets()
+    with open(module.LIST) as f:
+        text = f.read()
+    body = text[text.index("*/") + 2:]  # the entries, after the file's comment
+    entries = module.read_list()
+    assert len(entries) == body.count("LS_KERNEL_SET(")
+    assert entries[-1]["name"] == "scalar" and entries[-1]["arch"] == "ANY"
+    assert all(e["flags"] == [] or e["arch"] != "ANY" for e in entries)
+    assert [name for name, _ in module.sets_for("aarch64")] == ["neon", "scalar"]
+
+
+def test_kernel_set_list_refuses_an_entry_it_cannot_read(tmp_path):
+    module = load_kernel_sets()
+    bad = tmp_path / "kernel_sets.def"
+    bad.write_text('LS_KERNEL_SET(scalar, ANY, 0, scalar, scalar, "")\n'
+                   'LS_KERNEL_SET(sve, ARM64, CPU_SVE, sve, sve, SVE_FLAGS)\n')
+    with pytest.raises(ValueError, match="not of the form"):
+        module.read_list(str(bad))
+    bad.write_text('LS_KERNEL_SET(sve, RISCV, CPU_V, sve, sve, "")\n')
+    with pytest.raises(ValueError, match="unknown arch"):
+        module.read_list(str(bad))
+
+
+def test_python_defaults_are_the_cores():
+    """The initial loss scale and growth period: written in lossscale.h,
+    copied by the Python layer."""
+    from lossscale import _config, _native
+
+    assert _native.DEFAULT_LOSS_SCALE == _config.DEFAULT_INITIAL_SCALE == 2.0**15
+    assert _native.DEFAULT_INCREMENT_PERIOD == _config.DEFAULT_GROWTH_STEPS
