@@ -93,39 +93,27 @@ uint16_t ls_f32_to_bf16(float f)
 
 /* Finite iff the exponent field is not all ones.  Elements are read
  * through ls_load_* (kernels.h): buffers may be misaligned. */
-static int check_f16(const void *src, size_t n)
+LS_INLINE int check_run(ls_dtype dtype, const void *src, size_t n)
 {
     const char *x = (const char *)src;
-    for (size_t i = 0; i < n; i++)
-        if ((ls_load_u16(x + 2 * i) & 0x7c00u) == 0x7c00u)
+    for (size_t i = 0; i < n; i++) {
+        int bad;
+        switch (dtype) {
+        case LS_FLOAT16:
+            bad = (ls_load_u16(x + 2 * i) & 0x7c00u) == 0x7c00u;
+            break;
+        case LS_BFLOAT16:
+            bad = (ls_load_u16(x + 2 * i) & 0x7f80u) == 0x7f80u;
+            break;
+        case LS_FLOAT32:
+            bad = (ls_load_u32(x + 4 * i) & 0x7f800000u) == 0x7f800000u;
+            break;
+        default:
+            bad = (ls_load_u64(x + 8 * i) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+        }
+        if (bad)
             return 0;
-    return 1;
-}
-
-static int check_bf16(const void *src, size_t n)
-{
-    const char *x = (const char *)src;
-    for (size_t i = 0; i < n; i++)
-        if ((ls_load_u16(x + 2 * i) & 0x7f80u) == 0x7f80u)
-            return 0;
-    return 1;
-}
-
-static int check_f32(const void *src, size_t n)
-{
-    const char *x = (const char *)src;
-    for (size_t i = 0; i < n; i++)
-        if ((ls_load_u32(x + 4 * i) & 0x7f800000u) == 0x7f800000u)
-            return 0;
-    return 1;
-}
-
-static int check_f64(const void *src, size_t n)
-{
-    const char *x = (const char *)src;
-    for (size_t i = 0; i < n; i++)
-        if ((ls_load_u64(x + 8 * i) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
-            return 0;
+    }
     return 1;
 }
 
@@ -157,25 +145,19 @@ LS_INLINE int unscale_run(ls_dtype dtype, const void *x, void *y, size_t n, doub
     return !bad;
 }
 
-static int unscale_f16(const void *src, void *dst, size_t n, double inv, unsigned flags)
-{
-    return unscale_run(LS_FLOAT16, src, dst, n, inv, flags);
-}
+/* Both kernels of a dtype, the loops above specialised to it. */
+#define SCALAR_KERNELS(dtname, dtype)                                                       \
+    static int check_##dtname(const void *src, size_t n) { return check_run(dtype, src, n); } \
+    static int unscale_##dtname(const void *src, void *dst, size_t n, double inv,            \
+                                unsigned flags)                                              \
+    {                                                                                        \
+        return unscale_run(dtype, src, dst, n, inv, flags);                                  \
+    }
 
-static int unscale_bf16(const void *src, void *dst, size_t n, double inv, unsigned flags)
-{
-    return unscale_run(LS_BFLOAT16, src, dst, n, inv, flags);
-}
-
-static int unscale_f32(const void *src, void *dst, size_t n, double inv, unsigned flags)
-{
-    return unscale_run(LS_FLOAT32, src, dst, n, inv, flags);
-}
-
-static int unscale_f64(const void *src, void *dst, size_t n, double inv, unsigned flags)
-{
-    return unscale_run(LS_FLOAT64, src, dst, n, inv, flags);
-}
+SCALAR_KERNELS(f16, LS_FLOAT16)
+SCALAR_KERNELS(bf16, LS_BFLOAT16)
+SCALAR_KERNELS(f32, LS_FLOAT32)
+SCALAR_KERNELS(f64, LS_FLOAT64)
 
 const ls_kernel_set ls_kernels_scalar = {
     {check_f16, check_bf16, check_f32, check_f64},

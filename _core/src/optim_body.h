@@ -19,13 +19,12 @@
  * and cannot fault, and the address is formed as an integer. */
 enum { LS_PREFETCH_BYTES = 2048 };
 
-static inline __attribute__((always_inline)) void ls_prefetch(const void *base, size_t offset)
+LS_INLINE void ls_prefetch(const void *base, size_t offset)
 {
     __builtin_prefetch((const void *)((uintptr_t)base + offset + LS_PREFETCH_BYTES), 0, 3);
 }
 
-static inline __attribute__((always_inline)) LS_V
-LS_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
+LS_INLINE LS_V LS_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
 {
     LS_V g;
     if (dt == LS_FLOAT16)
@@ -41,8 +40,7 @@ LS_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS_V factor)
     return g;
 }
 
-static inline __attribute__((always_inline)) LS_V
-LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
+LS_INLINE LS_V LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
 {
     if (decay == LS_DECAY_OP_BY_OP)
         return v_sub(w, v_mul(v_mul(w, wd), lr));
@@ -53,37 +51,56 @@ LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
 
 /* The vector loop's reach: none when a rounded 16-bit multiply is asked. */
 static inline size_t LS_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
-                                             const ls_optim_args *a)
+                                       const ls_optim_args *a)
 {
     if (a->grad_mode == LS_GRAD_MUL_ROUNDED && p->grad_dtype != LS_FLOAT32)
         return lo;
     return lo + (hi - lo) / LS_VW * LS_VW;
 }
 
-static inline __attribute__((always_inline)) void
-LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                     ls_dtype dt)
+/* What both loops read once: the stores below could alias it as far as C
+ * knows, and reloading it would keep the compiler from unswitching the
+ * loops. */
+typedef struct LS_FN(common) {
+    const void *grad;
+    float *var;
+    size_t gsize;
+    int mode, decay;
+    LS_V factor, lr, wd, wd_lr;
+} LS_FN(common);
+
+LS_INLINE LS_FN(common) LS_FN(common_of)(const ls_param *p, const ls_optim_args *a,
+                                         ls_dtype dt)
 {
-    const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
-               wd_lr = v_set1(a->wd_lr), mu = v_set1(a->momentum);
+    const LS_FN(common) c = {p->grad, p->var, ls_dtype_size(dt), a->grad_mode, a->decay,
+                             v_set1(a->factor), v_set1(a->lr), v_set1(a->wd), v_set1(a->wd_lr)};
+    return c;
+}
+
+/* The gradient at i and the weight after decay, their streams prefetched. */
+LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype dt, LS_V *g,
+                                      LS_V *w)
+{
+    ls_prefetch(c->grad, i * c->gsize);
+    ls_prefetch(c->var, i * sizeof(float));
+    *g = LS_FN(grad)(c->grad, i, dt, c->mode, c->factor);
+    *w = LS_FN(decay)(v_load(c->var + i), c->decay, c->wd, c->lr, c->wd_lr);
+}
+
+LS_INLINE void LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+                              ls_dtype dt)
+{
+    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
+    const LS_V lr = c.lr, mu = v_set1(a->momentum);
+    float *const var = c.var, *const mom = p->slot[0];
+    const int use_momentum = a->use_momentum, nesterov = a->nesterov;
     const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    /* Read once: the stores below could alias them as far as C knows, and
-     * reloading them would keep the compiler from unswitching the loop. */
-    const void *const grad = p->grad;
-    float *const var = p->var, *const mom = p->slot[0];
-    const int mode = a->grad_mode, decay = a->decay, use_momentum = a->use_momentum,
-              nesterov = a->nesterov;
-    const size_t gsize = ls_dtype_size(dt);
     size_t i = lo;
     for (; i < end; i += LS_VW) {
-        ls_prefetch(grad, i * gsize);
-        ls_prefetch(var, i * sizeof(float));
-        if (use_momentum)
-            ls_prefetch(mom, i * sizeof(float));
-        LS_V g = LS_FN(grad)(grad, i, dt, mode, factor);
-        LS_V w = v_load(var + i);
-        w = LS_FN(decay)(w, decay, wd, lr, wd_lr);
+        LS_V g, w;
+        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         if (use_momentum) {
+            ls_prefetch(mom, i * sizeof(float));
             LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
             v_store(mom + i, m);
             w = nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
@@ -95,30 +112,24 @@ LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
     ls_sgd_elements(p, i, hi, a);
 }
 
-static inline __attribute__((always_inline)) void
-LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                      ls_dtype dt)
+LS_INLINE void LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+                               ls_dtype dt)
 {
-    const LS_V factor = v_set1(a->factor), lr = v_set1(a->lr), wd = v_set1(a->wd),
-               wd_lr = v_set1(a->wd_lr), c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
+    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
+    const LS_V c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
                eps = v_set1(a->epsilon);
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    const void *const grad = p->grad; /* read once, as in sgd_run */
-    float *const var = p->var, *const ms = p->slot[0], *const vs = p->slot[1],
+    float *const var = c.var, *const ms = p->slot[0], *const vs = p->slot[1],
                  *const vhs = p->slot[2];
-    const int mode = a->grad_mode, decay = a->decay, amsgrad = a->amsgrad;
-    const size_t gsize = ls_dtype_size(dt);
+    const int amsgrad = a->amsgrad;
+    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
     size_t i = lo;
     for (; i < end; i += LS_VW) {
-        ls_prefetch(grad, i * gsize);
-        ls_prefetch(var, i * sizeof(float));
         ls_prefetch(ms, i * sizeof(float));
         ls_prefetch(vs, i * sizeof(float));
         if (amsgrad)
             ls_prefetch(vhs, i * sizeof(float));
-        LS_V g = LS_FN(grad)(grad, i, dt, mode, factor);
-        LS_V w = v_load(var + i);
-        w = LS_FN(decay)(w, decay, wd, lr, wd_lr);
+        LS_V g, w;
+        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m = v_load(ms + i), v = v_load(vs + i);
         m = v_add(m, v_mul(v_sub(g, m), c1));
         v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));

@@ -28,11 +28,10 @@
  *   v_bf16_lo, v_bf16_hi, vu_pack_hi16(a, b)   the same for bfloat16: the
  *                        high halves of a's and b's 32-bit lanes
  *
- * and, where the ISA has them (LS_V_MASKED 1; else 0 and the bodies take
- * the ragged ends element by element with kernels.h's scalar reference):
- *
+ *   LS_V_MASKED          1 where the ISA has masked loads and stores:
  *   vu_load_part(p, k), vu_store_part(p, v, k)   the first k < LS_VBYTES
- *                        bytes, the other lanes loaded as zero
+ *                        bytes, the other lanes loaded as zero (simd.h
+ *                        defines them through the stack where it has not)
  *
  * and where it rounds to bfloat16 in one instruction (LS_V_BF16_NE):
  * vu_bf16_ne(lo, hi) and v_has_subnormal(lo, hi) (see unscale_body.h).
@@ -58,6 +57,37 @@
 #define LS_KFN(name) LS_CAT(LS_CAT(ls_, LS_SET), _##name)
 #define LS_SET_NAME LS_STR(LS_SET)
 
+#if !LS_V_MASKED
+/* Without masked loads and stores, a ragged end goes through a vector's
+ * worth of stack: the bytes beyond it are zero, as a masked load's. */
+static inline LS_VU vu_load_part(const void *p, size_t k)
+{
+    unsigned char lanes[LS_VBYTES] = {0};
+    memcpy(lanes, p, k);
+    return vu_load(lanes);
+}
+
+static inline void vu_store_part(void *p, LS_VU v, size_t k)
+{
+    unsigned char lanes[LS_VBYTES];
+    vu_store(lanes, v);
+    memcpy(p, lanes, k);
+}
+#endif
+
+/* The bodies peel a head off a buffer so that the vector loop's loads
+ * and stores fall on vector boundaries (none straddles two cache lines),
+ * from the size where the head costs less than the straddles it saves:
+ * 2 KiB for the 16-bit types, whose conversions make a ragged end dear,
+ * 512 bytes for the others (measured on Zen 4). */
+LS_INLINE size_t ls_head_bytes(const void *p, size_t n, ls_dtype dt)
+{
+    const size_t esize = ls_dtype_size(dt);
+    if (n * esize < (esize == 2 ? 2048u : 512u))
+        return 0;
+    return ls_elems_to_boundary(p, esize, LS_VBYTES, n) * esize;
+}
+
 /* ------------------------------------------------------------- finiteness */
 
 /* A value is non-finite iff its magnitude bits (sign cleared) reach the
@@ -77,6 +107,12 @@ LS_INLINE LS_VU ls_note_magnitudes(LS_VU worst, LS_VU bits, ls_dtype dt)
     default:
         return vu_max32(worst, vu_and(bits, vu_set1_64(0x7fffffff00000000ull)));
     }
+}
+
+/* Two records of magnitudes as one. */
+LS_INLINE LS_VU ls_merge_magnitudes(LS_VU a, LS_VU b, ls_dtype dt)
+{
+    return dt == LS_FLOAT16 || dt == LS_BFLOAT16 ? vu_max16(a, b) : vu_max32(a, b);
 }
 
 /* Whether the magnitudes noted in `worst` include a non-finite value. */

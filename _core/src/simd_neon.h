@@ -41,7 +41,11 @@ static inline LS_VD vd_mul(LS_VD a, LS_VD b) { return vmulq_f64(a, b); }
 
 /* ------------------------------------------------------------------- bits */
 
-static inline LS_VU vu_load(const void *p) { return vreinterpretq_u32_u8(vld1q_u8((const uint8_t *)p)); }
+static inline LS_VU vu_load(const void *p)
+{
+    return vreinterpretq_u32_u8(vld1q_u8((const uint8_t *)p));
+}
+
 static inline void vu_store(void *p, LS_VU v) { vst1q_u8((uint8_t *)p, vreinterpretq_u8_u32(v)); }
 static inline LS_VU vu_zero(void) { return vdupq_n_u32(0); }
 static inline LS_VU vu_and(LS_VU a, LS_VU b) { return vandq_u32(a, b); }
@@ -58,8 +62,8 @@ static inline LS_VU vu_max16(LS_VU a, LS_VU b)
 }
 
 static inline LS_VU vu_max32(LS_VU a, LS_VU b) { return vmaxq_u32(a, b); }
-static inline int vu_any_ge16(LS_VU v, uint16_t limit) { return vmaxvq_u16(ls_neon_u16(v)) >= limit; }
-static inline int vu_any_ge32(LS_VU v, uint32_t limit) { return vmaxvq_u32(v) >= limit; }
+static inline int vu_any_ge16(LS_VU v, uint16_t x) { return vmaxvq_u16(ls_neon_u16(v)) >= x; }
+static inline int vu_any_ge32(LS_VU v, uint32_t x) { return vmaxvq_u32(v) >= x; }
 
 static inline LS_VU v_bits(LS_V v) { return vreinterpretq_u32_f32(v); }
 static inline LS_V v_of_bits(LS_VU v) { return vreinterpretq_f32_u32(v); }
@@ -79,7 +83,11 @@ static inline LS_V v_load_bf16(const uint16_t *p)
 }
 
 /* Both 16-bit types: the low four lanes, then the high four. */
-static inline LS_V v_f16_lo(LS_VU v) { return vcvt_f32_f16(vget_low_f16(vreinterpretq_f16_u32(v))); }
+static inline LS_V v_f16_lo(LS_VU v)
+{
+    return vcvt_f32_f16(vget_low_f16(vreinterpretq_f16_u32(v)));
+}
+
 static inline LS_V v_f16_hi(LS_VU v) { return vcvt_high_f32_f16(vreinterpretq_f16_u32(v)); }
 
 static inline LS_VU vu_f16(LS_V lo, LS_V hi)
@@ -92,7 +100,10 @@ static inline LS_V v_bf16_lo(LS_VU v)
     return vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(ls_neon_u16(v)), 16));
 }
 
-static inline LS_V v_bf16_hi(LS_VU v) { return vreinterpretq_f32_u32(vshll_high_n_u16(ls_neon_u16(v), 16)); }
+static inline LS_V v_bf16_hi(LS_VU v)
+{
+    return vreinterpretq_f32_u32(vshll_high_n_u16(ls_neon_u16(v), 16));
+}
 
 static inline LS_VU vu_pack_hi16(LS_VU a, LS_VU b)
 {

@@ -3,8 +3,9 @@
  * use: LS_X86_BITS 256 is AVX2 + F16C (the avx2 set), 512 is AVX-512
  * F/BW/DQ/VL (avx512, and avx512bf16 with VCVTNE2PS2BF16).  Intel names
  * an operation alike at both widths but for the width (_mm256_add_ps,
- * _mm512_add_ps): LS_MM(add_ps) is the one at LS_X86_BITS.  Where the
- * names differ otherwise, LS_X86_PICK(256-bit form, 512-bit form) chooses;
+ * _mm512_add_ps): LS_MM(add_ps) is the one at LS_X86_BITS (LS_MM_SI and
+ * LS_MM_FROM_SI for the names that carry it twice).  Where the names
+ * differ otherwise, LS_X86_PICK(256-bit form, 512-bit form) chooses;
  * what only AVX-512 has (masked loads and stores, compares into a mask
  * register) is under LS_X86_BITS == 512.
  *
@@ -30,7 +31,10 @@
 
 #define LS_X86_PASTE(a, b, c) a##b##c
 #define LS_X86_CAT(a, b, c) LS_X86_PASTE(a, b, c)
+/* _mm256_op, _mm256_op_si256 and _mm256_castsi256_to at 256 bits */
 #define LS_MM(op) LS_X86_CAT(_mm, LS_X86_BITS, _##op)
+#define LS_MM_SI(op) LS_X86_CAT(LS_MM(op), si, LS_X86_BITS)
+#define LS_MM_FROM_SI(to) LS_X86_CAT(LS_MM(castsi), LS_X86_BITS, _##to)
 #define LS_X86_PICK(at256, at512) LS_X86_CAT(LS_X86_PICK_, LS_X86_BITS, )(at256, at512)
 #define LS_X86_PICK_256(at256, at512) at256
 #define LS_X86_PICK_512(at256, at512) at512
@@ -43,7 +47,8 @@ enum { LS_VBYTES = LS_X86_BITS / 8 };
 
 /* Half a vector of bits: LS_VW 16-bit values. */
 #define LS_X86_HALF LS_X86_PICK(__m128i, __m256i)
-#define LS_X86_LOAD_HALF(p) LS_X86_PICK(_mm_loadu_si128, _mm256_loadu_si256)((const LS_X86_HALF *)(p))
+#define LS_X86_LOAD_HALF(p) \
+    LS_X86_PICK(_mm_loadu_si128, _mm256_loadu_si256)((const LS_X86_HALF *)(p))
 #define LS_X86_F16_ROUNDING (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 /* ---------------------------------------------------------------- float32 */
@@ -63,18 +68,10 @@ static inline LS_VD vd_mul(LS_VD a, LS_VD b) { return LS_MM(mul_pd)(a, b); }
 
 /* ------------------------------------------------------------------- bits */
 
-static inline LS_VU vu_load(const void *p)
-{
-    return LS_X86_PICK(_mm256_loadu_si256((const __m256i *)p), _mm512_loadu_si512(p));
-}
-
-static inline void vu_store(void *p, LS_VU v)
-{
-    LS_X86_PICK(_mm256_storeu_si256((__m256i *)p, v), _mm512_storeu_si512(p, v));
-}
-
-static inline LS_VU vu_zero(void) { return LS_X86_PICK(_mm256_setzero_si256, _mm512_setzero_si512)(); }
-static inline LS_VU vu_and(LS_VU a, LS_VU b) { return LS_X86_PICK(_mm256_and_si256, _mm512_and_si512)(a, b); }
+static inline LS_VU vu_load(const void *p) { return LS_MM_SI(loadu_)((const LS_VU *)p); }
+static inline void vu_store(void *p, LS_VU v) { LS_MM_SI(storeu_)((LS_VU *)p, v); }
+static inline LS_VU vu_zero(void) { return LS_MM_SI(setzero_)(); }
+static inline LS_VU vu_and(LS_VU a, LS_VU b) { return LS_MM_SI(and_)(a, b); }
 static inline LS_VU vu_set1_32(uint32_t x) { return LS_MM(set1_epi32)((int)x); }
 static inline LS_VU vu_set1_64(uint64_t x)
 {
@@ -85,30 +82,23 @@ static inline LS_VU vu_shr32_16(LS_VU v) { return LS_MM(srli_epi32)(v, 16); }
 static inline LS_VU vu_max16(LS_VU a, LS_VU b) { return LS_MM(max_epu16)(a, b); }
 static inline LS_VU vu_max32(LS_VU a, LS_VU b) { return LS_MM(max_epu32)(a, b); }
 
-/* AVX2 compares only signed, into a vector: right here, since a
- * magnitude never has its lane's top bit set. */
-static inline int vu_any_ge16(LS_VU v, uint16_t limit)
-{
+/* Some lane >= x.  AVX2 compares only signed, into a vector: right
+ * here, since a magnitude never has its lane's top bit set. */
 #if LS_X86_BITS == 512
-    return _mm512_cmpge_epu16_mask(v, _mm512_set1_epi16((short)limit)) != 0;
+#define LS_X86_ANY_GE(bits, v, limit) \
+    (LS_X86_CAT(_mm512_cmpge_epu, bits, _mask)(v, LS_X86_CAT(_mm512_set1_epi, bits, )(limit)) != 0)
 #else
-    return _mm256_movemask_epi8(_mm256_cmpgt_epi16(v, _mm256_set1_epi16((short)(limit - 1)))) != 0;
+#define LS_X86_ANY_GE(bits, v, limit)                                  \
+    (_mm256_movemask_epi8(LS_X86_CAT(_mm256_cmpgt_epi, bits, )(        \
+         v, LS_X86_CAT(_mm256_set1_epi, bits, )(limit - 1))) != 0)
 #endif
-}
+static inline int vu_any_ge16(LS_VU v, uint16_t x) { return LS_X86_ANY_GE(16, v, (short)x); }
+static inline int vu_any_ge32(LS_VU v, uint32_t x) { return LS_X86_ANY_GE(32, v, (int)x); }
 
-static inline int vu_any_ge32(LS_VU v, uint32_t limit)
-{
-#if LS_X86_BITS == 512
-    return _mm512_cmpge_epu32_mask(v, _mm512_set1_epi32((int)limit)) != 0;
-#else
-    return _mm256_movemask_epi8(_mm256_cmpgt_epi32(v, _mm256_set1_epi32((int)(limit - 1)))) != 0;
-#endif
-}
-
-static inline LS_VU v_bits(LS_V v) { return LS_X86_PICK(_mm256_castps_si256, _mm512_castps_si512)(v); }
-static inline LS_V v_of_bits(LS_VU v) { return LS_X86_PICK(_mm256_castsi256_ps, _mm512_castsi512_ps)(v); }
-static inline LS_VU vd_bits(LS_VD v) { return LS_X86_PICK(_mm256_castpd_si256, _mm512_castpd_si512)(v); }
-static inline LS_VD vd_of_bits(LS_VU v) { return LS_X86_PICK(_mm256_castsi256_pd, _mm512_castsi512_pd)(v); }
+static inline LS_VU v_bits(LS_V v) { return LS_MM_SI(castps_)(v); }
+static inline LS_V v_of_bits(LS_VU v) { return LS_MM_FROM_SI(ps)(v); }
+static inline LS_VU vd_bits(LS_VD v) { return LS_MM_SI(castpd_)(v); }
+static inline LS_VD vd_of_bits(LS_VU v) { return LS_MM_FROM_SI(pd)(v); }
 
 /* ------------------------------------------------------ 16-bit conversions */
 

@@ -5,12 +5,9 @@
  * 16-bit types are widened to two float32 vectors, multiplied (a plain
  * multiply, never fused) and rounded back to nearest-even: float16 by the
  * ISA's conversion, bfloat16 on the bits (or by VCVTNE2PS2BF16, below).
- * The finite test keeps the largest magnitude of the probed values in a
- * register and looks at it once at the end (simd.h), so the loop has no
- * data-dependent branch.  A head brings the destination to a vector
- * boundary, so that no store straddles two cache lines; the ragged ends
- * are masked vectors where the set has them, else the scalar reference
- * element by element.
+ * The finite test keeps the largest magnitude of the probed values in
+ * registers and looks at it once at the end (simd.h), so the loop has no
+ * data-dependent branch.
  */
 #ifndef LOSSSCALE_UNSCALE_BODY_H
 #define LOSSSCALE_UNSCALE_BODY_H
@@ -85,45 +82,40 @@ LS_INLINE LS_VU LS_FN(unscale_vec)(LS_VU worst, const char *x, char *y,
     return ls_note_magnitudes(worst, c->check_inputs ? in : out, c->dt);
 }
 
-/* Bytes [from, to) of x and y, less than one vector: a masked vector (a
- * lane masked off on load is zero, so it never looks non-finite), or the
- * scalar reference, which every vector lane equals bit for bit. */
+/* Bytes [from, to) of x and y, less than one vector: one vector through
+ * vu_load_part and vu_store_part (a lane beyond the end is zero, so it
+ * never looks non-finite) where the set has masked loads and stores, and
+ * for the 16-bit types, whose scalar conversions cost more than simd.h's
+ * trip through the stack; else the scalar reference element by element.
+ * Every vector lane equals the scalar reference bit for bit. */
 LS_INLINE LS_VU LS_FN(unscale_edge)(LS_VU worst, int *bad, const char *x, char *y, size_t from,
                                     size_t to, double inv, const LS_FN(unscale_ctx) *c)
 {
-#if LS_V_MASKED
-    (void)bad, (void)inv;
-    if (from < to) {
-        LS_VU in = vu_load_part(x + from, to - from);
-        LS_VU out = LS_FN(unscale_bits)(in, c->dt, c->s, c->sd, c->rounding);
-        vu_store_part(y + from, out, to - from);
-        worst = ls_note_magnitudes(worst, c->check_inputs ? in : out, c->dt);
-    }
-#else
     const size_t esize = ls_dtype_size(c->dt);
-    for (size_t b = from; b < to; b += esize) {
-        const size_t k = b / esize;
-        switch (c->dt) {
-        case LS_FLOAT16:
-            *bad |= ls_unscale1_f16(x, y, k, (float)inv, c->check_inputs);
-            break;
-        case LS_BFLOAT16:
-            *bad |= ls_unscale1_bf16(x, y, k, (float)inv, c->check_inputs);
-            break;
-        case LS_FLOAT32:
-            *bad |= ls_unscale1_f32(x, y, k, (float)inv, c->check_inputs);
-            break;
-        default:
-            *bad |= ls_unscale1_f64(x, y, k, inv, c->check_inputs);
+    if (LS_V_MASKED || esize == 2) {
+        if (from < to) {
+            LS_VU in = vu_load_part(x + from, to - from);
+            LS_VU out = LS_FN(unscale_bits)(in, c->dt, c->s, c->sd, c->rounding);
+            vu_store_part(y + from, out, to - from);
+            worst = ls_note_magnitudes(worst, c->check_inputs ? in : out, c->dt);
         }
+        return worst;
     }
-#endif
+    for (size_t b = from; b < to; b += esize) {
+        if (c->dt == LS_FLOAT32)
+            *bad |= ls_unscale1_f32(x + b, y + b, 0, (float)inv, c->check_inputs);
+        else
+            *bad |= ls_unscale1_f64(x + b, y + b, 0, inv, c->check_inputs);
+    }
     return worst;
 }
 
 /* The kernel: n elements of src times inv into dst (kernels.h's
  * ls_unscale_fn), for a dtype and a check_inputs known when it is inlined.
- * Each pass of the loop does four float32 vectors' worth of arithmetic. */
+ * Each pass of the main loop does four float32 vectors' worth of
+ * arithmetic, each vector noting into a record of its own (one record
+ * alone would make the loop wait on its every maximum).  The head that
+ * aligns a large buffer aligns its destination (simd.h). */
 LS_INLINE int LS_FN(unscale_run)(const void *src, void *dst, size_t n, double inv,
                                  int check_inputs, ls_dtype dt, enum bf16_rounding rounding)
 {
@@ -131,14 +123,20 @@ LS_INLINE int LS_FN(unscale_run)(const void *src, void *dst, size_t n, double in
     char *y = (char *)dst;
     const LS_FN(unscale_ctx) c = {v_set1((float)inv), vd_set1(inv), dt, check_inputs, rounding};
     const size_t esize = ls_dtype_size(dt), bytes = n * esize;
-    const size_t pass = (esize == 2 ? 2 : 4) * LS_VBYTES;
+    const size_t per_pass = esize == 2 ? 2 : 4, pass = per_pass * LS_VBYTES;
     LS_VU worst = vu_zero();
     int bad = 0;
-    size_t i = ls_elems_to_boundary(y, esize, LS_VBYTES, n) * esize;
+    size_t i = ls_head_bytes(y, n, dt);
     worst = LS_FN(unscale_edge)(worst, &bad, x, y, 0, i, inv, &c);
-    for (; bytes - i >= pass; i += pass)
-        for (size_t k = 0; k < pass; k += LS_VBYTES)
-            worst = LS_FN(unscale_vec)(worst, x + i + k, y + i + k, &c);
+    if (bytes - i >= pass) {
+        LS_VU w[4] = {worst, vu_zero(), vu_zero(), vu_zero()};
+        for (; bytes - i >= pass; i += pass)
+            for (size_t k = 0; k < per_pass; k++)
+                w[k] = LS_FN(unscale_vec)(w[k], x + i + k * LS_VBYTES, y + i + k * LS_VBYTES, &c);
+        worst = w[0];
+        for (size_t k = 1; k < per_pass; k++)
+            worst = ls_merge_magnitudes(worst, w[k], dt);
+    }
     for (; bytes - i >= LS_VBYTES; i += LS_VBYTES)
         worst = LS_FN(unscale_vec)(worst, x + i, y + i, &c);
     worst = LS_FN(unscale_edge)(worst, &bad, x, y, i, bytes, inv, &c);
