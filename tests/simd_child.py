@@ -91,10 +91,13 @@ def main(out_path):
             res[f"allfinite/{dn}/{si}/out"] = y.view(np.uint16)
         res[f"allfinite/{dn}/check"] = np.array(core.all_finite(fin))
 
-    # 2. lengths around every vector width, misplaced starts, one bad value
+    # 2. lengths around every vector width and around the sizes from which
+    #    the vector sets align a buffer (512 and 2048 bytes), misplaced
+    #    starts, one bad value
     LENGTHS = sorted({1, 2, 3, 4, 5} | {w * m + d for w in (2, 4, 8, 16, 32, 64)
                                          for m in (1, 2, 4) for d in (-1, 0, 1)} |
-                     {255, 256, 257, 1000, 4099})
+                     {k * 128 + d for k in (1, 2, 4, 8) for d in (-1, 0, 1)} |
+                     {1000, 4099})
     for dn, dt in DTYPES.items():
         for n in LENGTHS:
             x = values(dt, n, seed=n)
