@@ -18,14 +18,16 @@
  *     written, and the caller's floating-point control state comes back.
  *
  * Input layout (a short input reads as if padded with zeros):
- *   0      bit 0 LS_FLUSH_DENORMALS, bit 1 Adam (else SGD), bit 2 amsgrad,
- *          bit 3 Nesterov, bits 4-5 unscale mode (3: an invalid one),
- *          bit 6 momentum forced to 0, bit 7 the caller runs with FTZ/DAZ
+ *   0      bit 0 LS_FLUSH_DENORMALS, bits 1-3 the family (% (families + 1):
+ *          the last value is an unknown one), bits 4-5 unscale mode (3: an
+ *          invalid one), bit 6 the family's first number forced to 0 (SGD:
+ *          no momentum), bit 7 the caller runs with FTZ/DAZ
  *   1..8   scale (double)
- *   9..36  learning rate, weight decay, momentum, alpha, 1 - beta_1,
- *          1 - beta_2, epsilon (float each)
- *   37     variables: 1 + byte % 3
- *   38     cut: where the range run splits, byte * total / 255
+ *   9..16  learning rate, weight decay (float each)
+ *   17..64 the family's numbers (LS_OPTIM_MAX_HYPER floats; those past its
+ *          count are ignored), in family_<name>.h's order
+ *   65     variables: 1 + byte % 3
+ *   66     cut: where the range run splits, byte * total / 255
  *   then per variable 4 bytes: gradient dtype (byte % 4: float16,
  *          bfloat16, float32, float64 — refused), decay (byte % 4; 3 is
  *          refused), length (u16 % 1500)
@@ -199,23 +201,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const uint8_t mode = byte_at(&in, 0);
     ls_optim_config c;
     memset(&c, 0, sizeof c);
-    c.optimizer = (mode & 2) ? LS_OPTIM_ADAM : LS_OPTIM_SGD;
-    c.amsgrad = (mode >> 2) & 1;
-    c.nesterov = (mode >> 3) & 1;
+    c.family = ((mode >> 1) & 7) % (ls_optim_family_count() + 1);
+    c.num_hyper = c.family < ls_optim_family_count() ? ls_optim_hyper_count(c.family) : 0;
     c.unscale = (mode >> 4) & 3;
     read_bytes(&in, 1, &c.scale, 8);
-    float *fields[] = {&c.learning_rate, &c.weight_decay, &c.momentum, &c.alpha,
-                       &c.one_minus_beta_1, &c.one_minus_beta_2, &c.epsilon};
-    for (int f = 0; f < 7; f++)
-        read_bytes(&in, 9 + 4 * f, fields[f], 4);
+    read_bytes(&in, 9, &c.learning_rate, 4);
+    read_bytes(&in, 13, &c.weight_decay, 4);
+    for (int f = 0; f < c.num_hyper; f++)
+        read_bytes(&in, 17 + 4 * f, &c.hyper[f], 4);
     if (mode & 64)
-        c.momentum = 0.0f;
+        c.hyper[0] = 0.0f;
     const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
 
     arena layout;
     memset(&layout, 0, sizeof layout);
-    layout.count = 1 + byte_at(&in, 37) % MAX_VARS;
-    size_t at = 39, total = 0;
+    layout.count = 1 + byte_at(&in, 65) % MAX_VARS;
+    size_t at = 67, total = 0;
     for (size_t i = 0; i < layout.count; i++, at += 4) {
         ls_param *p = &layout.params[i];
         p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
@@ -227,7 +228,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
     }
-    const size_t cut = byte_at(&in, 38) * total / 255;
+    const size_t cut = byte_at(&in, 66) * total / 255;
 
 #ifdef HAVE_MXCSR
     const unsigned caller_csr = (mode & 128) ? (read_csr() | 0x8040u) : (read_csr() & ~0x8040u);

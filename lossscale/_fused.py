@@ -3,8 +3,9 @@ folded in, as one native op over the whole variable list.
 
 Each fused family is declared once, in ``FAMILIES``: the Keras class whose
 ``update_step`` it reproduces, its slots, its hyperparameters that must be
-plain numbers, the scalars it derives from ``iterations``, the native op
-that runs it, and which optimizer options it supports.  ``decide`` is the
+plain numbers, the constants and the ``iterations``-derived scalars its
+kernel takes (in the order of its ``_core/src/family_<name>.h``), and which
+optimizer options it supports.  One native op runs every family by name.  ``decide`` is the
 one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.
@@ -49,31 +50,32 @@ _OPTIONS = (
 
 
 class Family:
-    """One fused optimizer family.
+    """One fused optimizer family, as the native op runs it
+    (``_core/src/family_<name>.h`` holds its arithmetic).
 
     Args:
-      name: the family's name in the native op and in messages.
+      name: the family's name in the native op (``"sgd"``, ``"adam"``).
       keras_class: the stock class whose ``update_step`` the kernel
         reproduces; a subclass that overrides ``update_step`` is not it.
       slots: ``slots(inner)`` -> the slot kinds this configuration keeps, in
-        the op's order (``_compat.optimizer_slots`` kinds).
+        the kernel's order (``_compat.optimizer_slots`` kinds).
       numbers: hyperparameters that must be plain numbers (the kernel takes
         them as constants).
-      scalars: ``scalars(inner, learning_rate)`` -> the step's scalar
-        tensors beside the learning rate, derived from ``iterations`` as
-        Keras derives them.
-      run: ``run(library, plan, should_apply, scale, unscale)`` launches the
-        native op.
+      hyper: ``hyper(inner)`` -> the kernel's constant numbers, in its order.
+      scalars: ``scalars(inner, learning_rate)`` -> the float32 scalar
+        tensors that follow them, derived from ``iterations`` as Keras
+        derives them.
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
     """
 
-    def __init__(self, name, keras_class, *, slots, numbers, scalars, run, supports=()):
+    def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
+                 supports=()):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
         self.numbers = tuple(numbers)
-        self.scalars = scalars
-        self.run = run
+        self.hyper = hyper
+        self.scalars = scalars or (lambda inner, lr: [])
         self.supports = frozenset(supports)
 
     def reproduces(self, inner):
@@ -97,11 +99,18 @@ class Plan:
                       for v in variables]
         self.scalars = None
 
-    def handles(self, variables):
-        return [_step.tf_variable(v).handle for v in variables]
+    def run(self, library, should_apply, scale, unscale):
+        """The family's native op over the plan (``prepare_scalars`` first)."""
+        def handles(variables):
+            return [_step.tf_variable(v).handle for v in variables]
 
-    def slot_handles(self, kind):
-        return self.handles(_compat.optimizer_slots(self.inner, kind, self.variables))
+        slots = [h for kind in self.family.slots(self.inner)
+                 for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
+        library.loss_scale_apply_optimizer(
+            should_apply, handles(self.variables), slots, self.grads, scale,
+            self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
+            hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
+            unscale=unscale)
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -118,59 +127,49 @@ class Plan:
                 message=f"{name}: the learning rate is negative; no variable was changed"),
         ]
         wd = inner.weight_decay
-        self.scalars = dict(learning_rate=lr,
-                            weight_decay=tf.constant(0.0 if wd is None else float(wd), tf.float32),
-                            **self.family.scalars(inner, lr))
+        self.learning_rate = lr
+        self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
+        self.scalars = list(self.family.scalars(inner, lr))
         return self.checks
 
 
 # ------------------------------------------------------------- families
+# Each family's numbers in the order of its family_<name>.h.
 
 def _sgd_slots(inner):
     return ("momentum",) if float(inner.momentum) != 0 else ()
 
 
-def _run_sgd(library, plan, should_apply, scale, unscale):
-    inner, s = plan.inner, plan.scalars
-    momentum = float(inner.momentum)
-    library.loss_scale_apply_sgd(
-        should_apply, plan.handles(plan.variables),
-        plan.slot_handles("momentum") if momentum != 0 else [], plan.grads, scale,
-        s["learning_rate"], s["weight_decay"], momentum=momentum,
-        nesterov=bool(inner.nesterov), decay=plan.decay, unscale=unscale)
+def _sgd_hyper(inner):
+    return [inner.momentum, 1.0 if inner.nesterov else 0.0]
 
 
 def _adam_slots(inner):
     return ("m", "v", "v_hat") if inner.amsgrad else ("m", "v")
 
 
+def _adam_hyper(inner):
+    # As Keras: 1 - beta in Python floats, then float32.
+    return [1 - inner.beta_1, 1 - inner.beta_2, inner.epsilon, 1.0 if inner.amsgrad else 0.0]
+
+
 def _adam_scalars(inner, lr):
-    # Keras' Adam.update_step, scalars only.
+    # Keras' Adam.update_step, scalars only: alpha.
     local_step = tf.cast(inner.iterations + 1, tf.float32)
     beta_1_power = tf.pow(tf.cast(inner.beta_1, tf.float32), local_step)
     beta_2_power = tf.pow(tf.cast(inner.beta_2, tf.float32), local_step)
-    return {"alpha": lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)}
+    return [lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)]
 
 
-def _run_adam(library, plan, should_apply, scale, unscale):
-    inner, s = plan.inner, plan.scalars
-    library.loss_scale_apply_adam(
-        should_apply, plan.handles(plan.variables), plan.slot_handles("m"),
-        plan.slot_handles("v"), plan.slot_handles("v_hat") if inner.amsgrad else [],
-        plan.grads, scale, s["learning_rate"], s["alpha"], s["weight_decay"],
-        one_minus_beta_1=1 - inner.beta_1, one_minus_beta_2=1 - inner.beta_2,
-        epsilon=float(inner.epsilon), decay=plan.decay, unscale=unscale)
-
-
-_ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"),
-             scalars=_adam_scalars, run=_run_adam)
+_ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
+             scalars=_adam_scalars)
 
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           scalars=lambda inner, lr: {}, run=_run_sgd),
+           hyper=_sgd_hyper),
 )
 
 _CLASS_NAMES = list(dict.fromkeys(f.keras_class.__name__ for f in reversed(FAMILIES)))
@@ -297,7 +296,7 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     With ``advance_iterations_always`` a skipped step advances
     ``iterations`` too, as TensorFlow 2.4's optimizer did."""
     scale = tf.convert_to_tensor(scale, tf.float32)
-    plan.family.run(native_ops.native_library_for([]), plan, should_apply, scale, unscale)
+    plan.run(native_ops.native_library_for([]), should_apply, scale, unscale)
     iterations = _compat.optimizer_iterations(plan.inner)
     if advance_iterations_always:
         iterations.assign_add(1)

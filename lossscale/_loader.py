@@ -28,7 +28,7 @@ LIBRARY_NAME = "_lossscale_ops.so"
 # no gradient, and a library lacking one (stale, built from older sources) is
 # treated as unusable, so that the callers fall back instead of failing later.
 OP_NAMES = ("LossScaleUnscaleAndCheck", "LossScaleAllFinite", "LossScaleUpdate",
-            "LossScaleDebugBufferAddress", "LossScaleApplySgd", "LossScaleApplyAdam")
+            "LossScaleDebugBufferAddress", "LossScaleApplyOptimizer")
 
 
 def python_name(op_name):

@@ -81,23 +81,25 @@ cdef extern from "lossscale.h" nogil:
         ls_dtype grad_dtype
         int decay
 
+    enum:
+        LS_OPTIM_MAX_HYPER
+
     ctypedef struct ls_optim_config:
-        int optimizer
+        int family
         int unscale
         double scale
         float learning_rate
         float weight_decay
-        float momentum
-        int nesterov
-        float alpha
-        float one_minus_beta_1
-        float one_minus_beta_2
-        float epsilon
-        int amsgrad
+        int num_hyper
+        float hyper[LS_OPTIM_MAX_HYPER]
+
+    int ls_optim_family(const char *name)
+    const char *ls_optim_family_name(int family)
+    int ls_optim_family_count()
+    int ls_optim_hyper_count(int family)
+    int ls_optim_slot_count(const ls_optim_config *config)
 
     enum:
-        LS_OPTIM_SGD
-        LS_OPTIM_ADAM
         LS_UNSCALE_NONE
         LS_UNSCALE_DIVIDE
         LS_UNSCALE_MULTIPLY
@@ -535,13 +537,14 @@ def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,
     what = "sgd_step_"
     variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
                                        unscale, &c)
-    c.optimizer = LS_OPTIM_SGD
+    _set_family(&c, b"sgd")
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
                                what, "learning_rate")
-    c.momentum = _float32(_real(momentum, what, "momentum"), what, "momentum")
-    c.nesterov = 1 if nesterov else 0
+    # family_sgd.h: momentum, nesterov
+    c.hyper[0] = _float32(_real(momentum, what, "momentum"), what, "momentum")
+    c.hyper[1] = 1.0 if nesterov else 0.0
     slots = []
-    if c.momentum != 0.0:
+    if c.hyper[0] != 0.0:
         if momentums is None:
             raise ValueError(f"{what}: momentum={momentum} needs the momentums")
         slots.append(("momentums", _param_list(momentums, what, "momentums", len(variables))))
@@ -563,17 +566,63 @@ def adam_step_(variables, grads, m, v, v_hat=None, *, learning_rate, alpha, beta
     variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
                                        unscale, &c)
     n = len(variables)
-    c.optimizer = LS_OPTIM_ADAM
+    _set_family(&c, b"adam")
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
                                what, "learning_rate")
-    c.alpha = _float32(_real(alpha, what, "alpha"), what, "alpha")
-    # As Keras: 1 - beta in Python floats, then float32.
-    c.one_minus_beta_1 = _float32(1 - _real(beta_1, what, "beta_1"), what, "beta_1")
-    c.one_minus_beta_2 = _float32(1 - _real(beta_2, what, "beta_2"), what, "beta_2")
-    c.epsilon = _float32(_real(epsilon, what, "epsilon"), what, "epsilon")
-    c.amsgrad = 0 if v_hat is None else 1
+    # family_adam.h: 1 - beta_1, 1 - beta_2, epsilon, amsgrad, alpha; as
+    # Keras, 1 - beta in Python floats, then float32.
+    c.hyper[0] = _float32(1 - _real(beta_1, what, "beta_1"), what, "beta_1")
+    c.hyper[1] = _float32(1 - _real(beta_2, what, "beta_2"), what, "beta_2")
+    c.hyper[2] = _float32(_real(epsilon, what, "epsilon"), what, "epsilon")
+    c.hyper[3] = 0.0 if v_hat is None else 1.0
+    c.hyper[4] = _float32(_real(alpha, what, "alpha"), what, "alpha")
     slots = [("m", _param_list(m, what, "m", n)), ("v", _param_list(v, what, "v", n))]
     if v_hat is not None:
         slots.append(("v_hat", _param_list(v_hat, what, "v_hat", n)))
     return bool(_optim_run(what, variables, grads, slots, decay, &c,
+                           LS_FLUSH_DENORMALS if flush_denormals else 0))
+
+
+cdef _set_family(ls_optim_config *c, bytes name):
+    c.family = ls_optim_family(name)
+    c.num_hyper = ls_optim_hyper_count(c.family)
+
+
+def optimizer_families():
+    """``{name: number of hyperparameters}`` of the core's fused families."""
+    return {ls_optim_family_name(f).decode(): ls_optim_hyper_count(f)
+            for f in range(ls_optim_family_count())}
+
+
+def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
+                    weight_decay=None, decay=None, scale=None, unscale="divide",
+                    bint flush_denormals=False):
+    """One step of a fused family (``optimizer_families()``) over float32
+    arrays, in place, fused with the finite check and the unscale; see
+    ``lossscale.core``."""
+    cdef ls_optim_config c
+    cdef int f, i, want
+    memset(&c, 0, sizeof(c))
+    what = "optimizer_step_"
+    names = optimizer_families()
+    if family not in names:
+        raise ValueError(f"{what}: family must be one of {sorted(names)}, got {family!r}")
+    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
+                                       unscale, &c)
+    _set_family(&c, family.encode())
+    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
+                               what, "learning_rate")
+    if isinstance(hyper, (str, bytes)) or not hasattr(hyper, "__len__") \
+            or len(hyper) != c.num_hyper:
+        raise ValueError(f"{what}: {family} takes {c.num_hyper} hyperparameters, got "
+                         f"{hyper!r}")
+    for i in range(c.num_hyper):
+        c.hyper[i] = _float32(_real(hyper[i], what, f"hyper[{i}]"), what, f"hyper[{i}]")
+    want = ls_optim_slot_count(&c)
+    if not isinstance(slots, (list, tuple)) or len(slots) != want:
+        raise ValueError(f"{what}: {family} as configured keeps {want} slots per variable; "
+                         f"slots must be a list of {want} lists, got {slots!r}")
+    slot_lists = [(f"slots[{k}]", _param_list(slots[k], what, f"slots[{k}]", len(variables)))
+                  for k in range(want)]
+    return bool(_optim_run(what, variables, grads, slot_lists, decay, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0))

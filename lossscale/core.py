@@ -13,6 +13,8 @@ from lossscale._native import (  # noqa: F401
     adam_step_,
     all_finite,
     get_num_threads,
+    optimizer_families,
+    optimizer_step_,
     sgd_step_,
     simd_best,
     simd_level,
@@ -21,7 +23,8 @@ from lossscale._native import (  # noqa: F401
 )
 
 __all__ = ["all_finite", "unscale_", "simd_level", "simd_best", "simd_levels",
-           "set_num_threads", "get_num_threads", "round_to_dtype", "sgd_step_", "adam_step_"]
+           "set_num_threads", "get_num_threads", "round_to_dtype", "sgd_step_", "adam_step_",
+           "optimizer_step_", "optimizer_families"]
 
 _INT_MAX = 2**31 - 1
 

@@ -365,7 +365,7 @@ def test_the_step_is_few_native_ops(fused):
     assert "IsFinite" not in names
     if fused:
         assert opt.step_path == "fused (SGD)"
-        assert names.count("LossScaleApplySgd") == 1
+        assert names.count("LossScaleApplyOptimizer") == 1
         assert names.count("LossScaleUnscaleAndCheck") == 0
         assert 1 <= names.count("LossScaleAllFinite") <= len(grads)
         # iterations, and no per-variable update

@@ -254,7 +254,7 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
 
 /* ------------------------------------------- fused optimizer steps
  *
- * Check, unscale and the Keras SGD / Adam update of float32 variables in
+ * Check, unscale and a Keras optimizer's update of float32 variables in
  * one pass over memory.  Every element is computed with exactly the
  * roundings of Keras 3's op-by-op float32 arithmetic, in its order (each
  * `+ - * / sqrt` rounded on its own, never fused), so the variables and
@@ -263,21 +263,25 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
  *   g  = unscale(grad)                     (see ls_unscale_mode)
  *   w  = var;  decay 1: w = w - (w * weight_decay) * learning_rate
  *              decay 2: w = w - w * (weight_decay * learning_rate)
- *   SGD, no momentum:  w = w - g * lr
- *   SGD, momentum mu:  m = m * mu - g * lr;   w = w + m
- *            Nesterov: m = m * mu - g * lr;   w = w + (m * mu - g * lr)
- *   Adam:   m = m + (g - m) * (1 - beta_1);  v = v + (g * g - v) * (1 - beta_2)
- *           amsgrad: v_hat = max(v_hat, v), v_hat in place of v below
- *           w = w - (m * alpha) / (sqrt(v) + epsilon)
+ *   then the family's update of w and its slots.
  *
- * The scalars Keras derives from its step counter (Adam's alpha =
- * lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)) are the caller's: computed with
- * the framework's own scalar ops, they are passed in as they came out. */
+ * A family is one Keras optimizer's update_step (ls_optim_family names
+ * them: "sgd", "adam", ...).  Its numbers (momentum, 1 - beta_1, ...) and
+ * the scalars Keras derives from its step counter (Adam's alpha = lr *
+ * sqrt(1 - beta_2^t) / (1 - beta_1^t), computed by the caller with the
+ * framework's own scalar ops and passed in as they came out) are the
+ * config's `hyper`, in the family's order; _core/src/family_<name>.h
+ * documents each family's numbers, slots and update. */
 
-typedef enum ls_optimizer {
-    LS_OPTIM_SGD = 0,
-    LS_OPTIM_ADAM = 1
-} ls_optimizer;
+/* The most numbers a family takes. */
+#define LS_OPTIM_MAX_HYPER 12
+
+/* A family's id by name, or -1; its name by id, or NULL; how many there
+ * are; how many numbers a family takes (-1: no such family). */
+int ls_optim_family(const char *name);
+const char *ls_optim_family_name(int family);
+int ls_optim_family_count(void);
+int ls_optim_hyper_count(int family);
 
 /* Keras applies weight decay as `var - var * wd * lr`.  Run op by op (eager)
  * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
@@ -304,9 +308,9 @@ typedef enum ls_unscale_mode {
 
 /* One variable with its gradient and slots.  `var` and the slots are
  * float32 buffers of `length` elements, updated in place; `grad` is
- * float16, bfloat16 or float32 and only read.  Slots: SGD with momentum:
- * slot[0] = momentum; Adam: slot[0] = m, slot[1] = v, slot[2] = v_hat
- * (amsgrad only).  Unused slots are NULL.  No two buffers may overlap. */
+ * float16, bfloat16 or float32 and only read.  The family says which slots
+ * a configuration uses, in order (ls_optim_slot_count); unused slots are
+ * NULL.  No two buffers may overlap. */
 typedef struct ls_param {
     float *var;
     const void *grad;
@@ -317,20 +321,20 @@ typedef struct ls_param {
 } ls_param;
 
 typedef struct ls_optim_config {
-    int optimizer;          /* ls_optimizer */
+    int family;             /* ls_optim_family(name) */
     int unscale;            /* ls_unscale_mode */
     double scale;           /* the loss scale: MULTIPLY: finite, > 0; DIVIDE: any
                                (IEEE division, as Keras divides) */
     float learning_rate;    /* finite, >= 0 */
-    float weight_decay;     /* for params with decay = 1; finite */
-    float momentum;         /* SGD: 0 means no momentum slot */
-    int nesterov;           /* SGD */
-    float alpha;            /* Adam: lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) */
-    float one_minus_beta_1; /* Adam */
-    float one_minus_beta_2; /* Adam */
-    float epsilon;          /* Adam */
-    int amsgrad;            /* Adam */
+    float weight_decay;     /* for params with decay = 1 or 2; finite */
+    int num_hyper;          /* ls_optim_hyper_count(family) */
+    float hyper[LS_OPTIM_MAX_HYPER]; /* the family's numbers, in its order */
 } ls_optim_config;
+
+/* The slots per variable a configuration updates (a family's count may
+ * depend on its numbers: SGD keeps no momentum at momentum 0); -1 for an
+ * unknown family. */
+int ls_optim_slot_count(const ls_optim_config *config);
 
 /* Validate a step without touching anything: LS_OK or the error. */
 int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_config *config);

@@ -12,13 +12,46 @@
 #include "internal.h"
 #include "optim.h"
 
-static int finite_f(float x) { return x - x == 0.0f; }
+/* Each family's entry, from optim_families.h. */
+typedef struct family_info {
+    const char *name;
+    int hyper_count;
+    int (*slots)(const float *hyper);
+    const char *(*problem)(const float *hyper);
+} family_info;
 
-static int slots_needed(const ls_optim_config *c)
+#define LS_FAMILY_INFO(family) \
+    {#family, ls_##family##_hyper_count, ls_##family##_slots, ls_##family##_problem},
+static const family_info families[] = {LS_OPTIM_FAMILIES(LS_FAMILY_INFO)};
+#undef LS_FAMILY_INFO
+
+int ls_optim_family_count(void) { return LS_OPTIM_NUM_FAMILIES; }
+
+int ls_optim_family(const char *name)
 {
-    if (c->optimizer == LS_OPTIM_SGD)
-        return c->momentum != 0.0f ? 1 : 0;
-    return c->amsgrad ? 3 : 2;
+    for (int f = 0; name != NULL && f < LS_OPTIM_NUM_FAMILIES; f++)
+        if (strcmp(name, families[f].name) == 0)
+            return f;
+    return -1;
+}
+
+static int known_family(int family) { return family >= 0 && family < LS_OPTIM_NUM_FAMILIES; }
+
+const char *ls_optim_family_name(int family)
+{
+    return known_family(family) ? families[family].name : NULL;
+}
+
+int ls_optim_hyper_count(int family)
+{
+    return known_family(family) ? families[family].hyper_count : -1;
+}
+
+int ls_optim_slot_count(const ls_optim_config *c)
+{
+    if (c == NULL || !known_family(c->family))
+        return -1;
+    return families[c->family].slots(c->hyper);
 }
 
 /* What is wrong with a configuration, or NULL. */
@@ -26,8 +59,10 @@ static const char *config_problem(const ls_optim_config *c)
 {
     if (c == NULL)
         return "config is NULL";
-    if (c->optimizer != LS_OPTIM_SGD && c->optimizer != LS_OPTIM_ADAM)
-        return "unknown optimizer";
+    if (!known_family(c->family))
+        return "unknown optimizer family";
+    if (c->num_hyper != families[c->family].hyper_count)
+        return "the number of hyperparameters is not the family's";
     if (c->unscale < LS_UNSCALE_NONE || c->unscale > LS_UNSCALE_MULTIPLY)
         return "unknown unscale mode";
     /* Keras 3 divides by whatever its scale has become (its rule has no
@@ -35,16 +70,11 @@ static const char *config_problem(const ls_optim_config *c)
      * TensorFlow 2.4's scale is finite and >= 1 by its rule. */
     if (c->unscale == LS_UNSCALE_MULTIPLY && !(c->scale > 0.0 && c->scale - c->scale == 0.0))
         return "the loss scale must be finite and > 0 to multiply by its reciprocal";
-    if (!finite_f(c->learning_rate) || c->learning_rate < 0.0f)
+    if (!ls_optim_finite(c->learning_rate) || c->learning_rate < 0.0f)
         return "the learning rate must be finite and >= 0";
-    if (!finite_f(c->weight_decay))
+    if (!ls_optim_finite(c->weight_decay))
         return "the weight decay must be finite";
-    if (c->optimizer == LS_OPTIM_SGD)
-        return finite_f(c->momentum) ? NULL : "the momentum must be finite";
-    if (!finite_f(c->alpha) || !finite_f(c->one_minus_beta_1) ||
-        !finite_f(c->one_minus_beta_2) || !finite_f(c->epsilon))
-        return "alpha, 1 - beta_1, 1 - beta_2 and epsilon must be finite";
-    return NULL;
+    return families[c->family].problem(c->hyper);
 }
 
 int ls_optim_config_check(const ls_optim_config *config, const char **why)
@@ -95,7 +125,7 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
         return rc;
     if (count > 0 && params == NULL)
         return LS_ERR_ARG;
-    const int nslots = slots_needed(config);
+    const int nslots = ls_optim_slot_count(config);
     for (size_t i = 0; i < count; i++)
         if ((rc = check_param(&params[i], nslots)) != LS_OK)
             return rc;
@@ -108,7 +138,7 @@ typedef struct optim_job {
     const ls_optim_kernels *kernels;
     const ls_param *params;
     size_t count;
-    int optimizer;
+    int family;
     unsigned flags;
     ls_optim_args args[LS_NUM_DTYPES];
 } optim_job;
@@ -125,14 +155,7 @@ static void resolve(const ls_optim_config *c, unsigned flags, ls_optim_args args
     a.lr = c->learning_rate;
     a.wd = c->weight_decay;
     a.wd_lr = ls_f32_mul(c->weight_decay, c->learning_rate);
-    a.momentum = c->momentum;
-    a.use_momentum = c->momentum != 0.0f;
-    a.nesterov = c->nesterov != 0;
-    a.alpha = c->alpha;
-    a.c1 = c->one_minus_beta_1;
-    a.c2 = c->one_minus_beta_2;
-    a.epsilon = c->epsilon;
-    a.amsgrad = c->amsgrad != 0;
+    memcpy(a.h, c->hyper, sizeof a.h);
     const float scale = (float)c->scale;
     for (int t = 0; t < LS_NUM_DTYPES; t++) {
         args[t] = a;
@@ -164,7 +187,7 @@ static void job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *pa
     j->kernels = k;
     j->params = params;
     j->count = count;
-    j->optimizer = c->optimizer;
+    j->family = c->family;
     j->flags = flags;
     resolve(c, flags, j->args);
 }
@@ -183,10 +206,7 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
             continue;
         ls_optim_args a = j->args[p->grad_dtype];
         a.decay = p->decay;
-        if (j->optimizer == LS_OPTIM_SGD)
-            j->kernels->sgd[p->grad_dtype](p, lo, hi, &a);
-        else
-            j->kernels->adam[p->grad_dtype](p, lo, hi, &a);
+        j->kernels->fn[j->family][p->grad_dtype](p, lo, hi, &a);
     }
     ls_fpenv_leave(&env);
 }
@@ -281,3 +301,8 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
     job_init(&job, k, params, count, config, flags);
     return ls_run_parallel(job_range, &job, total_length(params, count));
 }
+
+#define LS_FITS(family)                                                                    \
+    _Static_assert(ls_##family##_hyper_count <= LS_OPTIM_MAX_HYPER,                        \
+                   #family " takes more numbers than LS_OPTIM_MAX_HYPER");
+LS_OPTIM_FAMILIES(LS_FITS)

@@ -28,42 +28,21 @@ enum {
                                dtype, widened again (TensorFlow 2.4) */
 };
 
-/* The configuration as one kernel call sees it. */
+/* The configuration as one kernel call sees it: the unscale, the common
+ * scalars, and the family's numbers (family_<name>.h names their places). */
 typedef struct ls_optim_args {
-    int grad_mode;   /* LS_GRAD_* */
-    float factor;    /* divisor or multiplier of the gradient */
-    float lr;        /* learning rate */
-    float wd;        /* weight decay */
-    float wd_lr;     /* wd * lr, rounded to float32 */
-    int decay;       /* ls_decay of this variable */
-    float momentum;  /* SGD */
-    int use_momentum;
-    int nesterov;
-    float alpha, c1, c2, epsilon; /* Adam: alpha, 1 - beta_1, 1 - beta_2 */
-    int amsgrad;
+    int grad_mode;  /* LS_GRAD_* */
+    float factor;   /* divisor or multiplier of the gradient */
+    float lr;       /* learning rate */
+    float wd;       /* weight decay */
+    float wd_lr;    /* wd * lr, rounded to float32 */
+    int decay;      /* ls_decay of this variable */
+    float h[LS_OPTIM_MAX_HYPER];
 } ls_optim_args;
 
 typedef void (*ls_optim_fn)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a);
 
-typedef struct ls_optim_kernels {
-    const char *name;
-    ls_optim_fn sgd[LS_NUM_DTYPES];  /* by gradient dtype; float64: NULL */
-    ls_optim_fn adam[LS_NUM_DTYPES];
-} ls_optim_kernels;
-
-/* ls_optim_<set> of every set built here (kernel_sets.def's optim column;
- * a table two sets share is declared twice, which C allows). */
-#define LS_KERNEL_SET(name, arch, needs, unscale, optim, flags) \
-    LS_BUILT_##arch(extern const ls_optim_kernels ls_optim_##optim;, )
-#include "kernel_sets.def"
-#undef LS_KERNEL_SET
-
-/* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
- * cannot run it; and a run of `k` over [begin, end) of validated arguments,
- * on the calling thread (the entry points and the fuzz target use it). */
-const ls_optim_kernels *ls_optim_kernels_at(int level);
-void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
-                  const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
+static inline int ls_optim_finite(float x) { return x - x == 0.0f; }
 
 /* ------------------------------------------- the one-element reference */
 
@@ -121,49 +100,46 @@ static inline float ls_optim_decay1(float w, const ls_optim_args *a)
     return w;
 }
 
-static inline void ls_sgd1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
-{
-    float w = ls_optim_decay1(p->var[i], a);
-    if (a->use_momentum) {
-        float m = p->slot[0][i] * a->momentum - g * a->lr;
-        p->slot[0][i] = m;
-        w = a->nesterov ? w + (m * a->momentum - g * a->lr) : w + m;
-    } else {
-        w = w - g * a->lr;
+#include "optim_families.h"
+
+/* Elements [lo, hi) one at a time, for each family: the scalar set, and
+ * the vector sets' tails and rare modes. */
+#define LS_OPTIM_ELEMENTS(family)                                                          \
+    static inline void ls_##family##_elements(const ls_param *p, size_t lo, size_t hi,     \
+                                              const ls_optim_args *a)                      \
+    {                                                                                      \
+        for (size_t i = lo; i < hi; i++)                                                   \
+            ls_##family##1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i,         \
+                                                                      p->grad_dtype),      \
+                                                   p->grad_dtype, a),                      \
+                           a);                                                             \
     }
-    p->var[i] = w;
-}
+LS_OPTIM_FAMILIES(LS_OPTIM_ELEMENTS)
+#undef LS_OPTIM_ELEMENTS
 
-static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
-{
-    float w = ls_optim_decay1(p->var[i], a);
-    float m = p->slot[0][i] + (g - p->slot[0][i]) * a->c1;
-    float v = p->slot[1][i] + (g * g - p->slot[1][i]) * a->c2;
-    p->slot[0][i] = m;
-    p->slot[1][i] = v;
-    if (a->amsgrad) {
-        v = ls_optim_max(p->slot[2][i], v);
-        p->slot[2][i] = v;
-    }
-    p->var[i] = w - (m * a->alpha) / (sqrtf(v) + a->epsilon);
-}
+#define LS_OPTIM_ONE(family) +1
+enum { LS_OPTIM_NUM_FAMILIES = 0 LS_OPTIM_FAMILIES(LS_OPTIM_ONE) };
+#undef LS_OPTIM_ONE
 
-/* Elements [lo, hi) one at a time: the scalar set, and the vector sets'
- * tails and rare modes. */
-static inline void ls_sgd_elements(const ls_param *p, size_t lo, size_t hi,
-                                   const ls_optim_args *a)
-{
-    for (size_t i = lo; i < hi; i++)
-        ls_sgd1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype),
-                                        p->grad_dtype, a), a);
-}
+/* A kernel set's fused optimizer kernels: by family id (the order of
+ * LS_OPTIM_FAMILIES), then by gradient dtype (float64: NULL). */
+typedef struct ls_optim_kernels {
+    const char *name;
+    ls_optim_fn fn[LS_OPTIM_NUM_FAMILIES][LS_NUM_DTYPES];
+} ls_optim_kernels;
 
-static inline void ls_adam_elements(const ls_param *p, size_t lo, size_t hi,
-                                    const ls_optim_args *a)
-{
-    for (size_t i = lo; i < hi; i++)
-        ls_adam1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype),
-                                         p->grad_dtype, a), a);
-}
+/* ls_optim_<set> of every set built here (kernel_sets.def's optim column;
+ * a table two sets share is declared twice, which C allows). */
+#define LS_KERNEL_SET(name, arch, needs, unscale, optim, flags) \
+    LS_BUILT_##arch(extern const ls_optim_kernels ls_optim_##optim;, )
+#include "kernel_sets.def"
+#undef LS_KERNEL_SET
+
+/* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
+ * cannot run it; and a run of `k` over [begin, end) of validated arguments,
+ * on the calling thread (the entry points and the fuzz target use it). */
+const ls_optim_kernels *ls_optim_kernels_at(int level);
+void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                  const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
 
 #endif /* LOSSSCALE_OPTIM_H */

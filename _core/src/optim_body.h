@@ -87,80 +87,25 @@ LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype
     *w = LS_FN(decay)(v_load(c->var + i), c->decay, c->wd, c->lr, c->wd_lr);
 }
 
-LS_INLINE void LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                              ls_dtype dt)
-{
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
-    const LS_V lr = c.lr, mu = v_set1(a->momentum);
-    float *const var = c.var, *const mom = p->slot[0];
-    const int use_momentum = a->use_momentum, nesterov = a->nesterov;
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
-        LS_V g, w;
-        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
-        if (use_momentum) {
-            ls_prefetch(mom, i * sizeof(float));
-            LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
-            v_store(mom + i, m);
-            w = nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
-        } else {
-            w = v_sub(w, v_mul(g, lr));
-        }
-        v_store(var + i, w);
+/* The families' vector loops (the second include of their headers, now
+ * that the vocabulary is defined), then a kernel per family and gradient
+ * dtype, and the set's table. */
+#include "optim_families.h"
+
+#define LS_OPTIM_DEFINE_DTYPE(family, dtname, dt)                                          \
+    static void LS_KFN(family##_##dtname)(const ls_param *p, size_t lo, size_t hi,         \
+                                          const ls_optim_args *a)                          \
+    {                                                                                      \
+        LS_FN(family##_run)(p, lo, hi, a, dt);                                             \
     }
-    ls_sgd_elements(p, i, hi, a);
-}
+#define LS_OPTIM_DEFINE(family)                                                            \
+    LS_OPTIM_DEFINE_DTYPE(family, f16, LS_FLOAT16)                                         \
+    LS_OPTIM_DEFINE_DTYPE(family, bf16, LS_BFLOAT16)                                       \
+    LS_OPTIM_DEFINE_DTYPE(family, f32, LS_FLOAT32)
+LS_OPTIM_FAMILIES(LS_OPTIM_DEFINE)
 
-LS_INLINE void LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                               ls_dtype dt)
-{
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
-    const LS_V c1 = v_set1(a->c1), c2 = v_set1(a->c2), alpha = v_set1(a->alpha),
-               eps = v_set1(a->epsilon);
-    float *const var = c.var, *const ms = p->slot[0], *const vs = p->slot[1],
-                 *const vhs = p->slot[2];
-    const int amsgrad = a->amsgrad;
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
-        ls_prefetch(ms, i * sizeof(float));
-        ls_prefetch(vs, i * sizeof(float));
-        if (amsgrad)
-            ls_prefetch(vhs, i * sizeof(float));
-        LS_V g, w;
-        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
-        LS_V m = v_load(ms + i), v = v_load(vs + i);
-        m = v_add(m, v_mul(v_sub(g, m), c1));
-        v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
-        v_store(ms + i, m);
-        v_store(vs + i, v);
-        if (amsgrad) {
-            v = v_max(v_load(vhs + i), v);
-            v_store(vhs + i, v);
-        }
-        w = v_sub(w, v_div(v_mul(m, alpha), v_add(v_sqrt(v), eps)));
-        v_store(var + i, w);
-    }
-    ls_adam_elements(p, i, hi, a);
-}
-
-#define LS_OPTIM_DEFINE(opt, dtname, dt)                                                 \
-    static void LS_KFN(opt##_##dtname)(const ls_param *p, size_t lo, size_t hi,          \
-                                       const ls_optim_args *a)                           \
-    {                                                                                    \
-        LS_FN(opt##_run)(p, lo, hi, a, dt);                                              \
-    }
-
-LS_OPTIM_DEFINE(sgd, f16, LS_FLOAT16)
-LS_OPTIM_DEFINE(sgd, bf16, LS_BFLOAT16)
-LS_OPTIM_DEFINE(sgd, f32, LS_FLOAT32)
-LS_OPTIM_DEFINE(adam, f16, LS_FLOAT16)
-LS_OPTIM_DEFINE(adam, bf16, LS_BFLOAT16)
-LS_OPTIM_DEFINE(adam, f32, LS_FLOAT32)
-
+#define LS_OPTIM_ROW(family) {LS_KFN(family##_f16), LS_KFN(family##_bf16), LS_KFN(family##_f32), NULL},
 const ls_optim_kernels LS_CAT(ls_optim_, LS_SET) = {
     LS_SET_NAME,
-    {LS_KFN(sgd_f16), LS_KFN(sgd_bf16), LS_KFN(sgd_f32), NULL},
-    {LS_KFN(adam_f16), LS_KFN(adam_bf16), LS_KFN(adam_f32), NULL},
+    {LS_OPTIM_FAMILIES(LS_OPTIM_ROW)},
 };

@@ -1,21 +1,20 @@
 /*
  * The fused optimizer kernels, one element at a time: the reference of
- * optim.h as a kernel set, which every vector set is tested against.
+ * each family (family_<name>.h) as a kernel set, which every vector set is
+ * tested against.
  */
 #include "optim.h"
 
-static void sgd_scalar(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a)
-{
-    ls_sgd_elements(p, lo, hi, a);
-}
+#define LS_SCALAR_DEFINE(family)                                                           \
+    static void family##_scalar(const ls_param *p, size_t lo, size_t hi,                   \
+                                const ls_optim_args *a)                                    \
+    {                                                                                      \
+        ls_##family##_elements(p, lo, hi, a);                                              \
+    }
+LS_OPTIM_FAMILIES(LS_SCALAR_DEFINE)
 
-static void adam_scalar(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a)
-{
-    ls_adam_elements(p, lo, hi, a);
-}
-
+#define LS_SCALAR_ROW(family) {family##_scalar, family##_scalar, family##_scalar, NULL},
 const ls_optim_kernels ls_optim_scalar = {
     "scalar",
-    {sgd_scalar, sgd_scalar, sgd_scalar, NULL},
-    {adam_scalar, adam_scalar, adam_scalar, NULL},
+    {LS_OPTIM_FAMILIES(LS_SCALAR_ROW)},
 };

@@ -1,7 +1,8 @@
 /*
- * LossScaleApplySgd and LossScaleApplyAdam: one Keras optimizer step over a
- * whole variable list, the gradients unscaled on the fly, in one pass over
- * memory (the core's ls_optim_step_range on TensorFlow's intra-op pool).
+ * LossScaleApplyOptimizer: one Keras optimizer step (any of the core's
+ * fused families, by name) over a whole variable list, the gradients
+ * unscaled on the fly, in one pass over memory (the core's
+ * ls_optim_update_with on TensorFlow's intra-op pool).
  *
  * `apply` is the step's verdict, computed before (the finite check of the
  * gradients and the loss-scale rule): when it is false the op returns at
@@ -15,6 +16,7 @@
  * arithmetic is the core's, with subnormals flushed as TensorFlow's CPU
  * kernels compute.
  */
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -29,72 +31,49 @@ namespace {
 
 using tf::shape_inference::InferenceContext;
 
-// Shape function of both ops: `apply` and the trailing `scalars` inputs are
-// scalars.  Before the scalars: `apply`, the variables, `lists` more lists
-// of num_variables resources, `optional` (an attr) resources, the gradients.
-tf::Status ScalarShapes(InferenceContext* c, int lists, const char* optional, int scalars) {
-    int n = 0, k = 0;
+// `apply` and the trailing scalars (scale, learning_rate, weight_decay, the
+// family's step scalars) are scalars.
+tf::Status ScalarShapes(InferenceContext* c) {
+    int n = 0, k = 0, scalars = 0;
     TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
-    TF_RETURN_IF_ERROR(c->GetAttr(optional, &k));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_slots", &k));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_scalars", &scalars));
     tf::shape_inference::ShapeHandle unused;
     TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-    const int first = 1 + (1 + lists) * n + k + n;
-    for (int i = first; i < first + scalars; ++i)
+    const int first = 1 + n + k + n;
+    for (int i = first; i < first + 3 + scalars; ++i)
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     return tf::OkStatus();
 }
 
-REGISTER_OP("LossScaleApplySgd")
+REGISTER_OP("LossScaleApplyOptimizer")
     .Input("apply: bool")
     .Input("variables: num_variables * resource")
-    .Input("momentums: num_momentums * resource")
+    .Input("slots: num_slots * resource")
     .Input("grads: T")
     .Input("scale: float")
     .Input("learning_rate: float")
     .Input("weight_decay: float")
+    .Input("scalars: num_scalars * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
+    .Attr("family: string")
+    .Attr("hyper: list(float)")
     .Attr("num_variables: int >= 1")
-    .Attr("num_momentums: int >= 0")
-    .Attr("momentum: float = 0.0")
-    .Attr("nesterov: bool = false")
+    .Attr("num_slots: int >= 0")
+    .Attr("num_scalars: int >= 0")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) { return ScalarShapes(c, 0, "num_momentums", 3); })
+    .SetShapeFn(ScalarShapes)
     .Doc(R"doc(
-When `apply`, one Keras SGD step of every variable (with momentum and
-Nesterov as Keras computes them, weight decay as `decay` says: 0 none,
-1 var - (var * wd) * lr, 2 var - var * (wd * lr)), its
-gradient first unscaled: divided by `scale` ('divide', Keras 3), times
-1/scale in the gradient's dtype ('multiply', TensorFlow 2.4), or as it is.
-)doc");
-
-REGISTER_OP("LossScaleApplyAdam")
-    .Input("apply: bool")
-    .Input("variables: num_variables * resource")
-    .Input("m: num_variables * resource")
-    .Input("v: num_variables * resource")
-    .Input("v_hat: num_v_hat * resource")
-    .Input("grads: T")
-    .Input("scale: float")
-    .Input("learning_rate: float")
-    .Input("alpha: float")
-    .Input("weight_decay: float")
-    .Attr("T: list({half, bfloat16, float}) >= 1")
-    .Attr("num_variables: int >= 1")
-    .Attr("num_v_hat: int >= 0")
-    .Attr("one_minus_beta_1: float")
-    .Attr("one_minus_beta_2: float")
-    .Attr("epsilon: float")
-    .Attr("decay: list(int)")
-    .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) { return ScalarShapes(c, 2, "num_v_hat", 4); })
-    .Doc(R"doc(
-When `apply`, one Keras Adam step (AdamW with weight decay where `decay`
-says, amsgrad with `v_hat`) of every variable, its gradient first unscaled
-as in LossScaleApplySgd.  `alpha` is lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
-as the caller computed it.
+When `apply`, one step of the Keras optimizer `family` ("sgd", "adam", ...:
+the core's fused families) of every variable, its gradient first unscaled:
+divided by `scale` ('divide', Keras 3), times 1/scale in the gradient's dtype
+('multiply', TensorFlow 2.4), or as it is.  `slots` holds the family's slots
+slot by slot (slot s of variable i at s * num_variables + i); the family's
+numbers are `hyper` followed by `scalars` (the ones Keras derives from its
+step counter), in the family's order; weight decay as `decay` says for each
+variable (0 none, 1 var - (var * wd) * lr, 2 var - var * (wd * lr)).
 )doc");
 
 int UnscaleMode(const std::string& name) {
@@ -111,21 +90,57 @@ float ScalarInput(tf::OpKernelContext* ctx, int index) {
 
 class FusedStepOp : public tf::OpKernel {
   public:
-    FusedStepOp(tf::OpKernelConstruction* ctx, int optimizer) : tf::OpKernel(ctx) {
-        std::string unscale;
+    explicit FusedStepOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {
+        std::string unscale, family;
+        std::vector<float> hyper;
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_scalars", &num_scalars_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("family", &family));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("hyper", &hyper));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("unscale", &unscale));
         OP_REQUIRES(ctx, static_cast<int>(decay_.size()) == num_variables_,
                     tf::errors::InvalidArgument("decay has ", decay_.size(),
                                                 " entries for ", num_variables_, " variables"));
         std::memset(&config_, 0, sizeof config_);
-        config_.optimizer = optimizer;
+        config_.family = ls_optim_family(family.c_str());
+        OP_REQUIRES(ctx, config_.family >= 0,
+                    tf::errors::InvalidArgument("LossScaleApplyOptimizer: no fused family '",
+                                                family, "'"));
+        config_.num_hyper = ls_optim_hyper_count(config_.family);
+        OP_REQUIRES(ctx, static_cast<int>(hyper.size()) + num_scalars_ == config_.num_hyper,
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: family '", family, "' takes ",
+                        config_.num_hyper, " numbers, got ", hyper.size(), " in hyper and ",
+                        num_scalars_, " scalars"));
+        std::copy(hyper.begin(), hyper.end(), config_.hyper);
         config_.unscale = UnscaleMode(unscale);
+        // The slot count follows from the constant numbers alone.
+        const int slots = ls_optim_slot_count(&config_);
+        OP_REQUIRES(ctx, num_slots_ == slots * num_variables_,
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: family '", family, "' as configured keeps ",
+                        slots, " slots per variable, that is ", slots * num_variables_,
+                        " slot variables; got ", num_slots_));
     }
 
-  protected:
+    void Compute(tf::OpKernelContext* ctx) override {
+        if (!Applies(ctx))
+            return;
+        ls_optim_config config = config_;
+        const int first_scalar = 1 + 2 * num_variables_ + num_slots_;
+        config.weight_decay = ScalarInput(ctx, first_scalar + 2);
+        const int constants = config.num_hyper - num_scalars_;
+        for (int s = 0; s < num_scalars_; ++s)
+            config.hyper[constants + s] = ScalarInput(ctx, first_scalar + 3 + s);
+        Run(ctx, first_scalar, config);
+    }
+
+  private:
     int num_variables_ = 0;
+    int num_slots_ = 0;
+    int num_scalars_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     ls_optim_config config_;
 
@@ -137,7 +152,7 @@ class FusedStepOp : public tf::OpKernel {
 
     void Run(tf::OpKernelContext* ctx, int first_scalar, ls_optim_config config) {
         const int n = num_variables_;
-        const int grads_first = 1 + n + TotalSlots();
+        const int grads_first = 1 + n + num_slots_;
         config.scale = ScalarInput(ctx, first_scalar);
         config.learning_rate = ScalarInput(ctx, first_scalar + 1);
 
@@ -206,9 +221,6 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, type_string().c_str()));
     }
 
-    virtual int TotalSlots() const = 0;
-
-  private:
     static float* Floats(tf::Var* var) {
         return reinterpret_cast<float*>(const_cast<char*>(var->tensor()->tensor_data().data()));
     }
@@ -218,67 +230,7 @@ class FusedStepOp : public tf::OpKernel {
     }
 };
 
-class ApplySgdOp : public FusedStepOp {
-  public:
-    explicit ApplySgdOp(tf::OpKernelConstruction* ctx) : FusedStepOp(ctx, LS_OPTIM_SGD) {
-        bool nesterov = false;
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_momentums", &num_momentums_));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &config_.momentum));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &nesterov));
-        config_.nesterov = nesterov ? 1 : 0;
-        OP_REQUIRES(ctx, num_momentums_ == (config_.momentum != 0.0f ? num_variables_ : 0),
-                    tf::errors::InvalidArgument(
-                        "LossScaleApplySgd: momentum ", config_.momentum, " needs ",
-                        config_.momentum != 0.0f ? num_variables_ : 0,
-                        " momentum variables, got ", num_momentums_));
-    }
-
-    void Compute(tf::OpKernelContext* ctx) override {
-        if (!Applies(ctx))
-            return;
-        ls_optim_config config = config_;
-        const int first_scalar = 1 + 2 * num_variables_ + num_momentums_;
-        config.weight_decay = ScalarInput(ctx, first_scalar + 2);
-        Run(ctx, first_scalar, config);
-    }
-
-    int TotalSlots() const override { return num_momentums_; }
-
-  private:
-    int num_momentums_ = 0;
-};
-
-class ApplyAdamOp : public FusedStepOp {
-  public:
-    explicit ApplyAdamOp(tf::OpKernelConstruction* ctx) : FusedStepOp(ctx, LS_OPTIM_ADAM) {
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_v_hat", &num_v_hat_));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_1", &config_.one_minus_beta_1));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_2", &config_.one_minus_beta_2));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &config_.epsilon));
-        OP_REQUIRES(ctx, num_v_hat_ == 0 || num_v_hat_ == num_variables_,
-                    tf::errors::InvalidArgument("LossScaleApplyAdam: v_hat must be empty or "
-                                                "one per variable, got ", num_v_hat_));
-        config_.amsgrad = num_v_hat_ > 0 ? 1 : 0;
-    }
-
-    void Compute(tf::OpKernelContext* ctx) override {
-        if (!Applies(ctx))
-            return;
-        ls_optim_config config = config_;
-        const int first_scalar = 1 + 4 * num_variables_ + num_v_hat_;
-        config.alpha = ScalarInput(ctx, first_scalar + 2);
-        config.weight_decay = ScalarInput(ctx, first_scalar + 3);
-        Run(ctx, first_scalar, config);
-    }
-
-    int TotalSlots() const override { return 2 * num_variables_ + num_v_hat_; }
-
-  private:
-    int num_v_hat_ = 0;
-};
-
-REGISTER_KERNEL_BUILDER(Name("LossScaleApplySgd").Device(tf::DEVICE_CPU), ApplySgdOp);
-REGISTER_KERNEL_BUILDER(Name("LossScaleApplyAdam").Device(tf::DEVICE_CPU), ApplyAdamOp);
+REGISTER_KERNEL_BUILDER(Name("LossScaleApplyOptimizer").Device(tf::DEVICE_CPU), FusedStepOp);
 
 }  // namespace
 }  // namespace lossscale_tf

@@ -1,0 +1,84 @@
+/*
+ * Keras' Adam (and AdamW: the same update after the weight decay; amsgrad),
+ * one fused optimizer family: its numbers, its slots, the one-element
+ * reference, and the vector loop over simd.h's vocabulary.
+ *
+ *   h[LS_ADAM_C1]       1 - beta_1, as Keras computes it (Python float, then float32)
+ *   h[LS_ADAM_C2]       1 - beta_2
+ *   h[LS_ADAM_EPSILON]  epsilon
+ *   h[LS_ADAM_AMSGRAD]  1: amsgrad (a third slot)
+ *   h[LS_ADAM_ALPHA]    lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), the step's
+ *                       scalar, computed by the caller with the framework's ops
+ *   slot[0..2]          m, v, v_hat (amsgrad)
+ *
+ *   m = m + (g - m) * c1;  v = v + (g * g - v) * c2
+ *   amsgrad: v_hat = max(v_hat, v), v_hat in place of v below
+ *   w = w - (m * alpha) / (sqrt(v) + epsilon)
+ */
+#ifndef LOSSSCALE_FAMILY_ADAM_H
+#define LOSSSCALE_FAMILY_ADAM_H
+
+enum { LS_ADAM_C1, LS_ADAM_C2, LS_ADAM_EPSILON, LS_ADAM_AMSGRAD, LS_ADAM_ALPHA,
+       ls_adam_hyper_count };
+
+static inline int ls_adam_slots(const float *h) { return h[LS_ADAM_AMSGRAD] != 0.0f ? 3 : 2; }
+
+static inline const char *ls_adam_problem(const float *h)
+{
+    if (!ls_optim_finite(h[LS_ADAM_ALPHA]) || !ls_optim_finite(h[LS_ADAM_C1]) ||
+        !ls_optim_finite(h[LS_ADAM_C2]) || !ls_optim_finite(h[LS_ADAM_EPSILON]))
+        return "alpha, 1 - beta_1, 1 - beta_2 and epsilon must be finite";
+    return NULL;
+}
+
+static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
+{
+    float w = ls_optim_decay1(p->var[i], a);
+    float m = p->slot[0][i] + (g - p->slot[0][i]) * a->h[LS_ADAM_C1];
+    float v = p->slot[1][i] + (g * g - p->slot[1][i]) * a->h[LS_ADAM_C2];
+    p->slot[0][i] = m;
+    p->slot[1][i] = v;
+    if (a->h[LS_ADAM_AMSGRAD] != 0.0f) {
+        v = ls_optim_max(p->slot[2][i], v);
+        p->slot[2][i] = v;
+    }
+    p->var[i] = w - (m * a->h[LS_ADAM_ALPHA]) / (sqrtf(v) + a->h[LS_ADAM_EPSILON]);
+}
+
+#endif /* LOSSSCALE_FAMILY_ADAM_H */
+
+#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_ADAM_VECTOR)
+#define LOSSSCALE_FAMILY_ADAM_VECTOR
+LS_INLINE void LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
+                               ls_dtype dt)
+{
+    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
+    const LS_V c1 = v_set1(a->h[LS_ADAM_C1]), c2 = v_set1(a->h[LS_ADAM_C2]),
+               alpha = v_set1(a->h[LS_ADAM_ALPHA]), eps = v_set1(a->h[LS_ADAM_EPSILON]);
+    float *const var = c.var, *const ms = p->slot[0], *const vs = p->slot[1],
+                 *const vhs = p->slot[2];
+    const int amsgrad = a->h[LS_ADAM_AMSGRAD] != 0.0f;
+    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
+    size_t i = lo;
+    for (; i < end; i += LS_VW) {
+        ls_prefetch(ms, i * sizeof(float));
+        ls_prefetch(vs, i * sizeof(float));
+        if (amsgrad)
+            ls_prefetch(vhs, i * sizeof(float));
+        LS_V g, w;
+        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
+        LS_V m = v_load(ms + i), v = v_load(vs + i);
+        m = v_add(m, v_mul(v_sub(g, m), c1));
+        v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
+        v_store(ms + i, m);
+        v_store(vs + i, v);
+        if (amsgrad) {
+            v = v_max(v_load(vhs + i), v);
+            v_store(vhs + i, v);
+        }
+        w = v_sub(w, v_div(v_mul(m, alpha), v_add(v_sqrt(v), eps)));
+        v_store(var + i, w);
+    }
+    ls_adam_elements(p, i, hi, a);
+}
+#endif

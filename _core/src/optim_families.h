@@ -1,0 +1,13 @@
+/*
+ * The fused optimizer families, each one header (family_<name>.h: its
+ * numbers, slots, one-element reference and vector loop) and one entry in
+ * LS_OPTIM_FAMILIES, in the order of their ids.  Everything else (the
+ * kernel tables of every set, the checks, the lookup by name that the
+ * TensorFlow op and the numpy binding use, the fuzz target) is generated
+ * from this list.  Included by optim.h (the references) and again by
+ * optim_body.h (the vector loops, once a set's vocabulary is defined).
+ */
+#include "family_sgd.h"
+#include "family_adam.h"
+
+#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam)
