@@ -1,4 +1,5 @@
-"""An independent numpy float32 model of Keras 3's SGD / Adam / AdamW step.
+"""An independent numpy float32 model of the Keras 3 optimizers' steps that
+the fused families reproduce (SGD, Adam / AdamW, ...; ``FAMILIES``).
 
 The oracle of the fused optimizer step at every layer that runs it.  Written
 from Keras' own source (``BaseOptimizer._apply_weight_decay`` then each
@@ -36,9 +37,8 @@ CONFIGS = {
 
 
 def slot_names(cfg):
-    if cfg["opt"] == "sgd":
-        return ["momentum"] if cfg["momentum"] != 0 else []
-    return ["m", "v", "v_hat"] if cfg["amsgrad"] else ["m", "v"]
+    """The slots a configuration keeps, in the kernel's order."""
+    return FAMILIES[cfg["opt"]]["slots"](cfg)
 
 
 def decay_mask(cfg, n):
@@ -86,46 +86,82 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
                     out_vars[i] = w - (w * wd) * lr
         for i, grad in enumerate(grads):
             g = unscaled(grad, scale, mode)
-            w = out_vars[i]
-            if cfg["opt"] == "sgd":
-                if cfg["momentum"] != 0:
-                    mu = F32(cfg["momentum"])
-                    m = out_slots["momentum"][i] * mu - g * lr
-                    out_slots["momentum"][i] = m
-                    if cfg["nesterov"]:
-                        w = w + (m * mu - g * lr)
-                    else:
-                        w = w + m
-                else:
-                    w = w - g * lr
-            else:
-                alpha = adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)
-                m = out_slots["m"][i]
-                v = out_slots["v"][i]
-                m = m + (g - m) * F32(1 - cfg["beta_1"])
-                v = v + (g * g - v) * F32(1 - cfg["beta_2"])
-                out_slots["m"][i], out_slots["v"][i] = m, v
-                if cfg["amsgrad"]:
-                    v = np.maximum(out_slots["v_hat"][i], v)
-                    out_slots["v_hat"][i] = v
-                w = w - (m * alpha) / (np.sqrt(v) + F32(cfg["epsilon"]))
-            out_vars[i] = w
+            out_vars[i] = FAMILIES[cfg["opt"]]["update"](
+                cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
+                lambda name, value, i=i: out_slots[name].__setitem__(i, value))
     return out_vars, out_slots
+
+
+# ------------------------------------------------------------------ families
+# Each family: the slots a configuration keeps, its update of one variable
+# (``update(cfg, g, w, slots, lr, t, store)`` -> the new variable, each
+# new slot value given to ``store(name, value)``), and the numbers the
+# core's kernel takes (``hyper(cfg, lr, t)``, in its family_<name>.h order).
+
+def _sgd_slots(cfg):
+    return ["momentum"] if cfg["momentum"] != 0 else []
+
+
+def _sgd_update(cfg, g, w, slots, lr, t, store):
+    if cfg["momentum"] == 0:
+        return w - g * lr
+    mu = F32(cfg["momentum"])
+    m = slots["momentum"] * mu - g * lr
+    store("momentum", m)
+    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
+
+
+def _sgd_hyper(cfg, lr, t):
+    return [cfg["momentum"], 1.0 if cfg["nesterov"] else 0.0]
+
+
+def _adam_slots(cfg):
+    return ["m", "v", "v_hat"] if cfg["amsgrad"] else ["m", "v"]
+
+
+def _adam_update(cfg, g, w, slots, lr, t, store):
+    alpha = adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)
+    m = slots["m"] + (g - slots["m"]) * F32(1 - cfg["beta_1"])
+    v = slots["v"] + (g * g - slots["v"]) * F32(1 - cfg["beta_2"])
+    store("m", m)
+    store("v", v)
+    if cfg["amsgrad"]:
+        v = np.maximum(slots["v_hat"], v)
+        store("v_hat", v)
+    return w - (m * alpha) / (np.sqrt(v) + F32(cfg["epsilon"]))
+
+
+def _adam_hyper(cfg, lr, t):
+    return [1 - cfg["beta_1"], 1 - cfg["beta_2"], cfg["epsilon"],
+            1.0 if cfg["amsgrad"] else 0.0,
+            float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t))]
+
+
+FAMILIES = {
+    "sgd": dict(slots=_sgd_slots, update=_sgd_update, hyper=_sgd_hyper),
+    "adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper, nonneg=("v",)),
+}
 
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
               flush_denormals=False):
-    """The same step through ``core.sgd_step_`` / ``core.adam_step_``, in place."""
+    """The same step through the core, in place: ``core.sgd_step_`` /
+    ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
+    other family."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
                               momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)
-    return core.adam_step_(variables, grads, slots["m"], slots["v"], slots.get("v_hat"),
-                           alpha=float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)),
-                           beta_1=cfg["beta_1"], beta_2=cfg["beta_2"],
-                           epsilon=cfg["epsilon"], **common)
+    if cfg["opt"] == "adam":
+        return core.adam_step_(variables, grads, slots["m"], slots["v"], slots.get("v_hat"),
+                               alpha=float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)),
+                               beta_1=cfg["beta_1"], beta_2=cfg["beta_2"],
+                               epsilon=cfg["epsilon"], **common)
+    return core.optimizer_step_(cfg["opt"], variables, grads,
+                                [slots[k] for k in slot_names(cfg)],
+                                hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t), **common)
 
 
 def random_values(rng, shape, *, scale=1.0, special=False):
@@ -161,18 +197,20 @@ def make_grads(rng, shapes, dtype, scale, *, special=False):
 
 
 def make_state(rng, cfg, shapes, *, special=False):
-    """Variables and slots as after some training: v and v_hat >= 0, v_hat >= v."""
+    """Variables and slots as after some training: the slots a family keeps
+    non-negative (its ``nonneg``: Adam's v) are, v_hat >= v."""
     variables = [random_values(rng, s, special=special) for s in shapes]
+    nonneg = FAMILIES[cfg["opt"]].get("nonneg", ())
     slots = {}
     for name in slot_names(cfg):
-        if name == "momentum" or name == "m":
-            slots[name] = [random_values(rng, s, scale=0.01, special=special) for s in shapes]
-        elif name == "v":
+        if name == "v_hat":
+            slots[name] = [np.maximum(v, np.abs(random_values(rng, v.shape, scale=1e-4)))
+                           for v in slots["v"]]
+        elif name in nonneg:
             slots[name] = [np.abs(random_values(rng, s, scale=1e-4, special=special))
                            for s in shapes]
         else:
-            slots[name] = [np.maximum(v, np.abs(random_values(rng, v.shape, scale=1e-4)))
-                           for v in slots["v"]]
+            slots[name] = [random_values(rng, s, scale=0.01, special=special) for s in shapes]
     return variables, slots
 
 
