@@ -15,6 +15,7 @@ import warnings
 import keras
 
 from lossscale import _compat
+from lossscale._config import DEFAULT_GROWTH_STEPS
 
 __all__ = ["LossScaleMonitor"]
 
@@ -124,7 +125,7 @@ class LossScaleMonitor(_compat.TfKerasBatchHooks, keras.callbacks.Callback):
         loss_scale_object = getattr(self._optimizer, "loss_scale_object", None)
         period = getattr(loss_scale_object, "increment_period", None)
         if period is None:
-            period = getattr(self._optimizer, "dynamic_growth_steps", None) or 2000
+            period = getattr(self._optimizer, "dynamic_growth_steps", None) or DEFAULT_GROWTH_STEPS
         return 2 * int(period)
 
     def _count_skips_from_scale(self, scale, new_steps):

@@ -13,7 +13,7 @@ grow again.  The process starts with two logical CPUs, for the
 
 import os
 
-from helpers import assert_same_bits, two_cpu_replicas
+from helpers import assert_same_bits, batch_recorder, two_cpu_replicas
 
 STRATEGY = two_cpu_replicas()
 
@@ -74,15 +74,6 @@ def _assert_same_states(got, want):
     for step, (g, w) in enumerate(zip(got, want)):
         for i, (a, b) in enumerate(zip(g, w)):
             assert_same_bits(a, b, f"step {step}, state {i}")
-
-
-class _Recorder(tf_keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.states = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.states.append(_state(self.model, self.model.optimizer))
 
 
 def _assert_native(opt):
@@ -225,7 +216,7 @@ def _fit(opt, x, y, strategy=None, epochs=1, jit_compile=None):
     with scope:
         model = _model()
         model.compile(opt() if callable(opt) else opt, "mse", jit_compile=jit_compile)
-    recorder = _Recorder()
+    recorder = batch_recorder(tf_keras.callbacks, _state)
     model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[recorder])
     return model, recorder.states
@@ -269,7 +260,7 @@ def test_save_load_then_train_bit_identical(kind, fmt, tmp_path):
         model.save(path, save_format=fmt)
         loaded = tf_keras.models.load_model(path)
         assert type(loaded.optimizer) is type(model.optimizer)  # pylint: disable=unidiomatic-typecheck
-        recorder = _Recorder()
+        recorder = batch_recorder(tf_keras.callbacks, _state)
         loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                    callbacks=[recorder])
         runs.append(recorder.states)
