@@ -577,3 +577,25 @@ def test_update_uninitialized_variable_is_an_error():
                        match="ls_uninit|not initialized"):
         raw.loss_scale_update(True, handle, counter.handle, [], [],
                               max_loss_scale=float("inf"))
+
+
+@pytest.mark.parametrize("twice", ["variable", "slot", "variable as its slot"])
+def test_fused_step_refuses_a_variable_passed_twice(twice):
+    """The fused step's op names a variable that comes twice (once it took the
+    process down) and changes nothing."""
+    module, _ = _loader.load()
+    a = tf.Variable(np.arange(4, dtype=np.float32), name="a")
+    b = tf.Variable(np.ones(4, np.float32), name="b")
+    ma = tf.Variable(np.zeros(4, np.float32), name="ma")
+    mb = tf.Variable(np.zeros(4, np.float32), name="mb")
+    variables, slots = {"variable": ([a, a], [ma, mb]), "slot": ([a, b], [ma, ma]),
+                        "variable as its slot": ([a, b], [ma, a])}[twice]
+    before = [v.numpy().copy() for v in (a, b, ma, mb)]
+    grads = [tf.ones(4), tf.ones(4)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="passed twice"):
+        module.loss_scale_apply_optimizer(
+            tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
+            grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], family="sgd",
+            hyper=[0.9, 0.0], decay=[0, 0], unscale="divide")
+    for v, want in zip((a, b, ma, mb), before):
+        assert_same_bits(v.numpy(), want)
