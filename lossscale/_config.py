@@ -29,7 +29,8 @@ import numpy as np
 
 __all__ = ["ScaleConfig", "RULES", "op_config", "dynamic_loss_scale_config",
            "check_keras_rule_arguments", "keras_rule_config", "is_real_number",
-           "FLOAT32_MAX", "INT64_MAX", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_STEPS"]
+           "FLOAT32_MAX", "INT64_MAX", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_STEPS",
+           "as_float32"]
 
 RULES = ("tf24", "keras3")
 # The defaults of both rules, as TensorFlow 2.4 and Keras 3 set them: start
@@ -41,8 +42,10 @@ INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _as_float32(value):
-    with np.errstate(over="ignore", under="ignore"):  # range errors are the caller's to name
+def as_float32(value):
+    """``value`` rounded to float32, as a Python float (beyond float32: inf);
+    range errors are the caller's to name."""
+    with np.errstate(over="ignore", under="ignore"):
         return float(np.float32(value))
 
 
@@ -82,17 +85,17 @@ class ScaleConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
             if value > INT64_MAX:
                 raise ValueError(f"{name} must be <= 2**63 - 1, got {value}")
-        multiplier = _as_float32(self.multiplier)
+        multiplier = as_float32(self.multiplier)
         if not (multiplier > 0 and math.isfinite(multiplier)):
             raise ValueError(f"multiplier must be a positive finite float32, "
                              f"got {self.multiplier!r}")
-        if self.backoff_factor is not None and not 0.0 < _as_float32(self.backoff_factor) < 1.0:
+        if self.backoff_factor is not None and not 0.0 < as_float32(self.backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        floor = _as_float32(self.min_loss_scale)
+        floor = as_float32(self.min_loss_scale)
         if not (floor >= 0 and math.isfinite(floor)):
             raise ValueError(f"min_loss_scale must be a finite number >= 0, "
                              f"got {self.min_loss_scale!r}")
-        if not _as_float32(self.max_loss_scale) >= floor:
+        if not as_float32(self.max_loss_scale) >= floor:
             raise ValueError(f"max_loss_scale ({self.max_loss_scale!r}) must be >= "
                              f"min_loss_scale ({self.min_loss_scale!r})")
 
@@ -173,10 +176,10 @@ def _real(name, value, *, minimum=None, exclusive=False, below=None, allow_inf=F
 def _positive_float32(name, value):
     """``value`` (already checked positive) stays positive and finite in float32,
     the dtype the native step computes in."""
-    as_float32 = _as_float32(value)
-    if not 0.0 < as_float32 < math.inf:
+    rounded = as_float32(value)
+    if not 0.0 < rounded < math.inf:
         raise ValueError(f"{name} must be a positive float32, got {value} "
-                         f"(in float32: {as_float32}).")
+                         f"(in float32: {rounded}).")
     return value
 
 

@@ -8,8 +8,9 @@ bit for bit: unscaling is TensorFlow's own ``g * tf.cast(1 / scale, g.dtype)``
 computes it.  Arguments are already checked by ``ops``.
 """
 
-import numpy as np
 import tensorflow as tf
+
+from lossscale._config import as_float32
 
 __all__ = ["all_finite", "unscale_and_check", "update_loss_scale"]
 
@@ -30,8 +31,8 @@ def unscale_and_check(values, scale, check_inputs, divide=False):
 
 
 def _float32(value):
-    with np.errstate(over="ignore"):  # a cap beyond float32 is no cap: inf
-        return tf.constant(np.float32(value), tf.float32)
+    # A cap beyond float32 is no cap: inf.
+    return tf.constant(as_float32(value), tf.float32)
 
 
 def _divide(x, c):

@@ -47,7 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from lossscale import _compat, _fallback, _loader
-from lossscale._config import DEFAULT_GROWTH_STEPS, op_config
+from lossscale._config import DEFAULT_GROWTH_STEPS, as_float32, op_config
 
 __all__ = ["native_available", "unscale_and_check", "all_finite", "all_finite_grouped",
            "update_loss_scale"]
@@ -409,19 +409,13 @@ def update_with_config(config, finite, scale, counter, *, overflow_run=None, ski
                 [skipped_var.handle] if skipped_var is not None else [],
                 Tcounter=counter_var.dtype, rule=config.rule,
                 increment_period=config.increment_period,
-                multiplier=_float32_attr(config.multiplier),
-                backoff_factor=_float32_attr(config.backoff_factor or 0.0),
-                min_loss_scale=_float32_attr(config.min_loss_scale),
-                max_loss_scale=_float32_attr(config.max_loss_scale),
+                multiplier=as_float32(config.multiplier),
+                backoff_factor=as_float32(config.backoff_factor or 0.0),
+                min_loss_scale=as_float32(config.min_loss_scale),
+                max_loss_scale=as_float32(config.max_loss_scale),
                 hysteresis=config.hysteresis)
         return _fallback.update_loss_scale(finite, scale_var, counter_var, run_var, skipped_var,
                                            config)
-
-
-def _float32_attr(value):
-    """``value`` as the op's float32 attribute holds it (beyond float32: inf)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
 
 
 def _debug_buffer_address(x):
