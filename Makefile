@@ -74,8 +74,8 @@ lock: $(DEPS)
 	$(PY) -m uv pip compile -q --upgrade --python-version 3.11 --custom-compile-command "make lock" \
 		$(UV_LINKS) requirements-bench.in -o requirements-bench.txt
 
-# make bench QUICK=1: a small subset into bench/results/quick/ (under three
-# minutes after make test, the peers' install included).
+# make bench QUICK=1: a small subset into bench/results/quick/ (a few minutes
+# after make test, the peers' install included).
 # BENCH_ARGS: extra pytest arguments, e.g. BENCH_ARGS='-k core --threads 1'.
 BENCH_QUICK := $(filter-out 0,$(QUICK))
 BENCH_OUT   := bench/results$(if $(BENCH_QUICK),/quick)
