@@ -42,7 +42,7 @@ import lossscale_backend as backend  # noqa: E402  (which TensorFlow to build ag
 COMMON_CFLAGS = kernel_sets.COMMON_CFLAGS
 
 # Needs of the Python TensorFlow layer; the native op adds a pin to one minor.
-TENSORFLOW_EXTRA = ["tensorflow>=2.16", "keras>=3.0"]
+TENSORFLOW_EXTRA = ["tensorflow>=2.21", "keras>=3.12"]
 EXTRAS = {
     "tensorflow": TENSORFLOW_EXTRA,
     "test": ["pytest", "scikit-learn", *TENSORFLOW_EXTRA],
