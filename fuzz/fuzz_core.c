@@ -532,6 +532,44 @@ static int cut_parallel(void *host, ls_range_fn range, const void *ctx, size_t t
     return rc;
 }
 
+/* The range entry point over c's cuts, one call a part, combined as a
+ * caller would: the first error, else whether every part was finite. */
+typedef int (*range_call)(const fuzz_case *c, const arena *a, size_t begin, size_t end);
+
+static int over_cuts(const fuzz_case *c, const arena *a, range_call call)
+{
+    int rc = 1;
+    for (size_t i = 0; i <= c->ncuts; i++) {
+        int r = call(c, a, c->cuts[i], c->cuts[i + 1]);
+        if (r < 0)
+            return r;
+        rc &= r;
+    }
+    return rc;
+}
+
+static int unscale_part(const fuzz_case *c, const arena *a, size_t begin, size_t end)
+{
+    return ls_unscale_range(a->bufs, c->count, call_scale(c), call_flags(c), begin, end);
+}
+
+static int check_part(const fuzz_case *c, const arena *a, size_t begin, size_t end)
+{
+    return ls_all_finite_range(a->bufs, c->count, call_flags(c), begin, end);
+}
+
+/* A host's parallel-for runs once for a call the library takes, never for
+ * one it refuses. */
+static void host_ran_once(const char *who, const cut_host *host, int rc)
+{
+    if (host->calls != (rc >= 0)) {
+        char what[96];
+        snprintf(what, sizeof what, "%s: the parallel-for ran for a refused call, or not once",
+                 who);
+        fail(what, 0, (size_t)host->calls);
+    }
+}
+
 static void run_public_unscale(const fuzz_case *c, const reference *ref, enum call how)
 {
     static const char *const names[] = {"ls_unscale", "ls_unscale_range", "ls_unscale_with"};
@@ -547,20 +585,9 @@ static void run_public_unscale(const fuzz_case *c, const reference *ref, enum ca
     } else if (how == CALL_HOST) {
         rc = ls_unscale_with(a.bufs, c->count, call_scale(c), call_flags(c), cut_parallel,
                              &host);
-        if (host.calls != (rc >= 0))
-            fail("ls_unscale_with: the parallel-for ran for a refused call, or not once", 0,
-                 (size_t)host.calls);
+        host_ran_once(who, &host, rc);
     } else {
-        rc = 1;
-        for (size_t i = 0; i <= c->ncuts; i++) {
-            int r = ls_unscale_range(a.bufs, c->count, call_scale(c), call_flags(c),
-                                     c->cuts[i], c->cuts[i + 1]);
-            if (r < 0) {
-                rc = r;
-                break;
-            }
-            rc &= r;
-        }
+        rc = over_cuts(c, &a, unscale_part);
     }
     caller_state_check(saved, c);
     char what[96];
@@ -594,19 +621,9 @@ static void run_public_check(const fuzz_case *c, const reference *ref, enum call
         rc = ls_all_finite(a.bufs, c->count, flags);
     } else if (how == CALL_HOST) {
         rc = ls_all_finite_with(a.bufs, c->count, flags, cut_parallel, &host);
-        if (host.calls != (rc >= 0))
-            fail("ls_all_finite_with: the parallel-for ran for a refused call, or not once", 0,
-                 (size_t)host.calls);
+        host_ran_once(who, &host, rc);
     } else {
-        rc = 1;
-        for (size_t i = 0; i <= c->ncuts; i++) {
-            int r = ls_all_finite_range(a.bufs, c->count, flags, c->cuts[i], c->cuts[i + 1]);
-            if (r < 0) {
-                rc = r;
-                break;
-            }
-            rc &= r;
-        }
+        rc = over_cuts(c, &a, check_part);
     }
     caller_state_check(saved, c);
     char what[96];

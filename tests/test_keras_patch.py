@@ -309,12 +309,18 @@ def test_fit_matches_stock_keras_for_mixed_float16():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def test_fit_follows_the_policy_dynamic_loss_scale():
+def _patched_with_dynamic_scale(initial, period):
+    """The data, a policy with its own DynamicLossScale, and a model compiled
+    under it with Keras patched."""
     x, y = _data()
     policy = Policy("mixed_float16", loss_scale=loss_scale_module.DynamicLossScale(
-        initial_loss_scale=4, increment_period=2))
+        initial_loss_scale=initial, increment_period=period))
     lossscale.patch_keras()
-    model = _compiled(policy)
+    return x, y, policy, _compiled(policy)
+
+
+def test_fit_follows_the_policy_dynamic_loss_scale():
+    x, y, policy, model = _patched_with_dynamic_scale(4, 2)
     trace = _ScaleTrace(lambda o: float(o.loss_scale))
     model.fit(x, y, batch_size=1, shuffle=False, verbose=0, callbacks=[trace])
     want, good_steps = _tf_trajectory(initial=4, period=2)
@@ -329,11 +335,7 @@ def test_fit_follows_the_policy_dynamic_loss_scale():
 
 
 def test_train_on_batch_uses_the_loss_scale():
-    x, y = _data()
-    policy = Policy("mixed_float16", loss_scale=loss_scale_module.DynamicLossScale(
-        initial_loss_scale=4, increment_period=1))
-    lossscale.patch_keras()
-    model = _compiled(policy)
+    x, y, _, model = _patched_with_dynamic_scale(4, 1)
     model.train_on_batch(x[:2], y[:2])  # finite: period 1 grows at once
     assert float(model.optimizer.loss_scale) == 8.0
     model.train_on_batch(x[2:3], y[2:3])  # inf: back off, skip

@@ -46,43 +46,22 @@ static uint64_t next_random(uint64_t *state)
  * `bad` non-finite ones at random places. */
 static void fill(ls_dtype t, void *p, size_t n, uint64_t seed, size_t bad)
 {
+    static const uint64_t inf_bits[LS_NUM_DTYPES] = {0x7c00u, 0x7f80u, 0x7f800000u,
+                                                      0x7ff0000000000000ull};
+    const size_t size = esize[t];
+    /* A random pattern of the element's width (its low bytes: both
+     * architectures built here are little-endian); one whose exponent is
+     * all ones loses the exponent's top bit, and is finite. */
+    const uint64_t width = size < 8 ? (1ull << (8 * size)) - 1 : ~0ull;
+    const uint64_t top = 1ull << (8 * size - 2);
     uint64_t s = seed;
     uint8_t *b = (uint8_t *)p;
     for (size_t i = 0; i < n; i++) {
-        uint64_t r = next_random(&s);
-        switch (t) {
-        case LS_FLOAT16: {
-            uint16_t v = (uint16_t)r;
-            if ((v & 0x7c00u) == 0x7c00u)
-                v &= 0xbfffu;
-            memcpy(b + 2 * i, &v, 2);
-            break;
-        }
-        case LS_BFLOAT16: {
-            uint16_t v = (uint16_t)r;
-            if ((v & 0x7f80u) == 0x7f80u)
-                v &= 0xbfffu;
-            memcpy(b + 2 * i, &v, 2);
-            break;
-        }
-        case LS_FLOAT32: {
-            uint32_t v = (uint32_t)r;
-            if ((v & 0x7f800000u) == 0x7f800000u)
-                v &= 0xbfffffffu;
-            memcpy(b + 4 * i, &v, 4);
-            break;
-        }
-        default: {
-            uint64_t v = r;
-            if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
-                v &= 0xbfffffffffffffffull;
-            memcpy(b + 8 * i, &v, 8);
-            break;
-        }
-        }
+        uint64_t v = next_random(&s) & width;
+        if ((v & inf_bits[t]) == inf_bits[t])
+            v &= ~top;
+        memcpy(b + size * i, &v, size);
     }
-    static const uint64_t inf_bits[LS_NUM_DTYPES] = {0x7c00u, 0x7f80u, 0x7f800000u,
-                                                      0x7ff0000000000000ull};
     for (size_t k = 0; k < bad && n > 0; k++) {
         size_t i = (size_t)(next_random(&s) % n);
         memcpy(b + esize[t] * i, &inf_bits[t], esize[t]);
