@@ -99,6 +99,14 @@ INNERS = {
     "adam": lambda: keras.optimizers.Adam(0.003),
     "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
     "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+    "adamax_decay": lambda: keras.optimizers.Adamax(0.003, weight_decay=0.01),
+    "adamax_schedule": lambda: keras.optimizers.Adamax(schedule(), beta_1=0.8, beta_2=0.95,
+                                                       epsilon=1e-4),
+    "nadam_decay": lambda: keras.optimizers.Nadam(0.003, weight_decay=0.01),
+    "nadam_schedule": lambda: keras.optimizers.Nadam(schedule(), beta_1=0.8, beta_2=0.95,
+                                                     epsilon=1e-4),
+    "lion_decay": lambda: keras.optimizers.Lion(0.0005, weight_decay=0.01),
+    "lion_schedule": lambda: keras.optimizers.Lion(schedule(), beta_1=0.8, beta_2=0.95),
 }
 
 # Steps whose loss is multiplied by a non-finite or huge factor; some in a
