@@ -292,6 +292,15 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
             return stock(f"the inner optimizer's {attr} is not a number")
+    if (inner.weight_decay is not None and _compat.optimizer_learning_rate_variable(inner) is None
+            and _grappler_reassociates_products()):
+        # Each variable's decay evaluates the schedule anew, and the graph
+        # optimizer merges that product into the decay's chain of multiplies,
+        # folding the schedule's constants with weight_decay (ExponentialDecay:
+        # var * (pow * (initial_rate * wd))): an order set by the schedule's
+        # own ops, which the kernel does not follow.
+        return stock("weight decay with a learning-rate schedule in a graph "
+                     "(TensorFlow's graph optimizer reorders its products)")
     if grads is None:
         return Decision(inner)
     reason = _step_reason(family, grads, variables)

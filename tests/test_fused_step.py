@@ -42,7 +42,8 @@ INF, NAN = float("inf"), float("nan")
 # ..." or "stock ..." and why); every expectation about its text is here.
 
 STOCK_REASONS = {"fused=False": "fused=False", "clipnorm": "clipnorm",
-                 "update_step": "SGDWithOwnUpdate"}
+                 "update_step": "SGDWithOwnUpdate",
+                 "schedule_and_decay": "weight decay with a learning-rate schedule in a graph"}
 
 
 def assert_fused(opt):
@@ -330,6 +331,24 @@ def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):
             Ours(make_inner(), dynamic_growth_steps=10, **ours_kw)]
     lockstep(models, opts, batches(24, seed=9), "mixed_float16")
     assert_stock(opts[1], why)
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda: keras.optimizers.SGD(schedule(), weight_decay=0.01),
+    lambda: keras.optimizers.Lion(schedule(), weight_decay=0.01),
+], ids=["sgd", "lion"])
+def test_schedule_with_weight_decay_stock_in_a_graph_fused_eagerly(make_inner):
+    """In a graph the decay's product takes the schedule's constants (see
+    ``_fused.decide``): the stock path there, the fused one eagerly."""
+    for eager, steps in ((False, 40), (True, 16)):
+        models = twin_models("mixed_float16")
+        opts = [Stock(make_inner(), dynamic_growth_steps=10),
+                Ours(make_inner(), dynamic_growth_steps=10)]
+        lockstep(models, opts, batches(steps, seed=9), "mixed_float16", eager=eager)
+        if eager:
+            assert_fused(opts[1])
+        else:
+            assert_stock(opts[1], "schedule_and_decay")
 
 
 # ------------------------------------------------------------ bad input
