@@ -157,13 +157,20 @@ def optimizer_iterations(optimizer):
 def optimizer_slots(optimizer, kind, variables):
     """The slot variables of ``variables`` in a stock Keras optimizer, where
     its ``update_step`` finds them: ``"momentum"`` (SGD), ``"m"``, ``"v"``,
-    ``"v_hat"`` (Adam).  Keras keeps them in private lists indexed by
+    ``"v_hat"`` (Adam; Nadam's and Lion's ``m``, ``v`` too), ``"adamax_m"``,
+    ``"u"`` (Adamax).  Keras keeps them in private lists indexed by
     ``_get_variable_index``."""
     attribute = {"momentum": "momentums", "m": "_momentums", "v": "_velocities",
-                 "v_hat": "_velocity_hats"}[kind]
+                 "v_hat": "_velocity_hats", "adamax_m": "_m", "u": "_u"}[kind]
     slots = getattr(optimizer, attribute)
     return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
             for v in variables]
+
+
+def nadam_u_product(optimizer):
+    """Nadam's running product of its momentum schedule, the scalar state
+    its ``_backend_update_step`` moves once per applied step."""
+    return optimizer._u_product  # pylint: disable=protected-access
 
 
 def uses_weight_decay(optimizer, variable):

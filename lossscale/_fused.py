@@ -27,6 +27,7 @@ not on the CPU, XLA).
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lossscale import _compat, _step
@@ -62,25 +63,32 @@ class Family:
       numbers: hyperparameters that must be plain numbers (the kernel takes
         them as constants).
       hyper: ``hyper(inner)`` -> the kernel's constant numbers, in its order.
-      scalars: ``scalars(inner, learning_rate)`` -> the float32 scalar
-        tensors that follow them, derived from ``iterations`` as Keras
-        derives them.
+      scalars: ``scalars(inner, learning_rate, *state)`` -> the float32
+        scalar tensors that follow them, derived from ``iterations`` (and
+        the new values of ``state``) as Keras derives them.
+      state: ``state(inner)`` -> ``[(variable, new value)]``: the
+        optimizer's own scalar state that Keras moves once per applied step
+        before the per-variable updates (Nadam's ``_u_product``), the new
+        values computed as Keras computes them; assigned only when the step
+        applies.
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 supports=()):
+                 state=None, supports=()):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
         self.numbers = tuple(numbers)
         self.hyper = hyper
-        self.scalars = scalars or (lambda inner, lr: [])
+        self.scalars = scalars or (lambda inner, lr, *state: [])
+        self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
 
     def reproduces(self, inner):
-        return (isinstance(inner, self.keras_class)
-                and type(inner).update_step is self.keras_class.update_step)
+        cls = self.keras_class
+        return (isinstance(inner, cls) and type(inner).update_step is cls.update_step
+                and type(inner)._backend_update_step is cls._backend_update_step)
 
     def __repr__(self):
         return f"Family({self.name!r}, {self.keras_class.__name__})"
@@ -98,9 +106,11 @@ class Plan:
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
         self.scalars = None
+        self.state = []
 
     def run(self, library, should_apply, scale, unscale):
-        """The family's native op over the plan (``prepare_scalars`` first)."""
+        """The family's native op over the plan (``prepare_scalars`` first),
+        then the family's own state, when ``should_apply``."""
         def handles(variables):
             return [_step.tf_variable(v).handle for v in variables]
 
@@ -111,6 +121,9 @@ class Plan:
             self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
             hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
             unscale=unscale)
+        for variable, value in self.state:
+            variable = _step.tf_variable(variable)
+            variable.assign(tf.where(should_apply, value, variable.read_value()))
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -129,7 +142,8 @@ class Plan:
         wd = inner.weight_decay
         self.learning_rate = lr
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
-        self.scalars = list(self.family.scalars(inner, lr))
+        self.state = list(self.family.state(inner))
+        self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in self.state]))
         return self.checks
 
 
@@ -164,12 +178,70 @@ def _adam_scalars(inner, lr):
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
              scalars=_adam_scalars)
 
+
+def _adamax_hyper(inner):
+    # As Keras: 1 - beta_1 in Python floats; beta_2 and epsilon as given.
+    return [1 - inner.beta_1, inner.beta_2, inner.epsilon]
+
+
+def _adamax_scalars(inner, lr):
+    # Keras' Adamax.update_step, scalars only: 1 - beta_1^t.
+    local_step = tf.cast(inner.iterations + 1, tf.float32)
+    beta_1_power = tf.pow(tf.cast(inner.beta_1, tf.float32), local_step)
+    return [1 - beta_1_power]
+
+
+def _float32_complement(x):
+    # Keras' ``1 - cast(x, float32)``: a float32 subtraction.
+    return float(np.float32(1) - np.float32(x))
+
+
+def _nadam_hyper(inner):
+    return [_float32_complement(inner.beta_1), _float32_complement(inner.beta_2),
+            inner.epsilon]
+
+
+def _nadam_state(inner):
+    # Keras' Nadam._backend_update_step, the same ops on the same values.
+    u_product = _compat.nadam_u_product(inner)
+    dtype = u_product.dtype
+    return [(u_product, u_product * inner.beta_1 * (
+        1.0 - 0.5 * keras.ops.power(0.96, keras.ops.cast(inner.iterations + 1, dtype))))]
+
+
+def _nadam_scalars(inner, lr, u_product_t):
+    # Keras' Nadam.update_step, scalars only, u_product_t as it reads it.
+    local_step = tf.cast(inner.iterations + 1, tf.float32)
+    next_step = tf.cast(inner.iterations + 2, tf.float32)
+    decay = tf.cast(0.96, tf.float32)
+    beta_1 = tf.cast(inner.beta_1, tf.float32)
+    beta_2 = tf.cast(inner.beta_2, tf.float32)
+    u_t = beta_1 * (1.0 - 0.5 * (tf.pow(decay, local_step)))
+    u_t_1 = beta_1 * (1.0 - 0.5 * (tf.pow(decay, next_step)))
+    u_product_t = tf.cast(u_product_t, tf.float32)
+    u_product_t_1 = u_product_t * u_t_1
+    beta_2_power = tf.pow(beta_2, local_step)
+    return [u_t_1, 1 - u_product_t_1, 1 - u_t, 1 - u_product_t, 1 - beta_2_power]
+
+
+def _lion_hyper(inner):
+    return [inner.beta_1, _float32_complement(inner.beta_1), inner.beta_2,
+            _float32_complement(inner.beta_2)]
+
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
            hyper=_sgd_hyper),
+    Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
+           numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
+           scalars=_adamax_scalars),
+    Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
+           numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
+           scalars=_nadam_scalars, state=_nadam_state),
+    Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
+           numbers=("beta_1", "beta_2"), hyper=_lion_hyper),
 )
 
 _CLASS_NAMES = list(dict.fromkeys(f.keras_class.__name__ for f in reversed(FAMILIES)))
@@ -220,6 +292,15 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
             return stock(f"the inner optimizer's {attr} is not a number")
+    if (inner.weight_decay is not None and _compat.optimizer_learning_rate_variable(inner) is None
+            and _grappler_reassociates_products()):
+        # Each variable's decay evaluates the schedule anew, and the graph
+        # optimizer merges that product into the decay's chain of multiplies,
+        # folding the schedule's constants with weight_decay (ExponentialDecay:
+        # var * (pow * (initial_rate * wd))): an order set by the schedule's
+        # own ops, which the kernel does not follow.
+        return stock("weight decay with a learning-rate schedule in a graph "
+                     "(TensorFlow's graph optimizer reorders its products)")
     if grads is None:
         return Decision(inner)
     reason = _step_reason(family, grads, variables)

@@ -33,6 +33,15 @@ CONFIGS = {
                   amsgrad=False, weight_decay=0.004, mask=True),
     "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
                               amsgrad=True, weight_decay=0.1, mask=True),
+    "adamax": dict(opt="adamax", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7),
+    "adamax_decay_odd": dict(opt="adamax", lr=0.01, beta_1=0.8, beta_2=0.95, epsilon=1e-3,
+                             weight_decay=0.05, mask=True),
+    "nadam": dict(opt="nadam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7),
+    "nadam_decay_odd": dict(opt="nadam", lr=0.004, beta_1=0.85, beta_2=0.99, epsilon=1e-4,
+                            weight_decay=0.02, mask=True),
+    "lion": dict(opt="lion", lr=0.001, beta_1=0.9, beta_2=0.99),
+    "lion_decay_odd": dict(opt="lion", lr=0.003, beta_1=0.7, beta_2=0.95, weight_decay=0.1,
+                           mask=True),
 }
 
 
@@ -137,9 +146,86 @@ def _adam_hyper(cfg, lr, t):
             float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t))]
 
 
+def tf_maximum(a, b):
+    """TensorFlow's Maximum on the CPU (its vector body): a where a is NaN,
+    else (a > b) ? a : b."""
+    return np.where(np.isnan(a), a, np.where(a > b, a, b))
+
+
+def tf_sign(a):
+    """TensorFlow's Sign on the CPU (its vector body): copysign(1, a) where
+    0 < |a|, else |a| (+0 for -0, |NaN| for NaN)."""
+    m = np.abs(a)
+    return np.where(F32(0) < m, np.copysign(F32(1), a), m)
+
+
+def _adamax_update(cfg, g, w, slots, lr, t, store):
+    m = slots["m"] + (g - slots["m"]) * F32(1 - cfg["beta_1"])
+    u = tf_maximum(F32(cfg["beta_2"]) * slots["u"], np.abs(g))
+    store("m", m)
+    store("u", u)
+    c1_t = F32(1) - np.power(F32(cfg["beta_1"]), F32(t))
+    return w - (lr * m) / (c1_t * (u + F32(cfg["epsilon"])))
+
+
+def _adamax_hyper(cfg, lr, t):
+    return [1 - cfg["beta_1"], cfg["beta_2"], cfg["epsilon"],
+            float(F32(1) - np.power(F32(cfg["beta_1"]), F32(t)))]
+
+
+def nadam_scalars(cfg, t):
+    """Keras' Nadam at step ``t`` (every step before it applied), float32 op
+    by op: ``_u_product`` as ``_backend_update_step`` leaves it, then
+    ``update_step``'s u_t_1, 1 - u_product_t_1, 1 - u_t, 1 - u_product_t
+    and 1 - beta_2^t."""
+    one, half, decay = F32(1), F32(0.5), F32(0.96)
+    beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
+    u_product = F32(1)
+    for s in range(1, t + 1):
+        u_product = (u_product * beta_1) * (one - half * np.power(decay, F32(s)))
+    u_t = beta_1 * (one - half * np.power(decay, F32(t)))
+    u_t_1 = beta_1 * (one - half * np.power(decay, F32(t + 1)))
+    return [u_t_1, one - u_product * u_t_1, one - u_t, one - u_product,
+            one - np.power(beta_2, F32(t))]
+
+
+def _nadam_update(cfg, g, w, slots, lr, t, store):
+    u_t_1, d_t_1, c_t, d_t, c2_t = nadam_scalars(cfg, t)
+    m = slots["m"] + (g - slots["m"]) * (F32(1) - F32(cfg["beta_1"]))
+    v = slots["v"] + (np.square(g) - slots["v"]) * (F32(1) - F32(cfg["beta_2"]))
+    store("m", m)
+    store("v", v)
+    m_hat = (u_t_1 * m) / d_t_1 + (c_t * g) / d_t
+    v_hat = v / c2_t
+    return w - (m_hat * lr) / (np.sqrt(v_hat) + F32(cfg["epsilon"]))
+
+
+def _nadam_hyper(cfg, lr, t):
+    return [float(F32(1) - F32(cfg["beta_1"])), float(F32(1) - F32(cfg["beta_2"])),
+            cfg["epsilon"]] + [float(x) for x in nadam_scalars(cfg, t)]
+
+
+def _lion_update(cfg, g, w, slots, lr, t, store):
+    beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
+    m = slots["m"]
+    w = w - lr * tf_sign(m * beta_1 + g * (F32(1) - beta_1))
+    store("m", m * beta_2 + g * (F32(1) - beta_2))
+    return w
+
+
+def _lion_hyper(cfg, lr, t):
+    beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
+    return [float(beta_1), float(F32(1) - beta_1), float(beta_2), float(F32(1) - beta_2)]
+
+
 FAMILIES = {
     "sgd": dict(slots=_sgd_slots, update=_sgd_update, hyper=_sgd_hyper),
     "adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper, nonneg=("v",)),
+    "adamax": dict(slots=lambda cfg: ["m", "u"], update=_adamax_update, hyper=_adamax_hyper,
+                   nonneg=("u",)),
+    "nadam": dict(slots=lambda cfg: ["m", "v"], update=_nadam_update, hyper=_nadam_hyper,
+                  nonneg=("v",)),
+    "lion": dict(slots=lambda cfg: ["m"], update=_lion_update, hyper=_lion_hyper),
 }
 
 

@@ -42,7 +42,8 @@ INF, NAN = float("inf"), float("nan")
 # ..." or "stock ..." and why); every expectation about its text is here.
 
 STOCK_REASONS = {"fused=False": "fused=False", "clipnorm": "clipnorm",
-                 "update_step": "SGDWithOwnUpdate"}
+                 "update_step": "SGDWithOwnUpdate",
+                 "schedule_and_decay": "weight decay with a learning-rate schedule in a graph"}
 
 
 def assert_fused(opt):
@@ -99,6 +100,14 @@ INNERS = {
     "adam": lambda: keras.optimizers.Adam(0.003),
     "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
     "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+    "adamax_decay": lambda: keras.optimizers.Adamax(0.003, weight_decay=0.01),
+    "adamax_schedule": lambda: keras.optimizers.Adamax(schedule(), beta_1=0.8, beta_2=0.95,
+                                                       epsilon=1e-4),
+    "nadam_decay": lambda: keras.optimizers.Nadam(0.003, weight_decay=0.01),
+    "nadam_schedule": lambda: keras.optimizers.Nadam(schedule(), beta_1=0.8, beta_2=0.95,
+                                                     epsilon=1e-4),
+    "lion_decay": lambda: keras.optimizers.Lion(0.0005, weight_decay=0.01),
+    "lion_schedule": lambda: keras.optimizers.Lion(schedule(), beta_1=0.8, beta_2=0.95),
 }
 
 # Steps whose loss is multiplied by a non-finite or huge factor; some in a
@@ -128,15 +137,26 @@ def step_fn(model, opt, eager=False):
     return step if eager else tf.function(step)
 
 
+def own_state(inner):
+    """The inner optimizer's scalar state outside its ``variables`` once a
+    wrapper built it (Nadam's ``_u_product``)."""
+    extra = getattr(inner, "_u_product", None)
+    return [] if extra is None or any(v is extra for v in inner.variables) else [extra]
+
+
+def optimizer_variables(opt):
+    return list(opt.variables) + own_state(opt.inner_optimizer)
+
+
 def state(model, opt):
     """(path, bits) of every model variable and every optimizer variable."""
-    return [(v.path, bits(v.numpy())) for v in list(model.variables) + list(opt.variables)]
+    return [(v.path, bits(v.numpy())) for v in list(model.variables) + optimizer_variables(opt)]
 
 
 def state_reader(model, opt):
     """``state`` as one graph call: reading ~40 variables one by one eagerly
     costs more than the training step itself."""
-    variables = list(model.variables) + list(opt.variables)
+    variables = list(model.variables) + optimizer_variables(opt)
     read = tf.function(lambda: [tf.identity(v.value) for v in variables])
     return lambda: [(v.path, bits(t.numpy())) for v, t in zip(variables, read())]
 
@@ -201,6 +221,32 @@ def test_inexact_reciprocal_scale_divides_as_stock(name):
     assert_fused(opts[1])
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+def test_nadam_skipped_step_leaves_u_product_as_stock(eager):
+    """Nadam moves ``_u_product`` once per applied step, before its updates:
+    a skipped step (an overflow) must leave it bit for bit as it was, as
+    stock leaves it, and an applied one move it as stock does."""
+    models = twin_models("mixed_float16")
+    opts = make_pair("nadam_schedule", models, dynamic_growth_steps=10)
+    steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
+
+    def u_products():
+        return [bits(o.inner_optimizer._u_product.numpy()) for o in opts]
+
+    applied = []
+    for i, (x, y) in enumerate(batches(12, seed=2)):
+        before, iterations = u_products(), int(opts[1].iterations.numpy())
+        f = tf.constant(np.float32(INF if i in (5, 6, 9) else 1.0))
+        for step in steps:
+            step(tf.constant(x), tf.constant(y), f)
+        after = u_products()
+        applied.append(int(opts[1].iterations.numpy()) > iterations)
+        assert after[0] == after[1], f"step {i}"
+        assert (after != before) == applied[-1], f"step {i}"
+    assert_fused(opts[1])
+    assert not any(applied[i] for i in (5, 6, 9)) and sum(applied) >= 3, applied
+
+
 @pytest.mark.parametrize("name", ["sgd_nesterov_schedule", "adamw_exclude"])
 def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     policy = "mixed_float16"
@@ -243,7 +289,11 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
     step = tf.function(tf24_train_step(models[1], opt))
 
     def slots(inner):
-        return [v for v in inner.variables if v is not inner.iterations]
+        # Nadam's _u_product last, listed or not (a wrapper's build leaves it out).
+        own = own_state(inner) or [v for v in inner.variables
+                                   if v is getattr(inner, "_u_product", None)]
+        return [v for v in inner.variables
+                if v is not inner.iterations and all(v is not u for u in own)] + own
 
     for i, (x, y) in enumerate(batches(100, seed=6)):
         f = tf.constant(factor(i, "mixed_float16"))
@@ -281,6 +331,24 @@ def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):
             Ours(make_inner(), dynamic_growth_steps=10, **ours_kw)]
     lockstep(models, opts, batches(24, seed=9), "mixed_float16")
     assert_stock(opts[1], why)
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda: keras.optimizers.SGD(schedule(), weight_decay=0.01),
+    lambda: keras.optimizers.Lion(schedule(), weight_decay=0.01),
+], ids=["sgd", "lion"])
+def test_schedule_with_weight_decay_stock_in_a_graph_fused_eagerly(make_inner):
+    """In a graph the decay's product takes the schedule's constants (see
+    ``_fused.decide``): the stock path there, the fused one eagerly."""
+    for eager, steps in ((False, 40), (True, 16)):
+        models = twin_models("mixed_float16")
+        opts = [Stock(make_inner(), dynamic_growth_steps=10),
+                Ours(make_inner(), dynamic_growth_steps=10)]
+        lockstep(models, opts, batches(steps, seed=9), "mixed_float16", eager=eager)
+        if eager:
+            assert_fused(opts[1])
+        else:
+            assert_stock(opts[1], "schedule_and_decay")
 
 
 # ------------------------------------------------------------ bad input

@@ -91,6 +91,18 @@ static inline float ls_optim_max(float a, float b)
 static inline float ls_optim_max(float a, float b) { return a > b ? a : b; }
 #endif
 
+/* TensorFlow's Maximum and Sign on the CPU, as their vector bodies compute
+ * them (Eigen's NaN-propagating pmax and its generic psign; TensorFlow's
+ * last size % 8 elements go through Eigen's scalar forms, which differ
+ * only for a tie of zeros in Maximum and the sign of a NaN in Sign). */
+static inline float ls_optim_maximum(float a, float b) { return a != a ? a : ls_optim_max(a, b); }
+
+static inline float ls_optim_sign(float a)
+{
+    const float m = fabsf(a);
+    return 0.0f < m ? copysignf(1.0f, a) : m;
+}
+
 static inline float ls_optim_decay1(float w, const ls_optim_args *a)
 {
     if (a->decay == LS_DECAY_OP_BY_OP)

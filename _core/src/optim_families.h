@@ -9,5 +9,8 @@
  */
 #include "family_sgd.h"
 #include "family_adam.h"
+#include "family_adamax.h"
+#include "family_nadam.h"
+#include "family_lion.h"
 
-#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam)
+#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(adamax) X(nadam) X(lion)

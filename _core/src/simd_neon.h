@@ -35,6 +35,17 @@ static inline LS_V v_mul(LS_V a, LS_V b) { return vmulq_f32(a, b); }
 static inline LS_V v_div(LS_V a, LS_V b) { return vdivq_f32(a, b); }
 static inline LS_V v_sqrt(LS_V a) { return vsqrtq_f32(a); }
 static inline LS_V v_max(LS_V a, LS_V b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+static inline LS_V v_abs(LS_V a) { return vabsq_f32(a); }
+
+/* Maximum and Sign as TensorFlow's CPU kernels compute them (simd.h). */
+static inline LS_V v_maximum(LS_V a, LS_V b) { return vbslq_f32(vceqq_f32(a, a), v_max(a, b), a); }
+
+static inline LS_V v_sign(LS_V a)
+{
+    const LS_V m = vabsq_f32(a);
+    const LS_V one = vbslq_f32(vdupq_n_u32(0x80000000u), a, vdupq_n_f32(1.0f));
+    return vbslq_f32(vcltq_f32(vdupq_n_f32(0.0f), m), one, m);
+}
 
 static inline LS_VD vd_set1(double x) { return vdupq_n_f64(x); }
 static inline LS_VD vd_mul(LS_VD a, LS_VD b) { return vmulq_f64(a, b); }

@@ -62,6 +62,36 @@ static inline LS_V v_mul(LS_V a, LS_V b) { return LS_MM(mul_ps)(a, b); }
 static inline LS_V v_div(LS_V a, LS_V b) { return LS_MM(div_ps)(a, b); }
 static inline LS_V v_sqrt(LS_V a) { return LS_MM(sqrt_ps)(a); }
 static inline LS_V v_max(LS_V a, LS_V b) { return LS_MM(max_ps)(a, b); }
+static inline LS_V v_abs(LS_V a) { return LS_MM(andnot_ps)(v_set1(-0.0f), a); }
+
+/* Maximum and Sign as TensorFlow's CPU kernels compute them in their
+ * vector body (Eigen's NaN-propagating pmax, and its generic psign): the
+ * compares honour DAZ as theirs do. */
+#if LS_X86_BITS == 512
+static inline LS_V v_maximum(LS_V a, LS_V b)
+{
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_max_ps(a, b), a);
+}
+
+static inline LS_V v_sign(LS_V a)
+{
+    const LS_V m = v_abs(a);
+    const LS_V one = _mm512_or_ps(_mm512_and_ps(a, v_set1(-0.0f)), v_set1(1.0f));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_setzero_ps(), m, _CMP_LT_OQ), m, one);
+}
+#else
+static inline LS_V v_maximum(LS_V a, LS_V b)
+{
+    return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+static inline LS_V v_sign(LS_V a)
+{
+    const LS_V m = v_abs(a);
+    const LS_V one = _mm256_or_ps(_mm256_and_ps(a, v_set1(-0.0f)), v_set1(1.0f));
+    return _mm256_blendv_ps(m, one, _mm256_cmp_ps(_mm256_setzero_ps(), m, _CMP_LT_OQ));
+}
+#endif
 
 static inline LS_VD vd_set1(double x) { return LS_MM(set1_pd)(x); }
 static inline LS_VD vd_mul(LS_VD a, LS_VD b) { return LS_MM(mul_pd)(a, b); }
