@@ -26,6 +26,8 @@ several replicas, and any place the native op cannot run (library missing,
 not on the CPU, XLA).
 """
 
+import platform
+
 import keras
 import tensorflow as tf
 
@@ -66,10 +68,12 @@ class Family:
         tensors that follow them, derived from ``iterations`` as Keras
         derives them.
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      unsupported: ``unsupported(inner)`` -> why the step built here cannot
+        be fused, or None.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 supports=()):
+                 supports=(), unsupported=None):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
@@ -77,6 +81,7 @@ class Family:
         self.hyper = hyper
         self.scalars = scalars or (lambda inner, lr: [])
         self.supports = frozenset(supports)
+        self.unsupported = unsupported or (lambda inner: None)
 
     def reproduces(self, inner):
         return (isinstance(inner, self.keras_class)
@@ -164,12 +169,45 @@ def _adam_scalars(inner, lr):
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
              scalars=_adam_scalars)
 
+
+def _rsqrt_form():
+    """1.0 where the stock step built here divides by TensorFlow's Rsqrt:
+    in a graph the arithmetic optimizer rewrites (as for the products),
+    ``x / sqrt(y)`` becomes ``x * rsqrt(y)``."""
+    return 1.0 if _grappler_reassociates_products() else 0.0
+
+
+def _rsqrt_reason(inner):
+    if _rsqrt_form() and platform.machine().lower() not in ("x86_64", "amd64"):
+        return "TensorFlow's graph-mode Rsqrt is reproduced on x86 only"
+    return None
+
+
+def _rmsprop_slots(inner):
+    return (("velocity",) + (("momentum",) if inner.momentum > 0 else ())
+            + (("average_gradient",) if inner.centered else ()))
+
+
+def _rmsprop_hyper(inner):
+    # As Keras: rho and 1 - rho in Python floats, then float32.
+    return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _rsqrt_form()]
+
+
+def _adagrad_hyper(inner):
+    return [inner.epsilon, _rsqrt_form()]
+
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
            hyper=_sgd_hyper),
+    Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
+           numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
+           unsupported=_rsqrt_reason),
+    Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
+           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason),
 )
 
 _CLASS_NAMES = list(dict.fromkeys(f.keras_class.__name__ for f in reversed(FAMILIES)))
@@ -222,7 +260,7 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
             return stock(f"the inner optimizer's {attr} is not a number")
     if grads is None:
         return Decision(inner)
-    reason = _step_reason(family, grads, variables)
+    reason = family.unsupported(inner) or _step_reason(family, grads, variables)
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]

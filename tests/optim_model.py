@@ -33,6 +33,27 @@ CONFIGS = {
                   amsgrad=False, weight_decay=0.004, mask=True),
     "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
                               amsgrad=True, weight_decay=0.1, mask=True),
+    # rsqrt: the step of a tf.function, where Grappler divides by Rsqrt.
+    "rmsprop": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
+                    centered=False, rsqrt=False),
+    "rmsprop_momentum": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.9, epsilon=1e-7,
+                             centered=False, rsqrt=False),
+    "rmsprop_centered_momentum_decay": dict(opt="rmsprop", lr=0.003, rho=0.8, momentum=0.5,
+                                            epsilon=1e-3, centered=True, rsqrt=False,
+                                            weight_decay=0.01, mask=True),
+    "rmsprop_centered_rsqrt": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0,
+                                   epsilon=1e-7, centered=True, rsqrt=True),
+    "rmsprop_momentum_decay_rsqrt": dict(opt="rmsprop", lr=0.003, rho=0.95, momentum=0.9,
+                                         epsilon=1e-6, centered=False, rsqrt=True,
+                                         weight_decay=0.004, mask=True),
+    "adagrad": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                    rsqrt=False),
+    "adagrad_decay_odd": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.37,
+                              epsilon=1e-4, rsqrt=False, weight_decay=0.02, mask=True),
+    "adagrad_rsqrt": dict(opt="adagrad", lr=0.01, initial_accumulator_value=0.1, epsilon=1e-7,
+                          rsqrt=True),
+    "adagrad_decay_rsqrt": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.0,
+                                epsilon=1e-5, rsqrt=True, weight_decay=0.02, mask=True),
 }
 
 
@@ -137,9 +158,65 @@ def _adam_hyper(cfg, lr, t):
             float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t))]
 
 
+def tf_rsqrt(d):
+    """TensorFlow's own CPU Rsqrt of the whole tensor (its packets and its
+    tail differ), what a tf.function's step multiplies by."""
+    import tensorflow as tf
+
+    return tf.math.rsqrt(tf.constant(d)).numpy()
+
+
+def _divide_by_sqrt(cfg, x, d):
+    """Keras' ``x / sqrt(d)``; ``x * rsqrt(d)`` as Grappler rewrites it."""
+    return x * tf_rsqrt(d) if cfg["rsqrt"] else x / np.sqrt(d)
+
+
+def _rmsprop_slots(cfg):
+    return (["velocity"] + (["momentum"] if cfg["momentum"] > 0 else [])
+            + (["average_gradient"] if cfg["centered"] else []))
+
+
+def _rmsprop_update(cfg, g, w, slots, lr, t, store):
+    rho, c = F32(cfg["rho"]), F32(1 - cfg["rho"])
+    v = rho * slots["velocity"] + c * (g * g)
+    store("velocity", v)
+    if cfg["centered"]:
+        a = rho * slots["average_gradient"] + c * g
+        store("average_gradient", a)
+        d = (v - a * a) + F32(cfg["epsilon"])
+    else:
+        d = v + F32(cfg["epsilon"])
+    step = _divide_by_sqrt(cfg, lr * g, d)
+    if cfg["momentum"] > 0:
+        m = F32(cfg["momentum"]) * slots["momentum"] + step
+        store("momentum", m)
+        return w - m
+    return w - step
+
+
+def _rmsprop_hyper(cfg, lr, t):
+    return [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
+            1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0,
+            1.0 if cfg["rsqrt"] else 0.0]
+
+
+def _adagrad_update(cfg, g, w, slots, lr, t, store):
+    acc = slots["accumulator"] + g * g
+    store("accumulator", acc)
+    return w - _divide_by_sqrt(cfg, lr * g, acc + F32(cfg["epsilon"]))
+
+
+def _adagrad_hyper(cfg, lr, t):
+    return [cfg["epsilon"], 1.0 if cfg["rsqrt"] else 0.0]
+
+
 FAMILIES = {
     "sgd": dict(slots=_sgd_slots, update=_sgd_update, hyper=_sgd_hyper),
     "adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper, nonneg=("v",)),
+    "rmsprop": dict(slots=_rmsprop_slots, update=_rmsprop_update, hyper=_rmsprop_hyper,
+                    nonneg=("velocity",)),
+    "adagrad": dict(slots=lambda cfg: ["accumulator"], update=_adagrad_update,
+                    hyper=_adagrad_hyper, nonneg=("accumulator",), initial="accumulator"),
 }
 
 
@@ -198,7 +275,8 @@ def make_grads(rng, shapes, dtype, scale, *, special=False):
 
 def make_state(rng, cfg, shapes, *, special=False):
     """Variables and slots as after some training: the slots a family keeps
-    non-negative (its ``nonneg``: Adam's v) are, v_hat >= v."""
+    non-negative (its ``nonneg``: Adam's v) are, v_hat >= v, and one that
+    starts at a value (its ``initial``: Adagrad's accumulator) is above it."""
     variables = [random_values(rng, s, special=special) for s in shapes]
     nonneg = FAMILIES[cfg["opt"]].get("nonneg", ())
     slots = {}
@@ -209,6 +287,8 @@ def make_state(rng, cfg, shapes, *, special=False):
         elif name in nonneg:
             slots[name] = [np.abs(random_values(rng, s, scale=1e-4, special=special))
                            for s in shapes]
+            if name == FAMILIES[cfg["opt"]].get("initial"):  # Adagrad's start
+                slots[name] = [a + F32(cfg["initial_accumulator_value"]) for a in slots[name]]
         else:
             slots[name] = [random_values(rng, s, scale=0.01, special=special) for s in shapes]
     return variables, slots

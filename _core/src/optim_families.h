@@ -9,5 +9,7 @@
  */
 #include "family_sgd.h"
 #include "family_adam.h"
+#include "family_rmsprop.h"
+#include "family_adagrad.h"
 
-#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam)
+#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad)
