@@ -170,15 +170,16 @@ _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_
              scalars=_adam_scalars)
 
 
-def _rsqrt_form():
-    """1.0 where the stock step built here divides by TensorFlow's Rsqrt:
-    in a graph the arithmetic optimizer rewrites (as for the products),
-    ``x / sqrt(y)`` becomes ``x * rsqrt(y)``."""
+def _graph_form():
+    """1.0 where the stock step built here is rewritten as the graph
+    optimizer rewrites the products: ``x / sqrt(y)`` becomes
+    ``x * rsqrt(y)`` (TensorFlow's Rsqrt), and a constant added to a
+    difference is pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``."""
     return 1.0 if _grappler_reassociates_products() else 0.0
 
 
 def _rsqrt_reason(inner):
-    if _rsqrt_form() and platform.machine().lower() not in ("x86_64", "amd64"):
+    if _graph_form() and platform.machine().lower() not in ("x86_64", "amd64"):
         return "TensorFlow's graph-mode Rsqrt is reproduced on x86 only"
     return None
 
@@ -191,11 +192,11 @@ def _rmsprop_slots(inner):
 def _rmsprop_hyper(inner):
     # As Keras: rho and 1 - rho in Python floats, then float32.
     return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
-            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _rsqrt_form()]
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _graph_form()]
 
 
 def _adagrad_hyper(inner):
-    return [inner.epsilon, _rsqrt_form()]
+    return [inner.epsilon, _graph_form()]
 
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (

@@ -33,27 +33,27 @@ CONFIGS = {
                   amsgrad=False, weight_decay=0.004, mask=True),
     "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
                               amsgrad=True, weight_decay=0.1, mask=True),
-    # rsqrt: the step of a tf.function, where Grappler divides by Rsqrt.
+    # graph: the step as a tf.function runs it, rewritten by Grappler.
     "rmsprop": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
-                    centered=False, rsqrt=False),
+                    centered=False, graph=False),
     "rmsprop_momentum": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.9, epsilon=1e-7,
-                             centered=False, rsqrt=False),
+                             centered=False, graph=False),
     "rmsprop_centered_momentum_decay": dict(opt="rmsprop", lr=0.003, rho=0.8, momentum=0.5,
-                                            epsilon=1e-3, centered=True, rsqrt=False,
+                                            epsilon=1e-3, centered=True, graph=False,
                                             weight_decay=0.01, mask=True),
-    "rmsprop_centered_rsqrt": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0,
-                                   epsilon=1e-7, centered=True, rsqrt=True),
-    "rmsprop_momentum_decay_rsqrt": dict(opt="rmsprop", lr=0.003, rho=0.95, momentum=0.9,
-                                         epsilon=1e-6, centered=False, rsqrt=True,
+    "rmsprop_centered_graph": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0,
+                                   epsilon=1e-7, centered=True, graph=True),
+    "rmsprop_momentum_decay_graph": dict(opt="rmsprop", lr=0.003, rho=0.95, momentum=0.9,
+                                         epsilon=1e-6, centered=False, graph=True,
                                          weight_decay=0.004, mask=True),
     "adagrad": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
-                    rsqrt=False),
+                    graph=False),
     "adagrad_decay_odd": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.37,
-                              epsilon=1e-4, rsqrt=False, weight_decay=0.02, mask=True),
-    "adagrad_rsqrt": dict(opt="adagrad", lr=0.01, initial_accumulator_value=0.1, epsilon=1e-7,
-                          rsqrt=True),
-    "adagrad_decay_rsqrt": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.0,
-                                epsilon=1e-5, rsqrt=True, weight_decay=0.02, mask=True),
+                              epsilon=1e-4, graph=False, weight_decay=0.02, mask=True),
+    "adagrad_graph": dict(opt="adagrad", lr=0.01, initial_accumulator_value=0.1, epsilon=1e-7,
+                          graph=True),
+    "adagrad_decay_graph": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.0,
+                                epsilon=1e-5, graph=True, weight_decay=0.02, mask=True),
 }
 
 
@@ -168,7 +168,7 @@ def tf_rsqrt(d):
 
 def _divide_by_sqrt(cfg, x, d):
     """Keras' ``x / sqrt(d)``; ``x * rsqrt(d)`` as Grappler rewrites it."""
-    return x * tf_rsqrt(d) if cfg["rsqrt"] else x / np.sqrt(d)
+    return x * tf_rsqrt(d) if cfg["graph"] else x / np.sqrt(d)
 
 
 def _rmsprop_slots(cfg):
@@ -183,7 +183,9 @@ def _rmsprop_update(cfg, g, w, slots, lr, t, store):
     if cfg["centered"]:
         a = rho * slots["average_gradient"] + c * g
         store("average_gradient", a)
-        d = (v - a * a) + F32(cfg["epsilon"])
+        # In a graph, constant folding pushes epsilon down the sum.
+        d = ((F32(cfg["epsilon"]) - a * a) + v if cfg["graph"]
+             else (v - a * a) + F32(cfg["epsilon"]))
     else:
         d = v + F32(cfg["epsilon"])
     step = _divide_by_sqrt(cfg, lr * g, d)
@@ -197,7 +199,7 @@ def _rmsprop_update(cfg, g, w, slots, lr, t, store):
 def _rmsprop_hyper(cfg, lr, t):
     return [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
             1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0,
-            1.0 if cfg["rsqrt"] else 0.0]
+            1.0 if cfg["graph"] else 0.0]
 
 
 def _adagrad_update(cfg, g, w, slots, lr, t, store):
@@ -207,7 +209,7 @@ def _adagrad_update(cfg, g, w, slots, lr, t, store):
 
 
 def _adagrad_hyper(cfg, lr, t):
-    return [cfg["epsilon"], 1.0 if cfg["rsqrt"] else 0.0]
+    return [cfg["epsilon"], 1.0 if cfg["graph"] else 0.0]
 
 
 FAMILIES = {

@@ -84,10 +84,13 @@ def schedule():
     return keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=7, decay_rate=0.9)
 
 
-def adamw_excluding_biases(**kw):
-    opt = keras.optimizers.AdamW(**kw)
+def excluding_biases(opt):
     opt.exclude_from_weight_decay(var_names=["bias"])
     return opt
+
+
+def adamw_excluding_biases(**kw):
+    return excluding_biases(keras.optimizers.AdamW(**kw))
 
 
 INNERS = {
@@ -99,6 +102,14 @@ INNERS = {
     "adam": lambda: keras.optimizers.Adam(0.003),
     "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
     "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.003),
+    "rmsprop_momentum_schedule": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.9),
+    "rmsprop_centered_decay_exclude": lambda: excluding_biases(
+        keras.optimizers.RMSprop(0.002, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True,
+                                 weight_decay=0.01)),
+    "adagrad_schedule": lambda: keras.optimizers.Adagrad(schedule()),
+    "adagrad_decay": lambda: keras.optimizers.Adagrad(
+        0.05, initial_accumulator_value=0.37, epsilon=1e-5, weight_decay=0.02),
 }
 
 # Steps whose loss is multiplied by a non-finite or huge factor; some in a
