@@ -170,18 +170,58 @@ _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_
              scalars=_adam_scalars)
 
 
-def _graph_form():
-    """1.0 where the stock step built here is rewritten as the graph
-    optimizer rewrites the products: ``x / sqrt(y)`` becomes
-    ``x * rsqrt(y)`` (TensorFlow's Rsqrt), and a constant added to a
-    difference is pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``."""
+def _rsqrt_form():
+    """1.0 where the stock step built here divides by TensorFlow's Rsqrt:
+    the arithmetic optimizer, which reorders the products, also turns
+    ``x / sqrt(y)`` into ``x * rsqrt(y)``."""
     return 1.0 if _grappler_reassociates_products() else 0.0
 
 
+def _push_down_form():
+    """1.0 where the stock step built here has a constant added to a
+    difference pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``: in a
+    graph, by the graph optimizer's constant folding."""
+    if tf.executing_eagerly():
+        return 0.0
+    options = tf.config.optimizer.get_experimental_options()
+    return 1.0 if (not options.get("disable_meta_optimizer", False)
+                   and options.get("constant_folding", True)) else 0.0
+
+
 def _rsqrt_reason(inner):
-    if _graph_form() and platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _rsqrt_form():
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return "TensorFlow's graph-mode Rsqrt is reproduced on x86 only"
+    if not _tf_rsqrt_reproduced():
+        return "TensorFlow's Rsqrt here is not the one the fused step reproduces"
     return None
+
+
+_RSQRT_REPRODUCED = []
+
+
+def _tf_rsqrt_reproduced():
+    """Whether this TensorFlow's CPU Rsqrt is the one the core reproduces
+    (the x86 wheels' Eigen: AVX packets, no FMA; a build for other flags
+    computes another), checked once over packets and a tail: Adagrad's
+    kernel with lr * g = 1, g * g = 0 and epsilon 0 leaves -rsqrt(acc)."""
+    if not _RSQRT_REPRODUCED:
+        import numpy as np
+
+        from lossscale import core
+
+        rng = np.random.default_rng(0)
+        acc = np.exp(rng.uniform(-40, 40, 1003)).astype(np.float32)
+        w = np.zeros_like(acc)
+        g = np.full_like(acc, 2.0**-100)
+        core.optimizer_step_("adagrad", [w], [g], [[acc.copy()]], hyper=[0.0, 1.0],
+                             learning_rate=2.0**100, flush_denormals=True)
+        with tf.init_scope(), tf.device("CPU:0"):
+            want = tf.math.rsqrt(tf.constant(acc)).numpy()
+        _RSQRT_REPRODUCED.append(bool(np.array_equal((-w).view(np.uint32),
+                                                     want.view(np.uint32))))
+    return _RSQRT_REPRODUCED[0]
 
 
 def _rmsprop_slots(inner):
@@ -192,11 +232,11 @@ def _rmsprop_slots(inner):
 def _rmsprop_hyper(inner):
     # As Keras: rho and 1 - rho in Python floats, then float32.
     return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
-            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _graph_form()]
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _rsqrt_form(), _push_down_form()]
 
 
 def _adagrad_hyper(inner):
-    return [inner.epsilon, _graph_form()]
+    return [inner.epsilon, _rsqrt_form()]
 
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (

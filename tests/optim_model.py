@@ -33,7 +33,9 @@ CONFIGS = {
                   amsgrad=False, weight_decay=0.004, mask=True),
     "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
                               amsgrad=True, weight_decay=0.1, mask=True),
-    # graph: the step as a tf.function runs it, rewritten by Grappler.
+    # graph: the step as a tf.function runs it, rewritten by Grappler (its
+    # arithmetic optimizer divides by Rsqrt, its constant folding pushes
+    # epsilon down the centered sum); rsqrt_only: the first alone.
     "rmsprop": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
                     centered=False, graph=False),
     "rmsprop_momentum": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.9, epsilon=1e-7,
@@ -46,6 +48,9 @@ CONFIGS = {
     "rmsprop_momentum_decay_graph": dict(opt="rmsprop", lr=0.003, rho=0.95, momentum=0.9,
                                          epsilon=1e-6, centered=False, graph=True,
                                          weight_decay=0.004, mask=True),
+    "rmsprop_centered_rsqrt_only": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.5,
+                                        epsilon=1e-3, centered=True, graph=True,
+                                        rsqrt_only=True),
     "adagrad": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
                     graph=False),
     "adagrad_decay_odd": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.37,
@@ -184,7 +189,7 @@ def _rmsprop_update(cfg, g, w, slots, lr, t, store):
         a = rho * slots["average_gradient"] + c * g
         store("average_gradient", a)
         # In a graph, constant folding pushes epsilon down the sum.
-        d = ((F32(cfg["epsilon"]) - a * a) + v if cfg["graph"]
+        d = ((F32(cfg["epsilon"]) - a * a) + v if _push_down(cfg)
              else (v - a * a) + F32(cfg["epsilon"]))
     else:
         d = v + F32(cfg["epsilon"])
@@ -196,10 +201,14 @@ def _rmsprop_update(cfg, g, w, slots, lr, t, store):
     return w - step
 
 
+def _push_down(cfg):
+    return cfg["graph"] and not cfg.get("rsqrt_only")
+
+
 def _rmsprop_hyper(cfg, lr, t):
     return [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
             1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0,
-            1.0 if cfg["graph"] else 0.0]
+            1.0 if cfg["graph"] else 0.0, 1.0 if _push_down(cfg) else 0.0]
 
 
 def _adagrad_update(cfg, g, w, slots, lr, t, store):

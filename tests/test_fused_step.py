@@ -232,6 +232,22 @@ def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     assert_fused(loaded[1].optimizer)
 
 
+@pytest.mark.parametrize("option", ["constant_folding", "arithmetic_optimization"])
+def test_graph_pass_switched_off_as_stock(option):
+    """With one of Grappler's passes off, the stock step keeps what that pass
+    rewrites (RMSprop's centered sum, its division by sqrt) as Keras wrote
+    it, and the fused step follows."""
+    previous = tf.config.optimizer.get_experimental_options().get(option, True)
+    tf.config.optimizer.set_experimental_options({option: False})
+    try:
+        models = twin_models("mixed_float16")
+        opts = make_pair("rmsprop_centered_decay_exclude", models, dynamic_growth_steps=10)
+        lockstep(models, opts, batches(60, seed=7), "mixed_float16")
+        assert_fused(opts[1])
+    finally:
+        tf.config.optimizer.set_experimental_options({option: previous})
+
+
 # ------------------------------------- TensorFlow 2.4's loop, experimental
 
 

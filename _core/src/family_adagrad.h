@@ -5,18 +5,18 @@
  * Keras sets when it builds.)
  *
  *   h[LS_ADAGRAD_EPSILON]  epsilon
- *   h[LS_ADAGRAD_GRAPH]    1: the step as a tf.function runs it, where
- *                          Grappler rewrites x / sqrt(y) as x * rsqrt(y)
- *                          (TensorFlow's Rsqrt, ls_tf_rsqrt1)
+ *   h[LS_ADAGRAD_RSQRT]    1: x / sqrt(y) as x * rsqrt(y), TensorFlow's
+ *                          Rsqrt (ls_tf_rsqrt1): in a tf.function,
+ *                          Grappler's arithmetic optimizer rewrites it
  *   slot[0]                accumulator
  *
  *   acc = acc + g * g
- *   w = w - (lr * g) / sqrt(acc + epsilon)   (graph: (lr * g) * rsqrt(...))
+ *   w = w - (lr * g) / sqrt(acc + epsilon)   (rsqrt: (lr * g) * rsqrt(...))
  */
 #ifndef LOSSSCALE_FAMILY_ADAGRAD_H
 #define LOSSSCALE_FAMILY_ADAGRAD_H
 
-enum { LS_ADAGRAD_EPSILON, LS_ADAGRAD_GRAPH, ls_adagrad_hyper_count };
+enum { LS_ADAGRAD_EPSILON, LS_ADAGRAD_RSQRT, ls_adagrad_hyper_count };
 
 static inline int ls_adagrad_slots(const float *h)
 {
@@ -28,7 +28,7 @@ static inline const char *ls_adagrad_problem(const float *h)
 {
     if (!ls_optim_finite(h[LS_ADAGRAD_EPSILON]))
         return "epsilon must be finite";
-    return ls_optim_rsqrt_problem(h[LS_ADAGRAD_GRAPH]);
+    return ls_optim_rsqrt_problem(h[LS_ADAGRAD_RSQRT]);
 }
 
 static inline void ls_adagrad1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
@@ -37,7 +37,7 @@ static inline void ls_adagrad1(const ls_param *p, size_t i, float g, const ls_op
     const float acc = p->slot[0][i] + g * g;
     p->slot[0][i] = acc;
     const float d = acc + a->h[LS_ADAGRAD_EPSILON];
-    p->var[i] = a->h[LS_ADAGRAD_GRAPH] != 0.0f ? w - (a->lr * g) * ls_tf_rsqrt1(d, i, p->length)
+    p->var[i] = a->h[LS_ADAGRAD_RSQRT] != 0.0f ? w - (a->lr * g) * ls_tf_rsqrt1(d, i, p->length)
                                                : w - (a->lr * g) / sqrtf(d);
 }
 
@@ -50,7 +50,7 @@ LS_INLINE void LS_FN(adagrad_run)(const ls_param *p, size_t lo, size_t hi,
 {
     const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V eps = v_set1(a->h[LS_ADAGRAD_EPSILON]);
-    const int rsqrt = a->h[LS_ADAGRAD_GRAPH] != 0.0f;
+    const int rsqrt = a->h[LS_ADAGRAD_RSQRT] != 0.0f;
     float *const var = c.var, *const accs = p->slot[0];
     const size_t end = LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt);
     size_t i = lo;
