@@ -5,9 +5,12 @@ models built under the ``mixed_float16`` and the ``mixed_bfloat16`` global
 policy, identical weights and batches, overflow forced on chosen steps (some
 of them consecutive), one trained with the stock optimizer and one with
 ours.  After every step every model variable, every slot (``momentum``,
-``m``, ``v``, ``v_hat``), ``iterations``, ``dynamic_scale`` and
-``step_counter`` must be bit-identical, for SGD (plain, momentum, Nesterov,
-weight decay), Adam (amsgrad off and on) and AdamW with an exclusion, with
+``m``, ``v``, ``v_hat``, ``velocity``, ``average_gradient``,
+``accumulator``), ``iterations``, ``dynamic_scale`` and ``step_counter``
+must be bit-identical, for SGD (plain, momentum, Nesterov, weight decay),
+Adam (amsgrad off and on), AdamW with an exclusion, RMSprop (plain,
+momentum, centered with weight decay and an exclusion) and Adagrad (an
+initial accumulator value, weight decay), with
 constant and scheduled learning rates, in ``tf.function`` and eagerly, under
 ``MirroredStrategy`` over two logical CPUs, across a ``.keras`` save and
 load, and with a scale whose reciprocal is inexact.  The TensorFlow 2.4 loop
