@@ -156,13 +156,18 @@ def optimizer_iterations(optimizer):
 
 def optimizer_slots(optimizer, kind, variables):
     """The slot variables of ``variables`` in a stock Keras optimizer, where
-    its ``update_step`` finds them: ``"momentum"`` (SGD), ``"m"``, ``"v"``,
-    ``"v_hat"`` (Adam; Nadam's and Lion's ``m``, ``v`` too), ``"adamax_m"``,
-    ``"u"`` (Adamax).  Keras keeps them in private lists indexed by
-    ``_get_variable_index``."""
+    its ``update_step`` finds them: ``"momentum"`` (SGD, RMSprop), ``"m"``,
+    ``"v"``, ``"v_hat"`` (Adam; Nadam's and Lion's ``m``, ``v`` too),
+    ``"velocity"``, ``"average_gradient"`` (RMSprop), ``"accumulator"``
+    (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax).  Keras keeps them in lists
+    indexed by ``_get_variable_index``, private but SGD's."""
     attribute = {"momentum": "momentums", "m": "_momentums", "v": "_velocities",
-                 "v_hat": "_velocity_hats", "adamax_m": "_m", "u": "_u"}[kind]
-    slots = getattr(optimizer, attribute)
+                 "v_hat": "_velocity_hats", "velocity": "_velocities",
+                 "average_gradient": "_average_gradients",
+                 "accumulator": "_accumulators", "adamax_m": "_m", "u": "_u"}[kind]
+    slots = getattr(optimizer, attribute, None)
+    if slots is None:  # RMSprop keeps its momentums private
+        slots = getattr(optimizer, "_" + attribute)
     return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
             for v in variables]
 

@@ -26,6 +26,8 @@ several replicas, and any place the native op cannot run (library missing,
 not on the CPU, XLA).
 """
 
+import platform
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -72,10 +74,12 @@ class Family:
         values computed as Keras computes them; assigned only when the step
         applies.
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      unsupported: ``unsupported(inner)`` -> why the step built here cannot
+        be fused, or None.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=()):
+                 state=None, supports=(), unsupported=None):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
@@ -84,6 +88,7 @@ class Family:
         self.scalars = scalars or (lambda inner, lr, *state: [])
         self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
+        self.unsupported = unsupported or (lambda inner: None)
 
     def reproduces(self, inner):
         cls = self.keras_class
@@ -179,6 +184,75 @@ _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_
              scalars=_adam_scalars)
 
 
+def _rsqrt_form():
+    """1.0 where the stock step built here divides by TensorFlow's Rsqrt:
+    the arithmetic optimizer, which reorders the products, also turns
+    ``x / sqrt(y)`` into ``x * rsqrt(y)``."""
+    return 1.0 if _grappler_reassociates_products() else 0.0
+
+
+def _push_down_form():
+    """1.0 where the stock step built here has a constant added to a
+    difference pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``: in a
+    graph, by the graph optimizer's constant folding."""
+    if tf.executing_eagerly():
+        return 0.0
+    options = tf.config.optimizer.get_experimental_options()
+    return 1.0 if (not options.get("disable_meta_optimizer", False)
+                   and options.get("constant_folding", True)) else 0.0
+
+
+def _rsqrt_reason(inner):
+    if not _rsqrt_form():
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "TensorFlow's graph-mode Rsqrt is reproduced on x86 only"
+    if not _tf_rsqrt_reproduced():
+        return "TensorFlow's Rsqrt here is not the one the fused step reproduces"
+    return None
+
+
+_RSQRT_REPRODUCED = []
+
+
+def _tf_rsqrt_reproduced():
+    """Whether this TensorFlow's CPU Rsqrt is the one the core reproduces
+    (the x86 wheels' Eigen: AVX packets, no FMA; a build for other flags
+    computes another), checked once over packets and a tail: Adagrad's
+    kernel with lr * g = 1, g * g = 0 and epsilon 0 leaves -rsqrt(acc)."""
+    if not _RSQRT_REPRODUCED:
+        import numpy as np
+
+        from lossscale import core
+
+        rng = np.random.default_rng(0)
+        acc = np.exp(rng.uniform(-40, 40, 1003)).astype(np.float32)
+        w = np.zeros_like(acc)
+        g = np.full_like(acc, 2.0**-100)
+        core.optimizer_step_("adagrad", [w], [g], [[acc.copy()]], hyper=[0.0, 1.0],
+                             learning_rate=2.0**100, flush_denormals=True)
+        with tf.init_scope(), tf.device("CPU:0"):
+            want = tf.math.rsqrt(tf.constant(acc)).numpy()
+        _RSQRT_REPRODUCED.append(bool(np.array_equal((-w).view(np.uint32),
+                                                     want.view(np.uint32))))
+    return _RSQRT_REPRODUCED[0]
+
+
+def _rmsprop_slots(inner):
+    return (("velocity",) + (("momentum",) if inner.momentum > 0 else ())
+            + (("average_gradient",) if inner.centered else ()))
+
+
+def _rmsprop_hyper(inner):
+    # As Keras: rho and 1 - rho in Python floats, then float32.
+    return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, _rsqrt_form(), _push_down_form()]
+
+
+def _adagrad_hyper(inner):
+    return [inner.epsilon, _rsqrt_form()]
+
+
 def _adamax_hyper(inner):
     # As Keras: 1 - beta_1 in Python floats; beta_2 and epsilon as given.
     return [1 - inner.beta_1, inner.beta_2, inner.epsilon]
@@ -234,6 +308,11 @@ FAMILIES = (
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
            hyper=_sgd_hyper),
+    Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
+           numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
+           unsupported=_rsqrt_reason),
+    Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
+           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
            scalars=_adamax_scalars),
@@ -244,7 +323,7 @@ FAMILIES = (
            numbers=("beta_1", "beta_2"), hyper=_lion_hyper),
 )
 
-_CLASS_NAMES = list(dict.fromkeys(f.keras_class.__name__ for f in reversed(FAMILIES)))
+_CLASS_NAMES = sorted({f.keras_class.__name__ for f in FAMILIES}, key=str.lower)
 _FAMILY_NAMES = ", ".join(_CLASS_NAMES[:-1]) + " or " + _CLASS_NAMES[-1]
 
 
@@ -303,7 +382,7 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
                      "(TensorFlow's graph optimizer reorders its products)")
     if grads is None:
         return Decision(inner)
-    reason = _step_reason(family, grads, variables)
+    reason = family.unsupported(inner) or _step_reason(family, grads, variables)
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]

@@ -33,6 +33,32 @@ CONFIGS = {
                   amsgrad=False, weight_decay=0.004, mask=True),
     "adamw_amsgrad_odd": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99, epsilon=1e-3,
                               amsgrad=True, weight_decay=0.1, mask=True),
+    # graph: the step as a tf.function runs it, rewritten by Grappler (its
+    # arithmetic optimizer divides by Rsqrt, its constant folding pushes
+    # epsilon down the centered sum); rsqrt_only: the first alone.
+    "rmsprop": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
+                    centered=False, graph=False),
+    "rmsprop_momentum": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.9, epsilon=1e-7,
+                             centered=False, graph=False),
+    "rmsprop_centered_momentum_decay": dict(opt="rmsprop", lr=0.003, rho=0.8, momentum=0.5,
+                                            epsilon=1e-3, centered=True, graph=False,
+                                            weight_decay=0.01, mask=True),
+    "rmsprop_centered_graph": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0,
+                                   epsilon=1e-7, centered=True, graph=True),
+    "rmsprop_momentum_decay_graph": dict(opt="rmsprop", lr=0.003, rho=0.95, momentum=0.9,
+                                         epsilon=1e-6, centered=False, graph=True,
+                                         weight_decay=0.004, mask=True),
+    "rmsprop_centered_rsqrt_only": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.5,
+                                        epsilon=1e-3, centered=True, graph=True,
+                                        rsqrt_only=True),
+    "adagrad": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                    graph=False),
+    "adagrad_decay_odd": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.37,
+                              epsilon=1e-4, graph=False, weight_decay=0.02, mask=True),
+    "adagrad_graph": dict(opt="adagrad", lr=0.01, initial_accumulator_value=0.1, epsilon=1e-7,
+                          graph=True),
+    "adagrad_decay_graph": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.0,
+                                epsilon=1e-5, graph=True, weight_decay=0.02, mask=True),
     "adamax": dict(opt="adamax", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7),
     "adamax_decay_odd": dict(opt="adamax", lr=0.01, beta_1=0.8, beta_2=0.95, epsilon=1e-3,
                              weight_decay=0.05, mask=True),
@@ -146,6 +172,62 @@ def _adam_hyper(cfg, lr, t):
             float(adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t))]
 
 
+def tf_rsqrt(d):
+    """TensorFlow's own CPU Rsqrt of the whole tensor (its packets and its
+    tail differ), what a tf.function's step multiplies by."""
+    import tensorflow as tf
+
+    return tf.math.rsqrt(tf.constant(d)).numpy()
+
+
+def _divide_by_sqrt(cfg, x, d):
+    """Keras' ``x / sqrt(d)``; ``x * rsqrt(d)`` as Grappler rewrites it."""
+    return x * tf_rsqrt(d) if cfg["graph"] else x / np.sqrt(d)
+
+
+def _rmsprop_slots(cfg):
+    return (["velocity"] + (["momentum"] if cfg["momentum"] > 0 else [])
+            + (["average_gradient"] if cfg["centered"] else []))
+
+
+def _rmsprop_update(cfg, g, w, slots, lr, t, store):
+    rho, c = F32(cfg["rho"]), F32(1 - cfg["rho"])
+    v = rho * slots["velocity"] + c * (g * g)
+    store("velocity", v)
+    if cfg["centered"]:
+        a = rho * slots["average_gradient"] + c * g
+        store("average_gradient", a)
+        # In a graph, constant folding pushes epsilon down the sum.
+        d = ((F32(cfg["epsilon"]) - a * a) + v if _push_down(cfg)
+             else (v - a * a) + F32(cfg["epsilon"]))
+    else:
+        d = v + F32(cfg["epsilon"])
+    step = _divide_by_sqrt(cfg, lr * g, d)
+    if cfg["momentum"] > 0:
+        m = F32(cfg["momentum"]) * slots["momentum"] + step
+        store("momentum", m)
+        return w - m
+    return w - step
+
+
+def _push_down(cfg):
+    return cfg["graph"] and not cfg.get("rsqrt_only")
+
+
+def _rmsprop_hyper(cfg, lr, t):
+    return [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
+            1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0,
+            1.0 if cfg["graph"] else 0.0, 1.0 if _push_down(cfg) else 0.0]
+
+
+def _adagrad_update(cfg, g, w, slots, lr, t, store):
+    acc = slots["accumulator"] + g * g
+    store("accumulator", acc)
+    return w - _divide_by_sqrt(cfg, lr * g, acc + F32(cfg["epsilon"]))
+
+
+def _adagrad_hyper(cfg, lr, t):
+    return [cfg["epsilon"], 1.0 if cfg["graph"] else 0.0]
 def tf_maximum(a, b):
     """TensorFlow's Maximum on the CPU (its vector body): a where a is NaN,
     else (a > b) ? a : b."""
@@ -221,6 +303,10 @@ def _lion_hyper(cfg, lr, t):
 FAMILIES = {
     "sgd": dict(slots=_sgd_slots, update=_sgd_update, hyper=_sgd_hyper),
     "adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper, nonneg=("v",)),
+    "rmsprop": dict(slots=_rmsprop_slots, update=_rmsprop_update, hyper=_rmsprop_hyper,
+                    nonneg=("velocity",)),
+    "adagrad": dict(slots=lambda cfg: ["accumulator"], update=_adagrad_update,
+                    hyper=_adagrad_hyper, nonneg=("accumulator",), initial="accumulator"),
     "adamax": dict(slots=lambda cfg: ["m", "u"], update=_adamax_update, hyper=_adamax_hyper,
                    nonneg=("u",)),
     "nadam": dict(slots=lambda cfg: ["m", "v"], update=_nadam_update, hyper=_nadam_hyper,
@@ -284,7 +370,8 @@ def make_grads(rng, shapes, dtype, scale, *, special=False):
 
 def make_state(rng, cfg, shapes, *, special=False):
     """Variables and slots as after some training: the slots a family keeps
-    non-negative (its ``nonneg``: Adam's v) are, v_hat >= v."""
+    non-negative (its ``nonneg``: Adam's v) are, v_hat >= v, and one that
+    starts at a value (its ``initial``: Adagrad's accumulator) is above it."""
     variables = [random_values(rng, s, special=special) for s in shapes]
     nonneg = FAMILIES[cfg["opt"]].get("nonneg", ())
     slots = {}
@@ -295,6 +382,8 @@ def make_state(rng, cfg, shapes, *, special=False):
         elif name in nonneg:
             slots[name] = [np.abs(random_values(rng, s, scale=1e-4, special=special))
                            for s in shapes]
+            if name == FAMILIES[cfg["opt"]].get("initial"):  # Adagrad's start
+                slots[name] = [a + F32(cfg["initial_accumulator_value"]) for a in slots[name]]
         else:
             slots[name] = [random_values(rng, s, scale=0.01, special=special) for s in shapes]
     return variables, slots

@@ -5,9 +5,12 @@ models built under the ``mixed_float16`` and the ``mixed_bfloat16`` global
 policy, identical weights and batches, overflow forced on chosen steps (some
 of them consecutive), one trained with the stock optimizer and one with
 ours.  After every step every model variable, every slot (``momentum``,
-``m``, ``v``, ``v_hat``), ``iterations``, ``dynamic_scale`` and
-``step_counter`` must be bit-identical, for SGD (plain, momentum, Nesterov,
-weight decay), Adam (amsgrad off and on) and AdamW with an exclusion, with
+``m``, ``v``, ``v_hat``, ``velocity``, ``average_gradient``,
+``accumulator``), ``iterations``, ``dynamic_scale`` and ``step_counter``
+must be bit-identical, for SGD (plain, momentum, Nesterov, weight decay),
+Adam (amsgrad off and on), AdamW with an exclusion, RMSprop (plain,
+momentum, centered with weight decay and an exclusion) and Adagrad (an
+initial accumulator value, weight decay), with
 constant and scheduled learning rates, in ``tf.function`` and eagerly, under
 ``MirroredStrategy`` over two logical CPUs, across a ``.keras`` save and
 load, and with a scale whose reciprocal is inexact.  The TensorFlow 2.4 loop
@@ -85,10 +88,13 @@ def schedule():
     return keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=7, decay_rate=0.9)
 
 
-def adamw_excluding_biases(**kw):
-    opt = keras.optimizers.AdamW(**kw)
+def excluding_biases(opt):
     opt.exclude_from_weight_decay(var_names=["bias"])
     return opt
+
+
+def adamw_excluding_biases(**kw):
+    return excluding_biases(keras.optimizers.AdamW(**kw))
 
 
 INNERS = {
@@ -100,6 +106,14 @@ INNERS = {
     "adam": lambda: keras.optimizers.Adam(0.003),
     "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
     "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.003),
+    "rmsprop_momentum_schedule": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.9),
+    "rmsprop_centered_decay_exclude": lambda: excluding_biases(
+        keras.optimizers.RMSprop(0.002, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True,
+                                 weight_decay=0.01)),
+    "adagrad_schedule": lambda: keras.optimizers.Adagrad(schedule()),
+    "adagrad_decay": lambda: keras.optimizers.Adagrad(
+        0.05, initial_accumulator_value=0.37, epsilon=1e-5, weight_decay=0.02),
     "adamax_decay": lambda: keras.optimizers.Adamax(0.003, weight_decay=0.01),
     "adamax_schedule": lambda: keras.optimizers.Adamax(schedule(), beta_1=0.8, beta_2=0.95,
                                                        epsilon=1e-4),
@@ -265,6 +279,22 @@ def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     assert_same_state(before, state(loaded[1], loaded[1].optimizer), "after load")
     lockstep(loaded, [m.optimizer for m in loaded], data[60:], policy, first=60)
     assert_fused(loaded[1].optimizer)
+
+
+@pytest.mark.parametrize("option", ["constant_folding", "arithmetic_optimization"])
+def test_graph_pass_switched_off_as_stock(option):
+    """With one of Grappler's passes off, the stock step keeps what that pass
+    rewrites (RMSprop's centered sum, its division by sqrt) as Keras wrote
+    it, and the fused step follows."""
+    previous = tf.config.optimizer.get_experimental_options().get(option, True)
+    tf.config.optimizer.set_experimental_options({option: False})
+    try:
+        models = twin_models("mixed_float16")
+        opts = make_pair("rmsprop_centered_decay_exclude", models, dynamic_growth_steps=10)
+        lockstep(models, opts, batches(60, seed=7), "mixed_float16")
+        assert_fused(opts[1])
+    finally:
+        tf.config.optimizer.set_experimental_options({option: previous})
 
 
 # ------------------------------------- TensorFlow 2.4's loop, experimental

@@ -112,6 +112,46 @@ static inline float ls_optim_decay1(float w, const ls_optim_args *a)
     return w;
 }
 
+/* TensorFlow's CPU Rsqrt (what a tf.function computes for `x / sqrt(y)`:
+ * Grappler's arithmetic optimizer turns it into `x * rsqrt(y)`) of element
+ * i of a tensor of n, as the x86 wheels' Eigen computes it: packets of
+ * LS_TF_RSQRT_PACKET (AVX, no FMA) take RSQRTPS's estimate and one Newton
+ * step, `e + (e * -0.5) * ((y * e) * e - 1)`, each product and sum rounded
+ * on its own (the estimate where the step gives NaN); the last n % 8
+ * elements, `1 / sqrt(y)`.  Off x86 no family accepts the form
+ * (ls_optim_rsqrt_problem), and the reference is never asked for it. */
+enum { LS_TF_RSQRT_PACKET = 8 };
+
+static inline size_t ls_tf_rsqrt_packets_end(size_t n) { return n - n % LS_TF_RSQRT_PACKET; }
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+static inline const char *ls_optim_rsqrt_problem(float form)
+{
+    (void)form;
+    return NULL;
+}
+
+static inline float ls_tf_rsqrt1(float y, size_t i, size_t n)
+{
+    if (i >= ls_tf_rsqrt_packets_end(n))
+        return 1.0f / sqrtf(y);
+    const float e = _mm_cvtss_f32(_mm_rsqrt_ss(_mm_set_ss(y)));
+    const float r = (e * -0.5f) * ((y * e) * e + -1.0f) + e;
+    return r != r ? e : r;
+}
+#else
+static inline const char *ls_optim_rsqrt_problem(float form)
+{
+    return form == 0.0f ? NULL : "TensorFlow's Rsqrt is reproduced on x86 only";
+}
+
+static inline float ls_tf_rsqrt1(float y, size_t i, size_t n)
+{
+    (void)i, (void)n;
+    return 1.0f / sqrtf(y);
+}
+#endif
+
 #include "optim_families.h"
 
 /* Elements [lo, hi) one at a time, for each family: the scalar set, and

@@ -49,6 +49,20 @@ LS_INLINE LS_V LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
     return w;
 }
 
+/* ls_tf_rsqrt1 on LS_VW lanes that all lie in TensorFlow's packets
+ * (LS_FN(rsqrt_vector_end) keeps the loops there). */
+#if LS_V_RSQRT_X86
+LS_INLINE LS_V LS_FN(tf_rsqrt)(LS_V y)
+{
+    const LS_V e = v_rsqrt_estimate(y);
+    const LS_V r = v_add(v_mul(v_mul(e, v_set1(-0.5f)),
+                               v_add(v_mul(v_mul(y, e), e), v_set1(-1.0f))), e);
+    return v_nan_to(r, e);
+}
+#else
+LS_INLINE LS_V LS_FN(tf_rsqrt)(LS_V y) { return v_div(v_set1(1.0f), v_sqrt(y)); }
+#endif
+
 /* The vector loop's reach: none when a rounded 16-bit multiply is asked. */
 static inline size_t LS_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
                                        const ls_optim_args *a)
@@ -56,6 +70,22 @@ static inline size_t LS_FN(vector_end)(const ls_param *p, size_t lo, size_t hi,
     if (a->grad_mode == LS_GRAD_MUL_ROUNDED && p->grad_dtype != LS_FLOAT32)
         return lo;
     return lo + (hi - lo) / LS_VW * LS_VW;
+}
+
+/* The reach of a loop that takes TensorFlow's Rsqrt (`rsqrt` set): its
+ * vectors stay within the tensor's packets, the rest goes one at a time;
+ * none off x86. */
+static inline size_t LS_FN(rsqrt_vector_end)(const ls_param *p, size_t lo, size_t hi,
+                                             const ls_optim_args *a, int rsqrt)
+{
+    if (!rsqrt)
+        return LS_FN(vector_end)(p, lo, hi, a);
+    if (!LS_V_RSQRT_X86)
+        return lo;
+    size_t limit = ls_tf_rsqrt_packets_end(p->length);
+    if (limit > hi)
+        limit = hi;
+    return LS_FN(vector_end)(p, lo, limit > lo ? limit : lo, a);
 }
 
 /* What both loops read once: the stores below could alias it as far as C

@@ -9,8 +9,10 @@
  */
 #include "family_sgd.h"
 #include "family_adam.h"
+#include "family_rmsprop.h"
+#include "family_adagrad.h"
 #include "family_adamax.h"
 #include "family_nadam.h"
 #include "family_lion.h"
 
-#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(adamax) X(nadam) X(lion)
+#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion)

@@ -41,6 +41,11 @@
  * and where it rounds to bfloat16 in one instruction (LS_V_BF16_NE):
  * vu_bf16_ne(lo, hi) and v_has_subnormal(lo, hi) (see unscale_body.h).
  *
+ * and where it has x86's reciprocal square root estimate (LS_V_RSQRT_X86):
+ *   v_rsqrt_estimate(a)  RSQRTPS's estimate, lane for lane as RSQRTSS gives
+ *                        it, at any width (what TensorFlow's Rsqrt refines)
+ *   v_nan_to(a, b)       b where a is NaN, else a
+ *
  * Each operation is the one IEEE operation (multiplies are never fused),
  * so every lane rounds as the scalar reference does, whatever the width.
  */

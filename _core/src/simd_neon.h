@@ -22,6 +22,7 @@
 #define LS_VU uint32x4_t
 #define LS_VW 4
 #define LS_V_MASKED 0
+#define LS_V_RSQRT_X86 0
 enum { LS_VBYTES = 16 };
 
 /* ---------------------------------------------------------------- float32 */

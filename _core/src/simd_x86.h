@@ -93,6 +93,28 @@ static inline LS_V v_sign(LS_V a)
 }
 #endif
 
+/* RSQRTPS is 256 bits wide at most: AVX-512's own estimate (VRSQRT14PS)
+ * is another one, so the 512-bit set takes RSQRTPS on each half. */
+#define LS_V_RSQRT_X86 1
+#if LS_X86_BITS == 512
+static inline LS_V v_rsqrt_estimate(LS_V a)
+{
+    const __m256 lo = _mm256_rsqrt_ps(_mm512_castps512_ps256(a)),
+                 hi = _mm256_rsqrt_ps(_mm512_extractf32x8_ps(a, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+static inline LS_V v_nan_to(LS_V a, LS_V b)
+{
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a, b);
+}
+#else
+static inline LS_V v_rsqrt_estimate(LS_V a) { return _mm256_rsqrt_ps(a); }
+static inline LS_V v_nan_to(LS_V a, LS_V b)
+{
+    return _mm256_blendv_ps(a, b, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+#endif
+
 static inline LS_VD vd_set1(double x) { return LS_MM(set1_pd)(x); }
 static inline LS_VD vd_mul(LS_VD a, LS_VD b) { return LS_MM(mul_pd)(a, b); }
 
