@@ -3,7 +3,9 @@ facts, the order in which items run, and a progress line.
 
 Every benchmark module declares ``LAYER`` and ``items(settings)``, a list of
 ``(workload, peer)`` pairs; the hooks here parametrize its test with those
-pairs, the thread counts (``threads``) and the round index (``rnd``), and
+pairs, the thread counts (``threads``, or the module's ``THREADS(settings)``)
+and the round index (``rnd``, up to the module's ``ROUNDS(settings)`` where
+it has one), and
 then order all items so that one workload is measured at a time, round by
 round, with every peer of that workload inside each round (in an order
 rotated from round to round).  Timings of the peers of one workload are
@@ -23,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "fit", "memory",
-                "training"]
+_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "fit", "recipes",
+                "memory", "training"]
 
 
 def pytest_addoption(parser):
@@ -71,7 +73,8 @@ def pytest_generate_tests(metafunc):
         ts = ts(harness.Settings) if ts else (harness.Settings.threads,)
         metafunc.parametrize("threads", ts, ids=[f"t{t}" for t in ts])
     if "rnd" in names:
-        n = harness.Settings.rounds
+        rounds = getattr(module, "ROUNDS", None)
+        n = rounds(harness.Settings) if rounds else harness.Settings.rounds
         metafunc.parametrize("rnd", range(n), ids=[f"r{r}" for r in range(n)])
 
 

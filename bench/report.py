@@ -44,6 +44,7 @@ LAYER_TITLES = {
     "fit": "a whole `fit` step",
     "step": "optimizer step: check + unscale + update, `apply` in `tf.function`",
     "check": "finite check alone: gradients made in the graph, `tf.function`",
+    "recipes": "recipe battery: one published recipe's optimizer, `apply` in `tf.function`",
 }
 PEER_LABELS = {
     ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
@@ -64,10 +65,12 @@ PEER_LABELS = {
     ("step", "torch_foreach"): "torch foreach",
     ("check", "composite"): "stock composite", ("check", "ours_per_tensor"): "ours per tensor",
     ("check", "ours_list"): "ours, one op", ("check", "ours_grouped"): "ours grouped",
+    ("recipes", "ours"): "ours", ("recipes", "stock"): "stock Keras",
+    ("recipes", "torch"): "torch nearest equivalent",
 }
 # Layers whose graph methods make their gradients in the graph; the
 # producer's time, measured before each sample, comes off.
-NET = ("tf_op", "loss_scale", "optimizer", "step", "check")
+NET = ("tf_op", "loss_scale", "optimizer", "step", "check", "recipes")
 for _layer in NET:
     PEER_LABELS[(_layer, "producer")] = "making the gradients (subtracted)"
 # (layer, ours, peer, label) -> the ratio columns of each layer's table.
@@ -549,6 +552,81 @@ class Report:
                              [(f"{PEER_LABELS[('check', p)]} ÷ composite", p, "composite")
                               for p in ours],
                              lambda c, p: self.get("check", c, p))
+
+    def recipe_cases(self):
+        """The recipe battery's cases in the order they ran."""
+        return list(dict.fromkeys(c for (la, c, t, _p) in self.stats
+                                  if la == "recipes" and t == self.threads))
+
+    def recipes(self):
+        """The recipe battery: per recipe, the path ours took, whether it stayed
+        bit-identical to stock in the lockstep, and its apply time against
+        stock Keras and torch's nearest equivalent.  Only where the run has it."""
+        cases = self.recipe_cases()
+        if not cases:
+            return
+        infos = {c: self.info.get(("recipes", c, self.threads, "ours"), {}) for c in cases}
+        check = next((e["exactness"] for e in infos.values() if "exactness" in e), None)
+        ours = [self.get("recipes", c, "ours") for c in cases]
+        rounds = max((len(st.rounds) for st in ours if st), default=0)
+        self.w("## Recipes", "",
+               "Optimizers configured as published recipes set them, under the mixed_float16 "
+               "policy, wrapped by ours and by stock `keras.optimizers.LossScaleOptimizer`.  "
+               + (f"*Exact*: a lockstep of {check['steps']} steps of ours and stock in "
+                  "`tf.function` on the same small variable list (an embedding table with an "
+                  "`IndexedSlices` gradient with repeated indices for the sparse recipes), the "
+                  f"gradients of step {check['overflow_step'] + 1} times infinity; every "
+                  "variable and optimizer variable compared bit for bit after every step.  "
+                  if check else "")
+               + "*Time*: `apply` in `tf.function` on scaled gradients made in the graph "
+               "(making them alone taken off), the scale fixed; torch's nearest equivalent "
+               "stepped by `GradScaler` on the same values in `.grad`"
+               + (f"; {rounds} round{'s' if rounds > 1 else ''} per recipe." if rounds else "."),
+               "")
+        workloads_seen = {}
+        for e in infos.values():
+            if e:
+                workloads_seen.setdefault(e["workload"], e)
+        for name, e in workloads_seen.items():
+            rows = e.get("embedding_rows")
+            self.w(f"- {name}: {e['tensors']:,} gradients, {e['values']:,} values"
+                   + (f", the {e['table'][0]:,} × {e['table'][1]:,} embedding's gradient "
+                      f"`IndexedSlices` of {rows:,} token rows (dense for torch)"
+                      if rows else ""))
+        self.w("", "| recipe | source | step_path | exact vs stock | ours, per step | "
+               "ours ÷ stock | ours ÷ torch | torch peer used |",
+               "|---|---|---|---|---:|---:|---:|---|")
+        self.recipe_exact = []
+        for case in cases:
+            e = infos[case] or next((i for k, i in self.info.items()
+                                     if k[:2] == ("recipes", case)), {})
+            ex = e.get("exactness")
+            if ex is None:
+                exact = "—"
+            elif ex["exact"]:
+                exact = "bit-identical"
+            else:
+                steps = ", ".join(str(i + 1) for i in ex["mismatched_steps"])
+                exact = f"**DIFFERENT** (steps {steps})"
+            if ex is not None:
+                self.recipe_exact.append((case.split("/")[0], ex["exact"]))
+            ours = self.get("recipes", case, "ours")
+            cells = []
+            for peer in ("stock", "torch"):
+                r = ratio(ours, self.get("recipes", case, peer))
+                cells.append(fmt_ratio(r) if r is not None else
+                             "n/a" if peer == "torch" and not e.get("torch_peer") else "—")
+                if r is not None:
+                    entry = ("recipes", case, self.threads, "ours", peer, r.value)
+                    if r.value > SLOWER:
+                        self.losses.append(entry)
+                    elif r.value >= FASTER:
+                        self.ties.append(entry)
+            path = f"`{e['step_path']}`" if e.get("step_path") else "—"
+            self.w(f"| {case.split('/')[0]} | {e.get('source', '—')} | {path} | {exact} | "
+                   f"{cell(ours)} | " + " | ".join(cells) + " | "
+                   f"{e.get('torch_peer') or 'n/a (torch has no equivalent)'} |")
+        self.w("")
 
     # -------------------------------------------------------- README headline
 
@@ -1215,6 +1293,7 @@ class Report:
             self.w(f"![throughput against tensor size]({self.plots['throughput']})", "")
         if self.plots.get("step_time"):
             self.w(f"![time per step, per workload]({self.plots['step_time']})", "")
+        self.recipes()
         self.w("## Results by layer", "")
         core_threads = self.facts.get("core_threads") or [self.threads]
         for t in core_threads:
@@ -1463,6 +1542,11 @@ def main(argv=None):
     if readme and not rep.facts.get("quick"):
         changed = update_readme(rep, readme)
         print(f"report: README headline {'rewritten' if changed else 'unchanged'} ({readme})")
+    exact = getattr(rep, "recipe_exact", [])
+    if exact:
+        different = [name for name, same in exact if not same]
+        print(f"  recipes: {len(exact) - len(different)} of {len(exact)} bit-identical to stock"
+              + (f"; DIFFERENT: {', '.join(different)}" if different else ""))
     for line in rep.records.get("skipped", []):
         print(f"  skipped in this run: {line}")
     for what, r in getattr(rep, "headline_rows", []):
