@@ -28,7 +28,7 @@ __all__ = [
     "uses_weight_decay", "check_variables_are_known",
     "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
     "optimizer_learning_rate_variable", "trackable_children", "lookup_dependency",
-    "deferred_dependencies",
+    "deferred_dependencies", "nadam_u_product", "same_update_as",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -210,6 +210,15 @@ def tf_keras_model_class():
     from tf_keras.src.engine import training
 
     return training.Model
+
+
+def same_update_as(optimizer, cls):
+    """Whether ``optimizer`` updates as the stock ``cls`` does: a subclass may
+    override ``update_step`` or the whole step, ``_backend_update_step``
+    (where Nadam moves its own state)."""
+    kind = type(optimizer)
+    return (kind.update_step is cls.update_step
+            and kind._backend_update_step is cls._backend_update_step)  # pylint: disable=protected-access
 
 
 def optimizer_learning_rate_variable(optimizer):

@@ -91,9 +91,8 @@ class Family:
         self.unsupported = unsupported or (lambda inner: None)
 
     def reproduces(self, inner):
-        cls = self.keras_class
-        return (isinstance(inner, cls) and type(inner).update_step is cls.update_step
-                and type(inner)._backend_update_step is cls._backend_update_step)
+        return (isinstance(inner, self.keras_class)
+                and _compat.same_update_as(inner, self.keras_class))
 
     def __repr__(self):
         return f"Family({self.name!r}, {self.keras_class.__name__})"

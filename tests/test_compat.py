@@ -286,3 +286,25 @@ def test_trackable_children_lookup_and_deferred_dependencies():
     assert _compat.lookup_dependency(optimizer, "_iterations") is children["_iterations"]
     assert isinstance(_compat.deferred_dependencies(optimizer), dict), (
         "deferred_dependencies: Trackable._deferred_dependencies is no longer a dict")
+
+
+def test_same_update_as_sees_an_overridden_step():
+    """A subclass that overrides update_step, or the whole step (where Nadam
+    moves its state), is not the stock optimizer to the fused families."""
+    import keras
+
+    from lossscale import _compat
+
+    class OwnUpdate(keras.optimizers.Adam):
+        def update_step(self, gradient, variable, learning_rate):
+            return super().update_step(gradient, variable, learning_rate)
+
+    class OwnStep(keras.optimizers.Nadam):
+        def _backend_update_step(self, grads, trainable_variables, learning_rate):
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+
+    assert _compat.same_update_as(keras.optimizers.Adam(), keras.optimizers.Adam)
+    assert _compat.same_update_as(keras.optimizers.AdamW(), keras.optimizers.AdamW)
+    assert not _compat.same_update_as(OwnUpdate(), keras.optimizers.Adam)
+    assert not _compat.same_update_as(OwnStep(), keras.optimizers.Nadam)
+    assert hasattr(keras.optimizers.Nadam, "_backend_update_step")
