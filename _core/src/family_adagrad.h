@@ -18,11 +18,7 @@
 
 enum { LS_ADAGRAD_EPSILON, LS_ADAGRAD_RSQRT, ls_adagrad_hyper_count };
 
-static inline int ls_adagrad_slots(const float *h)
-{
-    (void)h;
-    return 1;
-}
+LS_OPTIM_FIXED_SLOTS(adagrad, 1)
 
 static inline const char *ls_adagrad_problem(const float *h)
 {
@@ -43,18 +39,13 @@ static inline void ls_adagrad1(const ls_param *p, size_t i, float g, const ls_op
 
 #endif /* LOSSSCALE_FAMILY_ADAGRAD_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_ADAGRAD_VECTOR)
-#define LOSSSCALE_FAMILY_ADAGRAD_VECTOR
-LS_INLINE void LS_FN(adagrad_run)(const ls_param *p, size_t lo, size_t hi,
-                                  const ls_optim_args *a, ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(adagrad)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V eps = v_set1(a->h[LS_ADAGRAD_EPSILON]);
     const int rsqrt = a->h[LS_ADAGRAD_RSQRT] != 0.0f;
-    float *const var = c.var, *const accs = p->slot[0];
-    const size_t end = LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    float *const accs = p->slot[0];
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt)) {
         ls_prefetch(accs, i * sizeof(float));
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
@@ -63,7 +54,7 @@ LS_INLINE void LS_FN(adagrad_run)(const ls_param *p, size_t lo, size_t hi,
         const LS_V d = v_add(acc, eps);
         w = rsqrt ? v_sub(w, v_mul(v_mul(c.lr, g), LS_FN(tf_rsqrt)(d)))
                   : v_sub(w, v_div(v_mul(c.lr, g), v_sqrt(d)));
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_adagrad_elements(p, i, hi, a);
 }

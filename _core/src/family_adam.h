@@ -47,37 +47,29 @@ static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim
 
 #endif /* LOSSSCALE_FAMILY_ADAM_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_ADAM_VECTOR)
-#define LOSSSCALE_FAMILY_ADAM_VECTOR
-LS_INLINE void LS_FN(adam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                               ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(adam)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V c1 = v_set1(a->h[LS_ADAM_C1]), c2 = v_set1(a->h[LS_ADAM_C2]),
                alpha = v_set1(a->h[LS_ADAM_ALPHA]), eps = v_set1(a->h[LS_ADAM_EPSILON]);
-    float *const var = c.var, *const ms = p->slot[0], *const vs = p->slot[1],
+    float *const ms = p->slot[0], *const vs = p->slot[1],
                  *const vhs = p->slot[2];
     const int amsgrad = a->h[LS_ADAM_AMSGRAD] != 0.0f;
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
         ls_prefetch(vs, i * sizeof(float));
         if (amsgrad)
             ls_prefetch(vhs, i * sizeof(float));
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
-        LS_V m = v_load(ms + i), v = v_load(vs + i);
-        m = v_add(m, v_mul(v_sub(g, m), c1));
-        v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
-        v_store(ms + i, m);
-        v_store(vs + i, v);
+        LS_V m, v;
+        LS_FN(moments)(ms, vs, i, g, c1, c2, &m, &v);
         if (amsgrad) {
             v = v_max(v_load(vhs + i), v);
             v_store(vhs + i, v);
         }
         w = v_sub(w, v_div(v_mul(m, alpha), v_add(v_sqrt(v), eps)));
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_adam_elements(p, i, hi, a);
 }

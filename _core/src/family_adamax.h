@@ -19,18 +19,12 @@
 enum { LS_ADAMAX_C1, LS_ADAMAX_BETA_2, LS_ADAMAX_EPSILON, LS_ADAMAX_C1_T,
        ls_adamax_hyper_count };
 
-static inline int ls_adamax_slots(const float *h)
-{
-    (void)h;
-    return 2;
-}
+LS_OPTIM_FIXED_SLOTS(adamax, 2)
 
 static inline const char *ls_adamax_problem(const float *h)
 {
-    for (int k = 0; k < ls_adamax_hyper_count; k++)
-        if (!ls_optim_finite(h[k]))
-            return "1 - beta_1, beta_2, epsilon and 1 - beta_1^t must be finite";
-    return NULL;
+    return ls_optim_numbers_problem(h, ls_adamax_hyper_count,
+                                    "1 - beta_1, beta_2, epsilon and 1 - beta_1^t must be finite");
 }
 
 static inline void ls_adamax1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
@@ -45,18 +39,13 @@ static inline void ls_adamax1(const ls_param *p, size_t i, float g, const ls_opt
 
 #endif /* LOSSSCALE_FAMILY_ADAMAX_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_ADAMAX_VECTOR)
-#define LOSSSCALE_FAMILY_ADAMAX_VECTOR
-LS_INLINE void LS_FN(adamax_run)(const ls_param *p, size_t lo, size_t hi,
-                                 const ls_optim_args *a, ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(adamax)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V c1 = v_set1(a->h[LS_ADAMAX_C1]), beta_2 = v_set1(a->h[LS_ADAMAX_BETA_2]),
                eps = v_set1(a->h[LS_ADAMAX_EPSILON]), c1_t = v_set1(a->h[LS_ADAMAX_C1_T]);
-    float *const var = c.var, *const ms = p->slot[0], *const us = p->slot[1];
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    float *const ms = p->slot[0], *const us = p->slot[1];
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
         ls_prefetch(us, i * sizeof(float));
         LS_V g, w;
@@ -67,7 +56,7 @@ LS_INLINE void LS_FN(adamax_run)(const ls_param *p, size_t lo, size_t hi,
         v_store(ms + i, m);
         v_store(us + i, u);
         w = v_sub(w, v_div(v_mul(c.lr, m), v_mul(c1_t, v_add(u, eps))));
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_adamax_elements(p, i, hi, a);
 }

@@ -16,18 +16,12 @@
 
 enum { LS_LION_BETA_1, LS_LION_C1, LS_LION_BETA_2, LS_LION_C2, ls_lion_hyper_count };
 
-static inline int ls_lion_slots(const float *h)
-{
-    (void)h;
-    return 1;
-}
+LS_OPTIM_FIXED_SLOTS(lion, 1)
 
 static inline const char *ls_lion_problem(const float *h)
 {
-    for (int k = 0; k < ls_lion_hyper_count; k++)
-        if (!ls_optim_finite(h[k]))
-            return "beta_1, beta_2 and 1 - each must be finite";
-    return NULL;
+    return ls_optim_numbers_problem(h, ls_lion_hyper_count,
+                                    "beta_1, beta_2 and 1 - each must be finite");
 }
 
 static inline void ls_lion1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
@@ -41,25 +35,20 @@ static inline void ls_lion1(const ls_param *p, size_t i, float g, const ls_optim
 
 #endif /* LOSSSCALE_FAMILY_LION_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_LION_VECTOR)
-#define LOSSSCALE_FAMILY_LION_VECTOR
-LS_INLINE void LS_FN(lion_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                               ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(lion)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const float *h = a->h;
     const LS_V beta_1 = v_set1(h[LS_LION_BETA_1]), c1 = v_set1(h[LS_LION_C1]),
                beta_2 = v_set1(h[LS_LION_BETA_2]), c2 = v_set1(h[LS_LION_C2]);
-    float *const var = c.var, *const ms = p->slot[0];
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    float *const ms = p->slot[0];
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         const LS_V m = v_load(ms + i);
         w = v_sub(w, v_mul(c.lr, v_sign(v_add(v_mul(m, beta_1), v_mul(g, c1)))));
-        v_store(var + i, w);
+        v_store(c.var + i, w);
         v_store(ms + i, v_add(v_mul(m, beta_2), v_mul(g, c2)));
     }
     ls_lion_elements(p, i, hi, a);

@@ -24,19 +24,13 @@
 enum { LS_NADAM_C1, LS_NADAM_C2, LS_NADAM_EPSILON, LS_NADAM_U_T_1, LS_NADAM_D_T_1,
        LS_NADAM_C_T, LS_NADAM_D_T, LS_NADAM_C2_T, ls_nadam_hyper_count };
 
-static inline int ls_nadam_slots(const float *h)
-{
-    (void)h;
-    return 2;
-}
+LS_OPTIM_FIXED_SLOTS(nadam, 2)
 
 static inline const char *ls_nadam_problem(const float *h)
 {
-    for (int k = 0; k < ls_nadam_hyper_count; k++)
-        if (!ls_optim_finite(h[k]))
-            return "Nadam's numbers (1 - beta_1, 1 - beta_2, epsilon and the step's "
-                   "scalars) must be finite";
-    return NULL;
+    return ls_optim_numbers_problem(h, ls_nadam_hyper_count,
+                                    "Nadam's numbers (1 - beta_1, 1 - beta_2, epsilon and "
+                                    "the step's scalars) must be finite");
 }
 
 static inline void ls_nadam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
@@ -55,34 +49,26 @@ static inline void ls_nadam1(const ls_param *p, size_t i, float g, const ls_opti
 
 #endif /* LOSSSCALE_FAMILY_NADAM_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_NADAM_VECTOR)
-#define LOSSSCALE_FAMILY_NADAM_VECTOR
-LS_INLINE void LS_FN(nadam_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                                ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(nadam)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const float *h = a->h;
     const LS_V c1 = v_set1(h[LS_NADAM_C1]), c2 = v_set1(h[LS_NADAM_C2]),
                eps = v_set1(h[LS_NADAM_EPSILON]), u_t_1 = v_set1(h[LS_NADAM_U_T_1]),
                d_t_1 = v_set1(h[LS_NADAM_D_T_1]), c_t = v_set1(h[LS_NADAM_C_T]),
                d_t = v_set1(h[LS_NADAM_D_T]), c2_t = v_set1(h[LS_NADAM_C2_T]);
-    float *const var = c.var, *const ms = p->slot[0], *const vs = p->slot[1];
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    float *const ms = p->slot[0], *const vs = p->slot[1];
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
         ls_prefetch(vs, i * sizeof(float));
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
-        LS_V m = v_load(ms + i), v = v_load(vs + i);
-        m = v_add(m, v_mul(v_sub(g, m), c1));
-        v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
-        v_store(ms + i, m);
-        v_store(vs + i, v);
+        LS_V m, v;
+        LS_FN(moments)(ms, vs, i, g, c1, c2, &m, &v);
         const LS_V m_hat = v_add(v_div(v_mul(u_t_1, m), d_t_1), v_div(v_mul(c_t, g), d_t));
         const LS_V v_hat = v_div(v, c2_t);
         w = v_sub(w, v_div(v_mul(m_hat, c.lr), v_add(v_sqrt(v_hat), eps)));
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_nadam_elements(p, i, hi, a);
 }

@@ -79,23 +79,18 @@ static inline void ls_rmsprop1(const ls_param *p, size_t i, float g, const ls_op
 
 #endif /* LOSSSCALE_FAMILY_RMSPROP_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_RMSPROP_VECTOR)
-#define LOSSSCALE_FAMILY_RMSPROP_VECTOR
-LS_INLINE void LS_FN(rmsprop_run)(const ls_param *p, size_t lo, size_t hi,
-                                  const ls_optim_args *a, ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(rmsprop)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V rho = v_set1(a->h[LS_RMSPROP_RHO]), c1 = v_set1(a->h[LS_RMSPROP_C]),
                eps = v_set1(a->h[LS_RMSPROP_EPSILON]), mu = v_set1(a->h[LS_RMSPROP_MOMENTUM]);
     const int has_momentum = a->h[LS_RMSPROP_HAS_MOMENTUM] != 0.0f,
               centered = a->h[LS_RMSPROP_CENTERED] != 0.0f,
               rsqrt = a->h[LS_RMSPROP_RSQRT] != 0.0f,
               push_down = a->h[LS_RMSPROP_PUSH_DOWN] != 0.0f;
-    float *const var = c.var, *const vs = p->slot[0], *const ms = p->slot[1],
+    float *const vs = p->slot[0], *const ms = p->slot[1],
                  *const avgs = p->slot[1 + has_momentum];
-    const size_t end = LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt)) {
         ls_prefetch(vs, i * sizeof(float));
         if (has_momentum)
             ls_prefetch(ms, i * sizeof(float));
@@ -123,7 +118,7 @@ LS_INLINE void LS_FN(rmsprop_run)(const ls_param *p, size_t lo, size_t hi,
         } else {
             w = v_sub(w, step);
         }
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_rmsprop_elements(p, i, hi, a);
 }

@@ -39,19 +39,14 @@ static inline void ls_sgd1(const ls_param *p, size_t i, float g, const ls_optim_
 
 #endif /* LOSSSCALE_FAMILY_SGD_H */
 
-#if defined(LS_SET) && !defined(LOSSSCALE_FAMILY_SGD_VECTOR)
-#define LOSSSCALE_FAMILY_SGD_VECTOR
-LS_INLINE void LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_optim_args *a,
-                              ls_dtype dt)
+#ifdef LS_OPTIM_VECTORS
+LS_OPTIM_RUN(sgd)
 {
-    const LS_FN(common) c = LS_FN(common_of)(p, a, dt);
     const LS_V lr = c.lr, mu = v_set1(a->h[LS_SGD_MOMENTUM]);
-    float *const var = c.var, *const mom = p->slot[0];
+    float *const mom = p->slot[0];
     const int use_momentum = a->h[LS_SGD_MOMENTUM] != 0.0f,
               nesterov = a->h[LS_SGD_NESTEROV] != 0.0f;
-    const size_t end = LS_FN(vector_end)(p, lo, hi, a);
-    size_t i = lo;
-    for (; i < end; i += LS_VW) {
+    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         if (use_momentum) {
@@ -62,7 +57,7 @@ LS_INLINE void LS_FN(sgd_run)(const ls_param *p, size_t lo, size_t hi, const ls_
         } else {
             w = v_sub(w, v_mul(g, lr));
         }
-        v_store(var + i, w);
+        v_store(c.var + i, w);
     }
     ls_sgd_elements(p, i, hi, a);
 }

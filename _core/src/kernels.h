@@ -94,40 +94,19 @@ uint16_t ls_f32_to_bf16(float f);
  * vector move after peeling, say) and fault.  Every element access outside
  * the vector intrinsics' explicitly unaligned loads goes through these,
  * which compile to plain moves. */
-static inline uint16_t ls_load_u16(const void *p)
-{
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline uint32_t ls_load_u32(const void *p)
-{
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline uint64_t ls_load_u64(const void *p)
-{
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float ls_load_f32(const void *p)
-{
-    float v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline double ls_load_f64(const void *p)
-{
-    double v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#define LS_DEFINE_LOAD(name, type)                                                         \
+    static inline type ls_load_##name(const void *p)                                       \
+    {                                                                                      \
+        type v;                                                                            \
+        memcpy(&v, p, sizeof v);                                                           \
+        return v;                                                                          \
+    }
+LS_DEFINE_LOAD(u16, uint16_t)
+LS_DEFINE_LOAD(u32, uint32_t)
+LS_DEFINE_LOAD(u64, uint64_t)
+LS_DEFINE_LOAD(f32, float)
+LS_DEFINE_LOAD(f64, double)
+#undef LS_DEFINE_LOAD
 
 static inline void ls_store_u16(void *p, uint16_t v) { memcpy(p, &v, sizeof v); }
 static inline void ls_store_f32(void *p, float v) { memcpy(p, &v, sizeof v); }

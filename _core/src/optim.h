@@ -152,6 +152,24 @@ static inline float ls_tf_rsqrt1(float y, size_t i, size_t n)
 }
 #endif
 
+/* The slot count of a family that keeps the same slots whatever its numbers. */
+#define LS_OPTIM_FIXED_SLOTS(family, n)                                                    \
+    static inline int ls_##family##_slots(const float *h)                                  \
+    {                                                                                      \
+        (void)h;                                                                           \
+        return n;                                                                          \
+    }
+
+/* A family's check of its numbers: `why` when any of the first `n` is not
+ * finite, else NULL. */
+static inline const char *ls_optim_numbers_problem(const float *h, int n, const char *why)
+{
+    for (int k = 0; k < n; k++)
+        if (!ls_optim_finite(h[k]))
+            return why;
+    return NULL;
+}
+
 #include "optim_families.h"
 
 /* Elements [lo, hi) one at a time, for each family: the scalar set, and

@@ -120,13 +120,40 @@ LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype
 /* The families' vector loops (the second include of their headers, now
  * that the vocabulary is defined), then a kernel per family and gradient
  * dtype, and the set's table. */
+/* Adam's moments at i (Nadam's too): m = m + (g - m) * c1 and
+ * v = v + (g * g - v) * c2, stored, and handed back. */
+LS_INLINE void LS_FN(moments)(float *ms, float *vs, size_t i, LS_V g, LS_V c1, LS_V c2,
+                              LS_V *m_out, LS_V *v_out)
+{
+    LS_V m = v_load(ms + i), v = v_load(vs + i);
+    m = v_add(m, v_mul(v_sub(g, m), c1));
+    v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
+    v_store(ms + i, m);
+    v_store(vs + i, v);
+    *m_out = m;
+    *v_out = v;
+}
+
+/* What a family's vector loop is: the second pass over its header
+ * (LS_OPTIM_VECTORS), in which it defines LS_OPTIM_RUN(name), a loop over
+ * [lo, hi) given `c`, what every loop reads once (common_of). */
+#define LS_OPTIM_VECTORS
+/* `i` over [lo, end) a vector at a time, declared before the loop: the tail
+ * from `i` to hi runs the family's reference. */
+#define LS_OPTIM_VECTOR_LOOP(i, end)                                                       \
+    size_t i = lo;                                                                         \
+    for (const size_t i##_end = (end); i < i##_end; i += LS_VW)
+#define LS_OPTIM_RUN(family)                                                               \
+    LS_INLINE void LS_FN(family##_run)(const ls_param *p, size_t lo, size_t hi,            \
+                                       const ls_optim_args *a, ls_dtype dt,                \
+                                       const LS_FN(common) c)
 #include "optim_families.h"
 
 #define LS_OPTIM_DEFINE_DTYPE(family, dtname, dt)                                          \
     static void LS_KFN(family##_##dtname)(const ls_param *p, size_t lo, size_t hi,         \
                                           const ls_optim_args *a)                          \
     {                                                                                      \
-        LS_FN(family##_run)(p, lo, hi, a, dt);                                             \
+        LS_FN(family##_run)(p, lo, hi, a, dt, LS_FN(common_of)(p, a, dt));                 \
     }
 #define LS_OPTIM_DEFINE(family)                                                            \
     LS_OPTIM_DEFINE_DTYPE(family, f16, LS_FLOAT16)                                         \
