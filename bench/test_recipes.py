@@ -46,7 +46,7 @@ import pytest
 
 import harness
 import workloads
-from tfgraph import GraphGradients
+from tfgraph import GraphGradients, Method, keras_apply_method
 
 LAYER = "recipes"
 POLICY = "mixed_float16"
@@ -318,11 +318,6 @@ def variable_name(i, shape):
     return f"bias_{i}" if len(shape) == 1 else f"kernel_{i}"
 
 
-class Method:
-    def __init__(self, step, baseline, step_path, applied):
-        self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
-
-
 class Data:
     def __init__(self, case):
         self.case = case
@@ -367,17 +362,12 @@ class Data:
             indices = tf.constant(self.indices)
             dense_shape = tf.constant(self.table, tf.int64)
 
-        def step(gs):
-            if sparse:
-                gs = list(gs[:-1]) + [tf.IndexedSlices(gs[-1], indices, dense_shape)]
-            opt.apply(gs, variables)
-            return [v.value for v in variables], None
+        def grads(gs):
+            if not sparse:
+                return gs
+            return list(gs[:-1]) + [tf.IndexedSlices(gs[-1], indices, dense_shape)]
 
-        def path():
-            return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
-
-        return Method(self.graph.wrap(step), self.graph.producer, path,
-                      lambda: int(opt.iterations.numpy()))
+        return keras_apply_method(self.graph, opt, variables, peer, grads)
 
     def _torch(self):
         torch = harness.torch_or_skip()

@@ -39,7 +39,7 @@ import pytest
 
 import harness
 import workloads
-from tfgraph import GraphCase
+from tfgraph import GraphCase, Method, keras_apply_method
 
 LAYER = "step"
 OPTIMIZERS = ("sgdm", "adam")
@@ -85,15 +85,6 @@ def torch_optimizer(torch, optimizer, params, **kind):
     return torch.optim.Adam(params, lr=LEARNING_RATE, **kind)
 
 
-class Method:
-    """A peer's step, the part of it that is not measured (``baseline``),
-    which path it ran (``step_path()``, asked after its first call: the
-    optimizer decides when it traces) and how many steps it applied."""
-
-    def __init__(self, step, baseline, step_path, applied):
-        self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
-
-
 class Data(GraphCase):
     layer = LAYER
 
@@ -123,18 +114,7 @@ class Data(GraphCase):
             opt = LossScaleOptimizer(inner, initial_scale=SCALE, dynamic_growth_steps=PERIOD,
                                      **extra)
         opt.build(variables)
-
-        def step(gs):
-            opt.apply(gs, variables)
-            # Read the variables, not the gradients: a later reader of the
-            # gradients would stop a native op from writing over them.
-            return [v.value for v in variables], None
-
-        def path():
-            return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
-
-        return Method(self.graph.wrap(step), self.graph.producer, path,
-                      lambda: int(opt.iterations.numpy()))
+        return keras_apply_method(self.graph, opt, variables, peer)
 
     def _torch(self, peer):
         torch = harness.torch_or_skip()

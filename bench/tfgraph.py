@@ -26,6 +26,32 @@ import numpy as np
 import harness
 
 
+class Method:
+    """A peer's step, the part of it that is not measured (``baseline``),
+    which path it ran (``step_path()``, asked after its first call: the
+    optimizer decides when it traces) and how many steps it applied."""
+
+    def __init__(self, step, baseline, step_path, applied):
+        self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
+
+
+def keras_apply_method(graph, opt, variables, peer, grads=lambda gs: gs):
+    """The ``Method`` of a Keras optimizer's ``apply`` on ``graph``'s
+    gradients (``grads`` turns them into what the step hands the optimizer,
+    IndexedSlices say), in the graph that makes them."""
+
+    def step(gs):
+        opt.apply(grads(gs), variables)
+        # Read the variables, not the gradients: a later reader of the
+        # gradients would stop a native op from writing over them.
+        return [v.value for v in variables], None
+
+    def path():
+        return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
+
+    return Method(graph.wrap(step), graph.producer, path, lambda: int(opt.iterations.numpy()))
+
+
 class GraphGradients:
     """``produce(seed)`` makes the workload's gradients in the graph;
     ``consume(grads)`` is the common ending; ``producer`` the baseline."""
