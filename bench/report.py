@@ -724,20 +724,12 @@ class Report:
             "`tf.compat.v1.mixed_precision.DynamicLossScale`",
             *(rv("loss_scale", f"{w}/float32", "ours", "stock")
               for w in ("resnet50", TRACING_GOAL_WORKLOAD)))
-        mem = self.records.get("memory")
+        mem, tr = self.memory_cells(), self.training_cells()
         if mem:
-            inside = mem["situations"]["inside"]
-            rows.append(f"| peak memory one step adds to a "
-                        f"{workloads.size_label(mem['gradient_bytes'])} gradient made in the "
-                        f"step: ours / stock composite | "
-                        f"{inside['native']['fraction_of_gradient'] * 100:.0f}% / "
-                        f"{inside['composite']['fraction_of_gradient'] * 100:.0f}% |")
-        tr = self.records.get("training")
+            rows.append(f"| peak memory one step adds to a {mem[0]} gradient made in the "
+                        f"step: ours / stock composite | {mem[1]} |")
         if tr:
-            runs = tr["runs"]
-            rows.append(f"| digits CNN, {runs['float32']['epochs']} epochs: test accuracy "
-                        f"stock / ours | {runs['mixed_stock']['test_accuracy']:.4f} / "
-                        f"{runs['mixed_lossscale']['test_accuracy']:.4f} |")
+            rows.append(f"| digits CNN, {tr[0]} epochs: test accuracy stock / ours | {tr[1]} |")
         if rows:
             out += ["", "| | ours ÷ peer |", "|---|---:|", *rows]
         out += ["", *self.readme_summary(tiny)]
@@ -747,6 +739,27 @@ class Report:
         """The path ``ours`` took on a step workload, as ``step_path`` said it."""
         e = self.info.get(("step", case, self.threads, "ours"), {})
         return f"`{e['step_path']}`" if "step_path" in e else "—"
+
+    def memory_cells(self):
+        """(the gradient's size, "ours% / composite%" of the peak memory one
+        step adds to a gradient made in it), or None without a memory run."""
+        mem = self.records.get("memory")
+        if not mem:
+            return None
+        inside = mem["situations"]["inside"]
+        return (workloads.size_label(mem["gradient_bytes"]),
+                f"{inside['native']['fraction_of_gradient'] * 100:.0f}% / "
+                f"{inside['composite']['fraction_of_gradient'] * 100:.0f}%")
+
+    def training_cells(self):
+        """(the float32 run's epochs, "stock / ours" test accuracy of the
+        digits training), or None without a training run."""
+        tr = self.records.get("training")
+        if not tr:
+            return None
+        runs = tr["runs"]
+        return (runs["float32"]["epochs"], f"{runs['mixed_stock']['test_accuracy']:.4f} / "
+                                           f"{runs['mixed_lossscale']['test_accuracy']:.4f}")
 
     def readme_summary(self, tiny):
         """The headline's closing paragraph: speed-ups and losses, read from this run."""
@@ -880,21 +893,15 @@ class Report:
                        f"tie (within {percent(SLOWER)})" if r.value <= SLOWER
                        else f"{r.value:.2f}× slower")
             self.w(f"| {what} | {fmt_ratio(r)} | {verdict} |")
-        mem = self.records.get("memory")
+        mem, tr = self.memory_cells(), self.training_cells()
         if mem:
-            inside = mem["situations"]["inside"]
-            self.w(f"| peak memory added, {workloads.size_label(mem['gradient_bytes'])} gradient "
-                   f"made in the step: ours / TF composite | "
-                   f"{inside['native']['fraction_of_gradient'] * 100:.0f}% / "
-                   f"{inside['composite']['fraction_of_gradient'] * 100:.0f}% | of the gradient |")
-        tr = self.records.get("training")
+            self.w(f"| peak memory added, {mem[0]} gradient made in the step: ours / TF "
+                   f"composite | {mem[1]} | of the gradient |")
         if tr:
-            runs = tr["runs"]
-            self.w(f"| digits training: test accuracy stock / ours | "
-                   f"{runs['mixed_stock']['test_accuracy']:.4f} / "
-                   f"{runs['mixed_lossscale']['test_accuracy']:.4f} | "
-                   f"{'equal' if tr['accuracy_equal'] else 'DIFFERENT'}"
-                   f"{', weights bit-identical' if tr['weights_identical'] else ''} |")
+            record = self.records["training"]
+            self.w(f"| digits training: test accuracy stock / ours | {tr[1]} | "
+                   f"{'equal' if record['accuracy_equal'] else 'DIFFERENT'}"
+                   f"{', weights bit-identical' if record['weights_identical'] else ''} |")
         self.w("")
 
     def layer_table(self, layer, threads=None, title=None, note=None):
