@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 _LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "fit", "recipes",
-                "memory", "training"]
+                "alone", "memory", "training"]
 
 
 def pytest_addoption(parser):
@@ -196,3 +196,4 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     facts = dict(config._lossscale_facts, loadavg_end=harness.load_average(),
                  wall_s=round(time.perf_counter() - config._lossscale_t0, 1))
     output_json["lossscale"] = {"facts": facts, "records": harness.RECORDS}
+    output_json["benchmarks"].extend(harness.CHILD_BENCHMARKS)

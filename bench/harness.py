@@ -237,6 +237,9 @@ def facts_lines(facts):
 # ------------------------------------------------------------ shared state
 
 RECORDS = {}
+# Benchmarks timed in child processes (test_alone.py), added to the raw JSON
+# as they are.
+CHILD_BENCHMARKS = []
 
 
 def record(name, data):

@@ -58,7 +58,7 @@ PEER_LABELS = {
     ("optimizer", "ours"): "ours", ("optimizer", "stock"): "stock Keras",
     ("optimizer", "sgd"): "inner SGD alone",
     ("fit", "ours"): "mixed, ours", ("fit", "ours_unfused"): "mixed, ours fused=False",
-    ("fit", "stock"): "mixed, stock Keras",
+    ("fit", "stock"): "mixed, stock Keras", ("fit", "grads_only"): "forward + backward alone",
     ("fit", "float32"): "float32, no loss scaling",
     ("step", "ours"): "ours", ("step", "ours_unfused"): "ours, fused=False",
     ("step", "stock"): "stock Keras", ("step", "torch_fused"): "torch fused",
@@ -281,7 +281,10 @@ def case_label(case):
         return f"1 tensor, {workloads.size_label(int(name[6:]))}"
     pretty = {"resnet50": "ResNet-50", "bert_base": "BERT-base", "tiny_2000x64": "2,000 × 64",
               workloads.BIG: "1 tensor, 1 GiB", "digits_cnn": "digits CNN",
-              "mlp_4096x3": "MLP 3 × 4096"}.get(name, name)
+              "mlp_4096x3": "MLP 3 × 4096",
+              "bert_classifier_adam": "KerasHub BERT classifier, Adam",
+              "bert_classifier_adamw_clip": "KerasHub BERT classifier, AdamW + "
+                                            "global_clipnorm"}.get(name, name)
     return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 
@@ -345,8 +348,16 @@ class Report:
         optimizer = case.split("/")[2]
         return scaled(bw, STEP_BYTES_PER_PARAM[optimizer] * info["values"] / (2 * workloads.GIB))
 
-    def step_get(self, case, peer):
-        return self.step_roofline(case) if peer == "roofline" else self.get("step", case, peer)
+    def step_get(self, case, peer, alone=True):
+        """The step's ``Stat`` for ``peer``: timed in its own process where the
+        run has that (``test_alone.py``), else side by side; ``alone=False``:
+        side by side."""
+        if peer == "roofline":
+            return self.step_roofline(case)
+        return ((alone and self.get("step/alone", case, peer)) or self.get("step", case, peer))
+
+    def has_alone(self, layer):
+        return any(k[0] == f"{layer}/alone" for k in self.stats)
 
     def best_check(self):
         """The lossscale check the goals judge: grouped where the run has it."""
@@ -445,9 +456,10 @@ class Report:
                              f"{PEER_LABELS[('check', ours)]} ÷ stock composite", r))
         return rows
 
-    def times_table(self, layer, cases, peers, ratios, get, extra=None):
+    def times_table(self, layer, cases, peers, ratios, get, extra=None, losses=True):
         """Times of ``peers`` on ``cases``, then ``ratios``: (label, a, b) for
-        a ÷ b; ``extra``: (label, case -> cell) columns at the end."""
+        a ÷ b; ``extra``: (label, case -> cell) columns at the end.  With
+        ``losses`` its ratios feed "Where we lose" and the ties."""
         extra = extra or []
         self.w("| workload | " + " | ".join(PEER_LABELS.get((layer, p), p) for p in peers)
                + "".join(f" | {label}" for label, _a, _b in ratios)
@@ -458,7 +470,7 @@ class Report:
             for _label, a, b in ratios:
                 r = ratio(get(case, a), get(case, b))
                 cells.append(fmt_ratio(r))
-                if r is not None and a.startswith("ours") and b != "roofline":
+                if losses and r is not None and a.startswith("ours") and b != "roofline":
                     entry = (layer, case, self.threads, a, b, r.value)
                     if r.value > SLOWER:
                         self.losses.append(entry)
@@ -487,13 +499,26 @@ class Report:
                    + ", ".join(f"{OPTIMIZER_LABELS[o]} {b} B" for o, b in
                                STEP_BYTES_PER_PARAM.items())
                    + " per parameter, a read-only check of the gradients included) at the "
-                   "bandwidth of the in-place multiply over 1 GiB in this run.", "")
+                   "bandwidth of the in-place multiply over 1 GiB at the same thread count, "
+                   "in this run.", "")
+            ratios = [("ours ÷ roofline", "ours", "roofline"), ("ours ÷ stock", "ours", "stock"),
+                      ("ours ÷ torch fused", "ours", "torch_fused"),
+                      ("ours ÷ torch foreach", "ours", "torch_foreach")]
+            alone = [c for c in cases if self.get("step/alone", c, "ours")]
+            if alone:
+                self.w("**Each peer in its own process** (one Python process per peer, every "
+                       "workload and round of it; the figures the goals and the README use):",
+                       "")
+                self.times_table(
+                    "step", alone, [p for p in peers if self.get("step/alone", alone[0], p)]
+                    + ["roofline"], ratios, self.step_get,
+                    [("path taken", lambda c: paths[c])])
+                self.w("**Side by side in one process** (the peers of a workload interleaved "
+                       "round by round):", "")
             self.times_table(
-                "step", cases, peers + ["roofline"],
-                [("ours ÷ roofline", "ours", "roofline"), ("ours ÷ stock", "ours", "stock"),
-                 ("ours ÷ torch fused", "ours", "torch_fused"),
-                 ("ours ÷ torch foreach", "ours", "torch_foreach")],
-                self.step_get, [("path taken", lambda c: paths[c])])
+                "step", cases, peers + ["roofline"], ratios,
+                lambda c, p: self.step_get(c, p, alone=False),
+                [("path taken", lambda c: paths[c])], losses=not alone)
             speedups = []
             for case in cases:
                 x = speedup(self.get("step", case, "ours"), self.get("step", case, "stock"))
@@ -502,7 +527,7 @@ class Report:
             if speedups:
                 self.w("stock ÷ ours (how many times faster ours is): "
                        + "; ".join(speedups) + ".", "")
-        mlp = [c for c in self.cases("fit") if c != "digits_cnn/mixed_float16"]
+        mlp = [c for c in self.cases("fit") if c.startswith("mlp_")]
         if mlp:
             ident = self.records.get("fit_mlp", {})
             peers = [p for p in self.peers("fit") if p in ("ours", "ours_unfused", "stock")]
@@ -520,6 +545,7 @@ class Report:
                                  for p, v in ident["identical"].items())
                 self.w(f"Weights after {ident['steps']} steps from the same weights on the "
                        f"same batch, against stock Keras: {same}.", "")
+        self.bert_fit()
         tiny = [c for c in cases if c.startswith(TRACING_GOAL_WORKLOAD + "/")]
         if tiny:
             peers = [p for p in self.peers("step") if p != "producer"]
@@ -552,6 +578,41 @@ class Report:
                              [(f"{PEER_LABELS[('check', p)]} ÷ composite", p, "composite")
                               for p in ours],
                              lambda c, p: self.get("check", c, p))
+
+    def bert_fit(self):
+        """The KerasHub BERT classifier's ``fit`` step, with what share of it
+        the optimizer is (the step less its forward and backward pass)."""
+        cases = [c for c in self.cases("fit") if c.startswith("bert_classifier_")]
+        if not cases:
+            return
+        ident = self.records.get(f"fit_{cases[0].split('/')[0]}", {})
+        self.w("### 2b. A whole `fit` step of a KerasHub BERT classifier", "",
+               "`keras_hub.models.BertTextClassifier` built from a config (random weights)"
+               + (f", {ident['params']:,} parameters, a batch of {ident['batch']} × "
+                  f"{ident['tokens']} tokens" if ident else "")
+               + ", mixed_float16: time per `train_on_batch`.  Its word-embedding gradient "
+               "is an `IndexedSlices`.  *forward + backward alone* is the same pass without "
+               "the optimizer; the optimizer's share is stock's step less it.", "")
+
+        def share(case):
+            step, rest = self.get("fit", case, "stock"), self.get("fit", case, "grads_only")
+            return (f"{(step.median - rest.median) / step.median:.0%}"
+                    if step and rest and step.median > 0 else "—")
+
+        def cell_of(case):
+            e = self.records.get(f"fit_{case.split('/')[0]}", {})
+            same = e.get("identical", {}).get("ours")
+            return "—" if same is None else ("bit-identical" if same else "**DIFFERENT**")
+
+        def path(case):
+            e = self.records.get(f"fit_{case.split('/')[0]}", {})
+            return f"`{e['step_path']}`" if e.get("step_path") else "—"
+
+        peers = [p for p in ("ours", "stock", "grads_only") if p in self.peers("fit")]
+        self.times_table("fit", cases, peers, [("ours ÷ stock", "ours", "stock")],
+                         lambda c, p: self.get("fit", c, p),
+                         [("optimizer's share of stock's step", share),
+                          ("weights vs stock", cell_of), ("path taken", path)])
 
     def recipe_cases(self):
         """The recipe battery's cases in the order they ran."""
@@ -593,9 +654,14 @@ class Report:
                    + (f", the {e['table'][0]:,} × {e['table'][1]:,} embedding's gradient "
                       f"`IndexedSlices` of {rows:,} token rows (dense for torch)"
                       if rows else ""))
+        alone = self.has_alone("recipes")
+        if alone:
+            self.w("", "*Own processes*: the same items run again with one Python process per "
+                   "peer (every recipe and round of it); the side-by-side ratios follow.")
         self.w("", "| recipe | source | step_path | exact vs stock | ours, per step | "
-               "ours ÷ stock | ours ÷ torch | torch peer used |",
-               "|---|---|---|---|---:|---:|---:|---|")
+               + ("ours ÷ stock, own processes | ours ÷ torch, own processes | " if alone else "")
+               + "ours ÷ stock | ours ÷ torch | torch peer used |",
+               "|---|---|---|---|---:|" + ("---:|---:|" if alone else "") + "---:|---:|---|")
         self.recipe_exact = []
         for case in cases:
             e = infos[case] or next((i for k, i in self.info.items()
@@ -612,11 +678,12 @@ class Report:
                 self.recipe_exact.append((case.split("/")[0], ex["exact"]))
             ours = self.get("recipes", case, "ours")
             cells = []
-            for peer in ("stock", "torch"):
-                r = ratio(ours, self.get("recipes", case, peer))
+            layers = (["recipes/alone"] if alone else []) + ["recipes"]
+            for layer, peer in ((la, p) for la in layers for p in ("stock", "torch")):
+                r = ratio(self.get(layer, case, "ours"), self.get(layer, case, peer))
                 cells.append(fmt_ratio(r) if r is not None else
                              "n/a" if peer == "torch" and not e.get("torch_peer") else "—")
-                if r is not None:
+                if r is not None and layer == layers[0]:
                     entry = ("recipes", case, self.threads, "ours", peer, r.value)
                     if r.value > SLOWER:
                         self.losses.append(entry)
@@ -682,10 +749,10 @@ class Report:
                 + ", ".join(f"{b} B per value for {OPTIMIZER_LABELS[o]}"
                             for o, b in sorted(STEP_BYTES_PER_PARAM.items(),
                                                key=lambda kv: kv[1]))
-                + ") at the bandwidth of numpy's single-threaded in-place `np.multiply` over "
-                "1 GiB"
-                + (f"; `lossscale.core` at {t} threads streams the same 1 GiB in "
-                   f"{_r(bw.value)} of its time, hence ratios below 1." if bw and t > 1 else ".")]
+                + f") at the bandwidth of an in-place `np.multiply` over 1 GiB on {t} "
+                f"thread{'s' if t > 1 else ''} (the step's own count), measured in this run"
+                + (f"; `lossscale.core` streams the same 1 GiB in {_r(bw.value)} of its time."
+                   if bw else ".")]
         rows = []
 
         def row(what, *rs):
@@ -821,7 +888,8 @@ class Report:
                       if f.get("torch_threads") else "")
                    + "; the numpy layer is also run at "
                    f"{', '.join(map(str, f.get('core_threads', [])))} "
-                   "(numpy itself is single-threaded whatever the setting)",
+                   "(the numpy peer is single-threaded whatever the setting; the roofline's "
+                   "multiply runs on as many threads as the item)",
                    f"- versions: Python {f.get('python')}, numpy {f.get('numpy')}, TensorFlow "
                    f"{f.get('tensorflow')}, Keras {f.get('keras')}, torch "
                    f"{f.get('torch') or 'absent'}, matplotlib {f.get('matplotlib') or 'absent'}; "
@@ -1151,8 +1219,7 @@ class Report:
         read from this run."""
         out = ["- **Memory-bound float32 lists.** A list larger than the cache is one read and "
                "one write of every byte whoever does it: ours, torch and the in-place multiply "
-               "all sit at the machine's bandwidth, and ratios there are ties within the noise. "
-               "numpy's roofline is single-threaded, so at more threads ours can go below it."]
+               "all sit at the machine's bandwidth, and ratios there are ties within the noise."]
         # The lists larger than the cache: 2,000 tiny tensors are numpy's call
         # overhead, not a roofline.
         lists16 = [c for c in self.cases("core", 1) if c.split("/")[1] != "float32"

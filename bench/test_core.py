@@ -7,15 +7,23 @@ Peers, all on the same arrays (torch's tensors share their memory):
 * ``torch``    -- ``torch._amp_foreach_non_finite_check_and_unscale_`` on CPU;
 * ``numpy``    -- ``np.isfinite(a).all()`` then ``np.multiply(a, s, out=a)``
                   per array, what a numpy user writes;
-* ``roofline`` -- ``np.multiply(b, s, out=b)`` per array: the same bytes
-                  read and written, no check.  numpy has no vectorized
-                  float16 or bfloat16 multiply (it is 30 times slower than
-                  float32), so for 16-bit lists the roofline runs over
-                  float32 buffers of the same byte sizes instead.
+* ``roofline`` -- ``np.multiply(b, s, out=b)`` over the same bytes, read and
+                  written, no check, at the item's thread count: the list
+                  cut into that many contiguous shares, each multiplied on
+                  its own thread (numpy's ufuncs release the GIL).  numpy
+                  has no vectorized float16 or bfloat16 multiply (it is 30
+                  times slower than float32), so for 16-bit lists the
+                  roofline runs over float32 buffers of the same byte sizes
+                  instead.  Its 1 GiB case is the bandwidth behind the
+                  optimizer step's roofline (``test_step.py``), so it runs at
+                  the step's thread count too.
 
-numpy is single-threaded whatever the pinned thread count; ``ours`` and
-``torch`` run at every count in ``Settings.core_threads``.
+The ``numpy`` peer is single-threaded whatever the pinned thread count, as
+a numpy user's code is; ``ours``, ``torch`` and the roofline run at every
+count in ``Settings.core_threads``.
 """
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -50,6 +58,49 @@ def items(settings):
     return pairs
 
 
+def shares(arrays, n):
+    """``arrays`` (1-D views) cut into ``n`` lists of contiguous slices with
+    equal element counts, to within one element, in order."""
+    flat = [a.reshape(-1) for a in arrays]
+    total = sum(a.size for a in flat)
+    bounds = [total * k // n for k in range(n + 1)]
+    out = [[] for _ in range(n)]
+    offset = 0
+    for a in flat:
+        for k in range(n):
+            lo, hi = max(bounds[k], offset), min(bounds[k + 1], offset + a.size)
+            if lo < hi:
+                out[k].append(a[lo - offset:hi - offset])
+        offset += a.size
+    return out
+
+
+_POOLS = {}
+
+
+def parallel_multiply(arrays, threads):
+    """``run(s)``: every array multiplied in place by ``s``, the list cut into
+    ``threads`` shares, the caller's thread taking the first."""
+    parts = shares(arrays, threads)
+
+    def work(part, s):
+        for b in part:
+            np.multiply(b, s, out=b)
+
+    if threads == 1:
+        return lambda s: work(parts[0], s)
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads - 1)
+
+    def run(s):
+        pending = [pool.submit(work, part, s) for part in parts[1:]]
+        work(parts[0], s)
+        for f in pending:
+            f.result()
+    return run
+
+
 class Data(harness.CaseData):
     layer = LAYER
 
@@ -77,7 +128,7 @@ class Data(harness.CaseData):
         return self._torch
 
 
-def method(data, peer):
+def method(data, peer, threads=1):
     from lossscale import core
 
     arrays, flip = data.arrays, data.flip
@@ -95,13 +146,9 @@ def method(data, peer):
             return finite
         return run
     if peer == "roofline":
-        roof, rflip, typed = data.roof, data.roof_flip, data.roof_typed
-
-        def run():
-            s = typed[rflip()]
-            for b in roof:
-                np.multiply(b, s, out=b)
-        return run
+        multiply = parallel_multiply(data.roof, threads)
+        rflip, typed = data.roof_flip, data.roof_typed
+        return lambda: multiply(typed[rflip()])
     if peer == "torch":
         torch = harness.torch_or_skip()
         tensors, found_inf, invs = data.torch_args(torch)
@@ -115,7 +162,7 @@ def test_core(benchmark, case, peer, threads, rnd):
 
     data = harness.live(LAYER, case, lambda: Data(case))
     harness.pin_threads(threads)
-    fn = method(data, peer)
+    fn = method(data, peer, threads)
     harness.timed(benchmark, (LAYER, case, threads, peer), fn,
                   data.info(peer, rnd, threads))
     assert core.all_finite(data.arrays), "values left the finite range"

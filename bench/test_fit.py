@@ -14,7 +14,18 @@
   Relu into one kernel whose float16 version on a CPU is thousands of times
   slower than the three ops apart, and would hide everything else.  Before
   timing, fresh copies of the model trained with ours and with stock from
-  the same weights on the same batches must end with bit-identical weights.
+  the same weights on the same batches must end with bit-identical weights;
+* a KerasHub ``BertTextClassifier`` built from a config (random weights,
+  nothing downloaded: 4 layers of width 512, 8 heads, BERT's 30,522-word
+  vocabulary, 28.8M parameters), mixed_float16, a batch of 8 sequences of
+  128 tokens, ``train_on_batch``: a real model whose word-embedding gradient
+  is an ``IndexedSlices``, with ``Adam`` and with the fine-tuning recipe's
+  ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``.  Its ``grads_only``
+  peer runs the same forward and backward pass without the optimizer (a
+  ``tf.function`` returning the scaled gradients), so that the report can
+  say what share of the step the optimizer is.  The weights after a few
+  steps of ours and of stock from the same weights must be bit-identical.
+  Skipped, with a line saying so, where ``keras_hub`` is not installed.
 """
 
 import numpy as np
@@ -38,8 +49,18 @@ def mlp_peers():
     return ["ours"] + (["ours_unfused"] if test_step.has_fused_argument() else []) + ["stock"]
 
 
+BERT_CASES = {"bert_classifier_adam/mixed_float16": "adam",
+              "bert_classifier_adamw_clip/mixed_float16": "adamw_clip"}
+BERT_CONFIG = dict(vocabulary_size=30522, num_layers=4, num_heads=8, hidden_dim=512,
+                   intermediate_dim=2048, max_sequence_length=512, dropout=0.0)
+BERT_BATCH, BERT_TOKENS, BERT_SCALE = 8, 128, 2.0 ** 8
+BERT_CHECKED_STEPS = 2
+BERT_PEERS = ["ours", "stock", "grads_only"]
+
+
 def items(settings):
-    return [(DIGITS, p) for p in DIGITS_PEERS] + [(MLP, p) for p in mlp_peers()]
+    bert = [] if settings.quick else [(c, p) for c in BERT_CASES for p in BERT_PEERS]
+    return [(DIGITS, p) for p in DIGITS_PEERS] + [(MLP, p) for p in mlp_peers()] + bert
 
 
 class DigitsData:
@@ -130,8 +151,114 @@ class MlpData:
         return self.methods[peer]
 
 
+def keras_hub_or_skip():
+    import pytest
+
+    hub, why = harness.optional("keras_hub")
+    if hub is None:
+        pytest.skip(f"KerasHub model skipped: {why}; pip install -r requirements-bench.txt")
+    return hub
+
+
+def bert_model(recipe, peer):
+    """The classifier, compiled with ``peer``'s loss-scale optimizer around
+    ``recipe``'s; the same weights for every peer."""
+    import keras
+
+    hub = keras_hub_or_skip()
+    keras.utils.set_random_seed(0)
+    backbone = hub.models.BertBackbone(**BERT_CONFIG, dtype="mixed_float16")
+    model = hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None,
+                                          dropout=0.0, dtype="mixed_float16")
+    if recipe == "adam":
+        inner = keras.optimizers.Adam(2e-5)
+    else:
+        inner = keras.optimizers.AdamW(2e-5, weight_decay=0.01, epsilon=1e-6,
+                                       global_clipnorm=1.0)
+        inner.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
+    if peer == "ours":
+        from lossscale import LossScaleOptimizer
+
+        opt = LossScaleOptimizer(inner, initial_scale=BERT_SCALE, dynamic_growth_steps=10 ** 9)
+    else:
+        opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=BERT_SCALE,
+                                                  dynamic_growth_steps=10 ** 9)
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class BertData:
+    def __init__(self, case):
+        keras_hub_or_skip()
+        self.recipe = BERT_CASES[case]
+        rng = np.random.default_rng(0)
+        shape = (BERT_BATCH, BERT_TOKENS)
+        self.x = {"token_ids": rng.integers(0, BERT_CONFIG["vocabulary_size"], shape,
+                                            dtype=np.int32),
+                  "segment_ids": np.zeros(shape, np.int32),
+                  "padding_mask": np.ones(shape, bool)}
+        self.y = rng.integers(0, 2, BERT_BATCH, dtype=np.int32)
+        self.steps = 1
+        self.methods = {}
+        self.models = {}
+        self.identity = self.same_steps()
+        harness.record(f"fit_{case.split('/')[0]}", self.identity)
+
+    def same_steps(self):
+        """As ``MlpData.same_steps``: ours and stock from the same weights on
+        the same batch, bit-identical weights after the steps or not."""
+        weights, applied, paths = {}, {}, {}
+        for peer in ("stock", "ours"):
+            model = self.models[peer] = bert_model(self.recipe, peer)
+            for _ in range(BERT_CHECKED_STEPS):
+                model.train_on_batch(self.x, self.y)
+            weights[peer] = [np.asarray(w) for w in model.get_weights()]
+            applied[peer] = int(model.optimizer.iterations.numpy())
+            paths[peer] = getattr(model.optimizer, "step_path", "stock")
+        stock = weights["stock"]
+        return {
+            "params": int(sum(w.size for w in stock)), "batch": BERT_BATCH,
+            "tokens": BERT_TOKENS, "steps": BERT_CHECKED_STEPS, "applied_steps": applied,
+            "step_path": paths["ours"],
+            "identical": {"ours": all(np.array_equal(a, b)
+                                      for a, b in zip(weights["ours"], stock))},
+        }
+
+    def method(self, peer):
+        if peer not in self.methods:
+            if peer == "grads_only":
+                self.methods[peer] = self._grads_only()
+            else:
+                model = self.models[peer]
+                x, y = self.x, self.y
+                self.methods[peer] = lambda: model.train_on_batch(x, y)
+        return self.methods[peer]
+
+    def _grads_only(self):
+        """The stock model's forward and backward pass, scaled loss and all,
+        without the optimizer step."""
+        tf = harness.tensorflow()
+        model = self.models["stock"]
+        x = {k: tf.constant(v) for k, v in self.x.items()}
+        y = tf.constant(self.y)
+
+        @tf.function
+        def grads():
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = model.compute_loss(x, y, logits)
+                scaled = model.optimizer.scale_loss(loss)
+            return tape.gradient(scaled, model.trainable_variables)
+
+        return grads
+
+
 def test_fit_step(benchmark, case, peer, rnd):
-    data = harness.live(LAYER, case, DigitsData if case == DIGITS else MlpData)
+    if case in BERT_CASES:
+        data = harness.live(LAYER, case, lambda: BertData(case))
+    else:
+        data = harness.live(LAYER, case, DigitsData if case == DIGITS else MlpData)
     fn = data.method(peer)
     name, dtype = case.split("/")
     harness.timed(benchmark, (LAYER, case, peer), fn, dict(
@@ -142,3 +269,10 @@ def test_fit_step(benchmark, case, peer, rnd):
         assert ident["applied_steps"][peer] == MLP_CHECKED_STEPS, ident
         assert ident["identical"][peer], (
             f"{peer}: weights after {MLP_CHECKED_STEPS} steps differ from stock Keras'")
+    if case in BERT_CASES:
+        benchmark.extra_info["step_path"] = data.identity["step_path"]
+        if rnd == 0 and peer == "ours":
+            ident = data.identity
+            assert ident["applied_steps"]["ours"] == BERT_CHECKED_STEPS, ident
+            assert ident["identical"]["ours"], (
+                f"{case}: weights after {BERT_CHECKED_STEPS} steps differ from stock Keras'")

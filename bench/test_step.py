@@ -27,9 +27,9 @@ torch's are copied into ``.grad`` from the same values; making them alone
 report.  The report adds the roofline: the bytes the fused step must move
 (a read-only check of the gradients, 4 B per parameter, then the update:
 20 B for SGD-momentum, 28 B for Adam) at the bandwidth of the numpy layer's
-in-place multiply over 1 GiB in the same run.  The first call of every
-method (tracing for ``tf.function``) is kept: the 2,000-variable case is the
-tracing benchmark of the step.
+in-place multiply over 1 GiB at the step's own thread count, in the same
+run.  The first call of every method (tracing for ``tf.function``) is kept:
+the 2,000-variable case is the tracing benchmark of the step.
 """
 
 import inspect
