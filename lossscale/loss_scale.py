@@ -34,7 +34,7 @@ from lossscale._config import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, FLOA
                                dynamic_loss_scale_config, is_real_number)
 
 __all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "CrossReplicaContextError",
-           "get", "serialize", "deserialize"]
+           "get", "serialize", "deserialize", "from_tensorflow_2_3_optimizer_config"]
 
 
 
@@ -593,6 +593,26 @@ def deserialize(config, custom_objects=None):
         raise ValueError(f"custom_objects[{config['class_name']!r}] is {cls!r}, not a loss-scale "
                          "class with a from_config method.")
     return cls.from_config(dict(config["config"]))
+
+
+def from_tensorflow_2_3_optimizer_config(serialized):
+    """The loss scale of the ``loss_scale`` entry of a TensorFlow 2.3
+    ``LossScaleOptimizer`` config, read as TensorFlow 2.4 read it.
+
+    TensorFlow 2.4's loss-scale optimizers, the experimental one and the
+    other, only follow the dynamic rule with multiplier 2, so their
+    ``from_config`` refused a ``DynamicLossScale`` with any other: so does
+    this, with their message.
+
+    Raises:
+      ValueError: a ``DynamicLossScale`` whose multiplier is not 2; or
+        ``serialized`` is not what ``get`` takes.
+    """
+    loss_scale = get(serialized)
+    if isinstance(loss_scale, DynamicLossScale) and loss_scale.multiplier != 2:
+        raise ValueError("Cannot deserialize LossScaleOptimizer with a DynamicLossScale whose "
+                         f"multiplier is not 2. Got DynamicLossScale: {loss_scale}")
+    return loss_scale
 
 
 _ACCEPTED_IDENTIFIERS = (
