@@ -160,7 +160,6 @@ def _keras2_optimizer(config, custom_objects):
     return cls(**arguments)
 
 
-
 @keras.saving.register_keras_serializable(package="lossscale")
 class LossScaleOptimizer(_StockLossScaleOptimizer):
     """An optimizer that scales the loss dynamically to prevent underflow.

@@ -250,3 +250,53 @@ def test_enable_mixed_precision_graph_rewrite_takes_ours():
     result = subprocess.run([sys.executable, "-c", _REWRITE_CHILD], env=child_env(),
                             cwd=f"{ROOT}/tests", capture_output=True, text=True, timeout=600)
     assert "REWRITE-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+_MIRRORED_CHILD = r'''
+from helpers import assert_same_bits, tf_dynamic, two_cpu_replicas
+
+strategy = two_cpu_replicas()
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.util import deprecation
+import lossscale
+
+def run(make_loss_scale):
+    with strategy.scope():
+        var = tf.Variable([1.0, -2.0])
+        with deprecation.silence():
+            opt = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+                tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), make_loss_scale())
+
+    @tf.function
+    def step(poison):
+        def replica():
+            # Only the second replica's gradients overflow.
+            second = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 1)
+            factor = tf.where(second, poison, 1.0)
+            opt.minimize(lambda: tf.reduce_sum(var * var) * factor, var_list=[var])
+        strategy.run(replica)
+
+    states = []
+    for i in range(10):
+        step(tf.constant(np.inf if i in (2, 5, 6) else 1.0, tf.float32))
+        states.append([var.numpy(), opt._loss_scale().numpy()])
+    return states
+
+ours = run(lambda: lossscale.DynamicLossScale(16.0, 2))
+reference = run(lambda: tf_dynamic(16.0, 2))
+for i, (got, want) in enumerate(zip(ours, reference)):
+    for a, b in zip(got, want):
+        assert_same_bits(np.asarray(a), np.asarray(b), f"step {i}")
+assert_same_bits(ours[2][0], ours[1][0], "the overflow on one replica skipped the step")
+print("MIRRORED-OK")
+'''
+
+
+def test_mirrored_strategy_combines_the_replicas():
+    # TensorFlow's v1 optimizer calls our update in the cross-replica context
+    # of its merge call: the replicas' flags are combined, one overflowing
+    # replica skips the step on both, as with TensorFlow's loss scale.
+    result = subprocess.run([sys.executable, "-c", _MIRRORED_CHILD], env=child_env(),
+                            cwd=f"{ROOT}/tests", capture_output=True, text=True, timeout=600)
+    assert "MIRRORED-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
