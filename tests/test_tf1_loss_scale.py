@@ -199,6 +199,43 @@ def test_checkpoints_move_between_the_two(tmp_path):
             tf.convert_to_tensor(theirs._num_good_steps))
 
 
+def test_saver_checkpoints_move_between_the_two(tmp_path):
+    # TF1's name-based Saver: our variables have TensorFlow's names.
+    def build(make_loss_scale):
+        x = tf.compat.v1.placeholder(tf.float32, (4, 3))
+        y = tf.compat.v1.placeholder(tf.float32, (4, 1))
+        poison = tf.compat.v1.placeholder(tf.float32, ())
+        with deprecation.silence():
+            opt = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+                _inner("adam"), make_loss_scale())
+        train = opt.minimize(_loss(x, y, poison))
+        feeds = (x, y, poison)
+        # pylint: disable=protected-access
+        state = [opt._loss_scale(), opt._loss_scale._num_good_steps] + sorted(
+            tf.compat.v1.trainable_variables(), key=lambda v: v.name)
+        return train, feeds, state
+
+    batches = _batches()[:6]
+    for write, read in [(lossscale.DynamicLossScale, tf_dynamic),
+                        (tf_dynamic, lossscale.DynamicLossScale)]:
+        with tf.Graph().as_default():
+            train, feeds, state = build(lambda write=write: write(2.0**10, 2))
+            saver = tf.compat.v1.train.Saver()
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                for batch in batches:
+                    session.run(train, dict(zip(feeds, batch)))
+                saved = session.run(state)
+                path = saver.save(session, str(tmp_path / "model"))
+        with tf.Graph().as_default():
+            _, _, state = build(lambda read=read: read(1.0, 2))
+            with tf.compat.v1.Session() as session:
+                tf.compat.v1.train.Saver().restore(session, path)
+                for got, want in zip(session.run(state), saved):
+                    assert_same_bits(np.asarray(got), np.asarray(want), "restored")
+        assert float(saved[0]) != 2.0**10, "the scale never moved"
+
+
 _REWRITE_CHILD = r'''
 import numpy as np
 import tensorflow as tf
