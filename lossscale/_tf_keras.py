@@ -175,6 +175,51 @@ class LossScaleOptimizer(metaclass=_Dispatch):
     ``tf_keras.mixed_precision.LossScaleOptimizer``.
     """
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The optimizer of a config of ``tf_keras``' loss-scale optimizers, as
+        their ``from_config`` reads it: ``inner_optimizer``, ``dynamic``,
+        ``initial_scale``, ``dynamic_growth_steps`` (``tf_keras``' form, which
+        was TensorFlow 2.4's), or TensorFlow 2.3's ``optimizer`` and
+        ``loss_scale``, whose ``DynamicLossScale`` must have multiplier 2
+        (TensorFlow 2.4's and ``tf_keras``' message otherwise).  The inner
+        optimizer's config says whether it is a legacy one, as
+        ``tf_keras.optimizers.deserialize`` reads it, and the class is then
+        the one that fits it, as for the constructor.
+
+        Raises:
+          ValueError: ``config`` is not one of those forms, or its loss scale
+            is one ``tf_keras``' rule cannot follow.
+        """
+        from lossscale import loss_scale as loss_scale_module  # pylint: disable=import-outside-toplevel
+
+        if not isinstance(config, dict) or not ("inner_optimizer" in config
+                                                or "optimizer" in config):
+            raise ValueError(f"LossScaleOptimizer.from_config: config must be a dict with an "
+                             f"'inner_optimizer' (or TensorFlow 2.3's 'optimizer') entry, got "
+                             f"{config!r}.")
+        config = dict(config)
+        loss_scale = None
+        if "loss_scale" in config:
+            loss_scale = loss_scale_module.from_tensorflow_2_3_optimizer_config(
+                config.pop("loss_scale"))
+            if not isinstance(loss_scale, (loss_scale_module.FixedLossScale,
+                                           loss_scale_module.DynamicLossScale)):
+                raise ValueError("Serialized LossScaleOptimizers with a LossScale that is "
+                                 "neither a FixedLossScale nor a DynamicLossScale can no longer "
+                                 "be deserialized")
+            config["inner_optimizer"] = config.pop("optimizer")
+        inner = config.pop("inner_optimizer")
+        if not isinstance(inner, (tf_keras.optimizers.Optimizer,
+                                  tf_keras.optimizers.legacy.Optimizer)):
+            inner = tf_keras.optimizers.deserialize(inner, custom_objects=custom_objects)
+        if loss_scale is None:
+            return cls(inner, **config)
+        if config:
+            raise ValueError(f"LossScaleOptimizer.from_config: a TensorFlow 2.3 config has only "
+                             f"'optimizer' and 'loss_scale', got also {sorted(config)}.")
+        return from_loss_scale(inner, loss_scale)
+
 
 def from_loss_scale(optimizer, loss_scale):
     """TensorFlow 2.4's ``LossScaleOptimizer(optimizer, loss_scale)`` for a ``tf_keras`` optimizer.

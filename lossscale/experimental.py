@@ -30,7 +30,6 @@ from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale import optimizer as optimizer_module
 from lossscale.loss_scale import DynamicLossScale, FixedLossScale, LossScale
-from lossscale._config import DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE
 
 import keras
 
@@ -373,62 +372,28 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        if not isinstance(config, dict) or not ("optimizer" in config
-                                                or "inner_optimizer" in config):
+        """The optimizer of ``get_config``'s form (``name``, ``optimizer``,
+        ``loss_scale``), or of one TensorFlow 2.3 or 2.4 wrote, read as
+        TensorFlow 2.4's experimental optimizer read them
+        (``lossscale.optimizer.tensorflow_2_config``: a TensorFlow 2.3 config
+        whose ``DynamicLossScale`` has a multiplier other than 2 is refused).
+        A multiplier of this class's own configs is kept, as its constructor
+        keeps it.  Under ``tf_keras`` the optimizer is ``tf_keras``' one, as
+        the constructor gives."""
+        if _which_keras.tf_keras_in_use():
+            from lossscale import _tf_keras  # pylint: disable=import-outside-toplevel
+
+            return _tf_keras.LossScaleOptimizer.from_config(config, custom_objects)
+        tensorflow = optimizer_module.tensorflow_2_config(config, custom_objects)
+        if tensorflow is not None:
+            return cls(*tensorflow)
+        if not isinstance(config, dict) or "optimizer" not in config:
             raise ValueError(f"{cls.__name__}.from_config: config must be a dict with an "
                              f"'optimizer' entry, got {config!r}.")
         config = dict(config)
-        if "inner_optimizer" in config:
-            # The form of TensorFlow 2.4's non-experimental optimizer.
-            inner = config.pop("inner_optimizer")
-            if config.pop("dynamic", True):
-                config["loss_scale"] = DynamicLossScale(
-                    config.pop("initial_scale", DEFAULT_INITIAL_SCALE),
-                    config.pop("dynamic_growth_steps", DEFAULT_GROWTH_STEPS))
-            else:
-                config["loss_scale"] = FixedLossScale(config.pop("initial_scale"))
-                config.pop("dynamic_growth_steps", None)
-            config["optimizer"] = inner
-        inner_config = config.pop("optimizer")
-        optimizer = _tf2_optimizer(inner_config, custom_objects)
-        if optimizer is None:
-            optimizer = keras.saving.deserialize_keras_object(
-                inner_config, custom_objects=custom_objects)
+        optimizer = optimizer_module.inner_optimizer_from_config(config.pop("optimizer"),
+                                                                 custom_objects)
         return cls(optimizer, **config)
-
-
-def _tf2_optimizer(config, custom_objects):
-    """The Keras 3 optimizer of a TensorFlow 2.x (Keras 2) optimizer config,
-    ``{'class_name': 'SGD', 'config': {...}}``, or None for any other form.
-
-    Keras 2's ``decay`` (``lr / (1 + decay * iterations)``) becomes the same
-    ``InverseTimeDecay`` schedule, as Keras 3 has no ``decay`` argument.
-    """
-    if not (isinstance(config, dict) and isinstance(config.get("config"), dict)
-            and isinstance(config.get("class_name"), str)):
-        return None
-    module = config.get("module")
-    if module is not None and not module.startswith("keras.optimizers.legacy") and (
-            "decay" not in config["config"]):
-        return None
-    name = config["class_name"]
-    cls = (custom_objects or {}).get(name) or getattr(keras.optimizers, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
-        raise ValueError(f"Unknown optimizer {name!r} in a TensorFlow 2.x optimizer config; "
-                         f"pass its Keras 3 class in custom_objects.")
-    arguments = dict(config["config"])
-    decay = arguments.pop("decay", 0.0)
-    rate = arguments.get("learning_rate",
-                         inspect.signature(cls).parameters["learning_rate"].default)
-    if isinstance(rate, dict):
-        rate = keras.optimizers.schedules.deserialize(rate, custom_objects=custom_objects)
-    if decay:
-        if not isinstance(rate, (int, float)):
-            raise ValueError(f"A TensorFlow 2.x optimizer config with both decay={decay} and a "
-                             "learning-rate schedule has no Keras 3 equivalent.")
-        rate = keras.optimizers.schedules.InverseTimeDecay(rate, decay_steps=1, decay_rate=decay)
-    arguments["learning_rate"] = rate
-    return cls(**arguments)
 
 
 def set_policy(policy):

@@ -12,6 +12,15 @@ back-off factor, hysteresis, a skipped-step counter) are off by default, so
 an object built with the seed's arguments is indistinguishable from
 TensorFlow's.  ``get``, ``serialize`` and ``deserialize`` read and write the
 ``{'class_name': ..., 'config': ...}`` form that TensorFlow 2.4's Keras used.
+
+In TensorFlow 2.4 these classes *were* ``tf.compat.v1.mixed_precision``'s, so
+code of that time hands them to every function that takes a loss scale:
+``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``,
+``enable_mixed_precision_graph_rewrite``, ``tf_keras``' wrapping of its
+optimizers.  Those check ``isinstance`` against TensorFlow's classes, so each
+class here is also a subclass of TensorFlow's namesake (where TensorFlow still
+ships them): TensorFlow's code then calls this package's ``__call__``,
+``update`` and ``get_config``, and checkpoints its variables.
 """
 
 import abc
@@ -25,7 +34,7 @@ from lossscale._config import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, FLOA
                                dynamic_loss_scale_config, is_real_number)
 
 __all__ = ["LossScale", "FixedLossScale", "DynamicLossScale", "CrossReplicaContextError",
-           "get", "serialize", "deserialize"]
+           "get", "serialize", "deserialize", "from_tensorflow_2_3_optimizer_config"]
 
 
 
@@ -37,7 +46,17 @@ class CrossReplicaContextError(RuntimeError, AttributeError):
     """
 
 
-class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
+# TensorFlow's own abstract LossScale and its two concrete classes, the bases
+# that make an object of this module one of TensorFlow's (see the module
+# docstring); a plain Trackable and no extra base where TensorFlow has dropped
+# them.
+_TENSORFLOW = _compat.tensorflow_loss_scale_module()
+_TensorFlowLossScale = _TENSORFLOW.LossScale if _TENSORFLOW else _compat.Trackable
+_TensorFlowFixedLossScale = _TENSORFLOW.FixedLossScale if _TENSORFLOW else object
+_TensorFlowDynamicLossScale = _TENSORFLOW.DynamicLossScale if _TENSORFLOW else object
+
+
+class LossScale(_TensorFlowLossScale, metaclass=abc.ABCMeta):
     """Base class for all loss scales.
 
     This is an abstract base class, so you cannot instantiate it directly.
@@ -175,7 +194,7 @@ class LossScale(_compat.Trackable, metaclass=abc.ABCMeta):
         return cls(**config)
 
 
-class FixedLossScale(LossScale):
+class FixedLossScale(LossScale, _TensorFlowFixedLossScale):
     """Loss scale with a fixed value.
 
     The loss scale is never updated: an instance always returns the same
@@ -223,7 +242,7 @@ class FixedLossScale(LossScale):
         return {"loss_scale_value": self._loss_scale_value}
 
 
-class DynamicLossScale(LossScale):
+class DynamicLossScale(LossScale, _TensorFlowDynamicLossScale):
     """Loss scale that adjusts itself as training progresses.
 
     The goal is to keep the loss scale as high as possible without the
@@ -518,12 +537,11 @@ _BUILTIN_CLASSES = {
 
 def _from_tensorflow(identifier):
     """Ours for one of TensorFlow's loss-scale objects, or None if it is not one."""
-    module = _compat.tensorflow_loss_scale_module()
-    if module is None or not isinstance(identifier, module.LossScale):
+    if _TENSORFLOW is None or not isinstance(identifier, _TENSORFLOW.LossScale):
         return None
-    if type(identifier) is module.FixedLossScale:
+    if type(identifier) is _TENSORFLOW.FixedLossScale:
         return FixedLossScale(identifier.get_config()["loss_scale_value"])
-    if type(identifier) is module.DynamicLossScale:
+    if type(identifier) is _TENSORFLOW.DynamicLossScale:
         return DynamicLossScale._wrapping(identifier)  # pylint: disable=protected-access
     return None
 
@@ -575,6 +593,26 @@ def deserialize(config, custom_objects=None):
         raise ValueError(f"custom_objects[{config['class_name']!r}] is {cls!r}, not a loss-scale "
                          "class with a from_config method.")
     return cls.from_config(dict(config["config"]))
+
+
+def from_tensorflow_2_3_optimizer_config(serialized):
+    """The loss scale of the ``loss_scale`` entry of a TensorFlow 2.3
+    ``LossScaleOptimizer`` config, read as TensorFlow 2.4 read it.
+
+    TensorFlow 2.4's loss-scale optimizers, the experimental one and the
+    other, only follow the dynamic rule with multiplier 2, so their
+    ``from_config`` refused a ``DynamicLossScale`` with any other: so does
+    this, with their message.
+
+    Raises:
+      ValueError: a ``DynamicLossScale`` whose multiplier is not 2; or
+        ``serialized`` is not what ``get`` takes.
+    """
+    loss_scale = get(serialized)
+    if isinstance(loss_scale, DynamicLossScale) and loss_scale.multiplier != 2:
+        raise ValueError("Cannot deserialize LossScaleOptimizer with a DynamicLossScale whose "
+                         f"multiplier is not 2. Got DynamicLossScale: {loss_scale}")
+    return loss_scale
 
 
 _ACCEPTED_IDENTIFIERS = (

@@ -51,6 +51,8 @@ unscaling, and the object's rule advances the scale.  Which of the two rules
 a step follows is one object the optimizer holds (``lossscale._step``).
 """
 
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -61,7 +63,7 @@ from lossscale import ops as native_ops
 from lossscale._config import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE,
                                check_keras_rule_arguments)
 
-__all__ = ["LossScaleOptimizer"]
+__all__ = ["LossScaleOptimizer", "inner_optimizer_from_config", "tensorflow_2_config"]
 
 _StockLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -81,6 +83,81 @@ def _check_constructor_arguments(inner_optimizer, initial_scale, dynamic_growth_
         raise TypeError(f"inner_optimizer must be a Keras 3 keras.optimizers.Optimizer, got "
                         f"{type(inner_optimizer).__name__}.{hint}")
     check_keras_rule_arguments(initial_scale, dynamic_growth_steps)
+
+
+def inner_optimizer_from_config(config, custom_objects=None):
+    """The Keras 3 optimizer of a serialized optimizer: Keras 3's form, or
+    TensorFlow 2.x's (Keras 2) ``{'class_name': 'SGD', 'config': {...}}``;
+    an optimizer is itself."""
+    if isinstance(config, keras.optimizers.Optimizer):
+        return config
+    optimizer = _keras2_optimizer(config, custom_objects)
+    if optimizer is None:
+        optimizer = keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
+    return optimizer
+
+
+def tensorflow_2_config(config, custom_objects=None):
+    """``(inner_optimizer, loss_scale)`` of a config TensorFlow 2.3 or 2.4's
+    ``tf.keras.mixed_precision`` loss-scale optimizer wrote, or None for any
+    other config.
+
+    TensorFlow 2.3 wrote ``{'optimizer', 'loss_scale'}``, and TensorFlow 2.4
+    read it refusing a ``DynamicLossScale`` whose multiplier is not 2
+    (``loss_scale.from_tensorflow_2_3_optimizer_config``); TensorFlow 2.4's
+    own form is ``{'inner_optimizer', 'dynamic', 'initial_scale',
+    'dynamic_growth_steps'}``, TensorFlow 2.4's rule with multiplier 2.  The
+    optimizer inside is a Keras 2 one (``inner_optimizer_from_config``).
+    """
+    if not isinstance(config, dict):
+        return None
+    if set(config) == {"optimizer", "loss_scale"}:
+        loss_scale = loss_scale_module.from_tensorflow_2_3_optimizer_config(config["loss_scale"])
+    elif "inner_optimizer" in config and "dynamic" in config:
+        if config["dynamic"]:
+            loss_scale = loss_scale_module.DynamicLossScale(
+                config.get("initial_scale", DEFAULT_INITIAL_SCALE),
+                config.get("dynamic_growth_steps", DEFAULT_GROWTH_STEPS))
+        else:
+            loss_scale = loss_scale_module.FixedLossScale(config.get("initial_scale"))
+    else:
+        return None
+    inner = config["optimizer"] if "optimizer" in config else config["inner_optimizer"]
+    return inner_optimizer_from_config(inner, custom_objects), loss_scale
+
+
+def _keras2_optimizer(config, custom_objects):
+    """The Keras 3 optimizer of a TensorFlow 2.x (Keras 2) optimizer config,
+    ``{'class_name': 'SGD', 'config': {...}}``, or None for any other form.
+
+    Keras 2's ``decay`` (``lr / (1 + decay * iterations)``) becomes the same
+    ``InverseTimeDecay`` schedule, as Keras 3 has no ``decay`` argument.
+    """
+    if not (isinstance(config, dict) and isinstance(config.get("config"), dict)
+            and isinstance(config.get("class_name"), str)):
+        return None
+    module = config.get("module")
+    if module is not None and not module.startswith("keras.optimizers.legacy") and (
+            "decay" not in config["config"]):
+        return None
+    name = config["class_name"]
+    cls = (custom_objects or {}).get(name) or getattr(keras.optimizers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+        raise ValueError(f"Unknown optimizer {name!r} in a TensorFlow 2.x optimizer config; "
+                         f"pass its Keras 3 class in custom_objects.")
+    arguments = dict(config["config"])
+    decay = arguments.pop("decay", 0.0)
+    rate = arguments.get("learning_rate",
+                         inspect.signature(cls).parameters["learning_rate"].default)
+    if isinstance(rate, dict):
+        rate = keras.optimizers.schedules.deserialize(rate, custom_objects=custom_objects)
+    if decay:
+        if not isinstance(rate, (int, float)):
+            raise ValueError(f"A TensorFlow 2.x optimizer config with both decay={decay} and a "
+                             "learning-rate schedule has no Keras 3 equivalent.")
+        rate = keras.optimizers.schedules.InverseTimeDecay(rate, decay_steps=1, decay_rate=decay)
+    arguments["learning_rate"] = rate
+    return cls(**arguments)
 
 
 @keras.saving.register_keras_serializable(package="lossscale")
@@ -312,6 +389,15 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """The optimizer of a Keras 3 config (the stock optimizer's or
+        ours), or of one TensorFlow 2.3 or 2.4's ``tf.keras`` loss-scale
+        optimizer wrote (``tensorflow_2_config``: TensorFlow 2.4's reading,
+        its refusal of a multiplier other than 2 included), which then
+        follows that loss scale (``loss_scale=``), as TensorFlow 2.4 did."""
+        tensorflow = tensorflow_2_config(config, custom_objects)
+        if tensorflow is not None:
+            inner, loss_scale = tensorflow
+            return cls(inner, loss_scale=loss_scale)
         if not isinstance(config, dict) or "inner_optimizer" not in config:
             raise ValueError(f"{cls.__name__}.from_config: config must be a dict with an "
                              f"'inner_optimizer' entry, got {config!r}.")

@@ -12,7 +12,8 @@ scales, and ``tf24_reference_step`` is TensorFlow 2.4's
 scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
 (``keras3_train_step``, ``tf24_train_step``, both on ``scaled_gradients``)
 are that model and loop; ``child_env`` and ``two_cpu_replicas`` set up
-the child processes some tests start.  TensorFlow and Keras are imported
+the child processes some tests start, and ``child_pytest`` runs a file of
+checks in one (``case_names`` lists them).  TensorFlow and Keras are imported
 only by the functions that need them, so that the tests of the C core can
 use this module without them, and the child processes that configure
 TensorFlow before importing it can too.
@@ -197,6 +198,49 @@ def child_env(drop=(), **values):
         env.pop(name, None)
     env.update(values)
     return env
+
+
+def case_names(path):
+    """The ``test_*`` functions defined at the top level of the file ``path``."""
+    import ast
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [node.name for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+
+
+def child_pytest(path, report, **env):
+    """Runs the checks of ``path`` in a child pytest (``child_env(**env)``),
+    its junit report written to ``report``; returns ``{test id: None, or the
+    failure's message and the end of its traceback}``."""
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+         "ignore::DeprecationWarning", f"--junitxml={report}", path],
+        env=child_env(**env), cwd=TESTS, capture_output=True, text=True, timeout=900,
+        check=False)
+    if not os.path.exists(report):
+        raise AssertionError(f"the child pytest of {os.path.basename(path)} wrote no report:\n"
+                             f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
+    results = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        results[case.get("name")] = None if failure is None else failure.get("message", "") + \
+            "\n" + (failure.text or "")[-3000:]
+    return results
+
+
+def assert_child_case_passed(results, name):
+    """Every run of the check ``name`` (each of its parameters) in ``results``
+    of ``child_pytest`` passed, and there was at least one."""
+    mine = {k: v for k, v in results.items() if k == name or k.startswith(name + "[")}
+    assert mine, f"{name} did not run in the child"
+    failed = {k: v for k, v in mine.items() if v is not None}
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
 def two_cpu_replicas():

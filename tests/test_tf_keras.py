@@ -9,51 +9,27 @@ policies, bit for bit.  The tests below the child's run here, under Keras 3:
 ``tf_keras`` objects passed in choose ``tf_keras`` by themselves.
 """
 
-import ast
 import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
 
-from helpers import TESTS, child_env
+from helpers import TESTS, assert_child_case_passed, case_names, child_pytest
 
 tf_keras = pytest.importorskip("tf_keras")
 
 CASES = os.path.join(TESTS, "tf_keras_cases.py")
-CASE_NAMES = [node.name for node in ast.parse(open(CASES, encoding="utf-8").read()).body
-              if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
 
 
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory):
     report = tmp_path_factory.mktemp("tf_keras") / "report.xml"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
-         "ignore::DeprecationWarning", f"--junitxml={report}", CASES],
-        env=child_env(TF_USE_LEGACY_KERAS="1"), cwd=TESTS, capture_output=True, text=True,
-        timeout=900, check=False)
-    if not report.exists():
-        pytest.fail(f"the tf_keras child pytest wrote no report:\n{run.stdout[-4000:]}\n"
-                    f"{run.stderr[-4000:]}")
-    results = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        results[case.get("name")] = None if failure is None else failure.get("message", "") + \
-            "\n" + (failure.text or "")[-3000:]
-    return results
+    return child_pytest(CASES, str(report), TF_USE_LEGACY_KERAS="1")
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("name", case_names(CASES))
 def test_under_tf_keras(child_results, name):
-    mine = {k: v for k, v in child_results.items() if k == name or k.startswith(name + "[")}
-    assert mine, f"{name} did not run in the tf_keras child"
-    failed = {k: v for k, v in mine.items() if v is not None}
-    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+    assert_child_case_passed(child_results, name)
 
 
 # Under Keras 3 (no TF_USE_LEGACY_KERAS): the objects decide.
