@@ -217,11 +217,7 @@ def _push_down_form():
     """1.0 where the stock step built here has a constant added to a
     difference pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``: in a
     graph, by the graph optimizer's constant folding."""
-    if tf.executing_eagerly():
-        return 0.0
-    options = tf.config.optimizer.get_experimental_options()
-    return 1.0 if (not options.get("disable_meta_optimizer", False)
-                   and options.get("constant_folding", True)) else 0.0
+    return 1.0 if _grappler_folds_constants() else 0.0
 
 
 def _rsqrt_reason(inner):
@@ -409,6 +405,16 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
         # own ops, which the kernel does not follow.
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
+    steps = inner.gradient_accumulation_steps
+    if (steps and steps & (steps - 1) and _grappler_folds_constants()
+            and _grappler_reassociates_products()):
+        # The average (acc + g) / steps becomes a product by 1 / steps, which
+        # the graph optimizer merges into the update's first product with the
+        # gradient (SGD's g * lr: g * (1 / steps * lr)).  A product by a power
+        # of two is exact, so for one both orders give the same bits (unless
+        # an intermediate falls below float32's normal range, ~1e-38).
+        return stock(f"gradient_accumulation_steps={steps} in a graph (TensorFlow's graph "
+                     f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
         return Decision(inner)
     reason = family.unsupported(inner) or _step_reason(family, grads, variables)
@@ -468,6 +474,17 @@ def _step_reason(family, grads, variables):
 
 
 # ------------------------------------------------------------------ run
+
+def _grappler_folds_constants():
+    """Whether the stock step built here will have its constants folded: in
+    a graph that TensorFlow's graph optimizer rewrites (its constant
+    folding, which also turns ``x / c`` into ``x * (1 / c)``), not eagerly."""
+    if tf.executing_eagerly():
+        return False
+    options = tf.config.optimizer.get_experimental_options()
+    return (not options.get("disable_meta_optimizer", False)
+            and options.get("constant_folding", True))
+
 
 def _grappler_reassociates_products():
     """Whether the stock step built here will have ``var * wd * lr``
