@@ -18,6 +18,8 @@ raise before anything moves.  Lamb, Adafactor and Muon take the stock path
 and say why.
 """
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -171,6 +173,17 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
     if inner.use_ema:
         averages = inner._model_variables_moving_average
         assert all(np.any(a.numpy() != 0) for a in averages)
+
+
+def test_inexact_reciprocal_scale_accumulates_as_stock():
+    """A scale whose reciprocal is inexact (1000): stock divides each
+    gradient by it before adding it up, and so does the fused step."""
+    models = twin_models("mixed_float16")
+    opts = make_pair(BOTH["sgd_nesterov"], models, initial_scale=1000.0,
+                     dynamic_growth_steps=1000)
+    lockstep(models, opts, batches(40, seed=13), "mixed_float16")
+    assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
+    assert_fused(opts[1])
 
 
 @pytest.mark.parametrize("name", list(THREE))
