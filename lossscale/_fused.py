@@ -405,7 +405,7 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
         # own ops, which the kernel does not follow.
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
-    steps = inner.gradient_accumulation_steps
+    steps = _accumulation_steps(inner)
     if (steps and steps & (steps - 1) and _grappler_folds_constants()
             and _grappler_reassociates_products()):
         # The average (acc + g) / steps becomes a product by 1 / steps, which
@@ -421,7 +421,7 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-    if inner.gradient_accumulation_steps and unscale != "divide":
+    if steps and unscale != "divide":
         _check_accumulable(pairs)
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
                                      [v for _, v in pairs]))
@@ -528,18 +528,24 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     scale = tf.convert_to_tensor(scale, tf.float32)
     library = native_ops.native_library_for([])
     inner = plan.inner
-    if inner.gradient_accumulation_steps:
+    if _accumulation_steps(inner):
         _step.cond(should_apply,
                    lambda: _accumulate_or_update(plan, library, scale, unscale), lambda: None)
     else:
         plan.run(library, should_apply, scale, unscale)
-    if inner.use_ema:
+    if getattr(inner, "use_ema", False):
         _step.cond(should_apply, lambda: _moving_average_step(inner), lambda: None)
     iterations = _compat.optimizer_iterations(plan.inner)
     if advance_iterations_always:
         iterations.assign_add(1)
     else:
         iterations.assign_add(tf.cast(should_apply, iterations.dtype))
+
+
+def _accumulation_steps(inner):
+    """The inner optimizer's ``gradient_accumulation_steps`` (None where its
+    Keras has no such option: tf_keras)."""
+    return getattr(inner, "gradient_accumulation_steps", None)
 
 
 def _unscaled(grads, scale, unscale):
