@@ -418,6 +418,12 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     if grads is None:
         return Decision(inner)
     reason = family.unsupported(inner) or _step_reason(family, grads, variables)
+    if reason is None and tf.distribute.has_strategy() and (
+            steps or getattr(inner, "use_ema", False)):
+        # Keras' accumulation and EMA steps go through the strategy's merge
+        # call, which the cond around them here does not allow (nor does
+        # stock Keras' own cond).
+        reason = "EMA or gradient accumulation under a tf.distribute strategy"
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]

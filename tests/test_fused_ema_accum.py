@@ -401,3 +401,22 @@ def test_stock_path_says_why_not_fused(make_inner, why):
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
     lockstep(models, opts, batches(10, seed=9), "mixed_float16")
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
+
+
+@pytest.mark.parametrize("name", ["ema-adam", "accumulate-sgd_momentum"])
+def test_under_a_strategy_stock_path_as_stock_fails(name):
+    """Keras' EMA and accumulation steps make the strategy's merge call,
+    which stock Keras' cond around the inner step does not allow: under
+    ``MirroredStrategy``, even with one replica, stock fails, and ours takes
+    the stock path (and fails as it does) rather than a fused step of its own."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    for cls in (Stock, Ours):
+        with strategy.scope():
+            model = build_model("mixed_float16")
+            opt = cls(CASES[name](), initial_scale=2.0**8)
+            opt.build(model.trainable_variables)
+        replica = step_fn(model, opt, eager=True)
+        x, y = batches(1)[0]
+        with pytest.raises(RuntimeError, match="merge_call"):
+            tf.function(lambda: strategy.run(replica, args=(x, y, tf.constant(1.0))))()
+    assert opt.step_path == "stock: EMA or gradient accumulation under a tf.distribute strategy"
