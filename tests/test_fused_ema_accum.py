@@ -9,13 +9,16 @@ inner optimizer only accumulates and where it updates.  After every step
 every model variable, every slot, every EMA copy and accumulator,
 ``iterations``, ``dynamic_scale`` and ``step_counter`` must be
 bit-identical, under ``mixed_float16`` and ``mixed_bfloat16``, in
-``tf.function`` and eagerly, with constant and scheduled learning rates, and
-through ``fit`` (whose end overwrites the variables with their EMA).  The
-step must say it was fused.  TensorFlow 2.4's loop is checked against
-TensorFlow's own ``DynamicLossScale`` driving the stock inner optimizer;
-gradients it cannot accumulate (float16 after unscaling in their own dtype)
-raise before anything moves.  Lamb, Adafactor and Muon take the stock path
-and say why.
+``tf.function`` and eagerly, with constant and scheduled learning rates, a
+scale with an inexact reciprocal, across a ``.keras`` save and load
+mid-accumulation, and through ``fit`` (whose end overwrites the variables
+with their EMA).  The step must say it was fused.  A ``LossScale`` rule is
+held to its own stock path, TensorFlow 2.4's loop to TensorFlow's own
+``DynamicLossScale`` driving the stock inner optimizer; gradients they
+cannot accumulate (float16 after unscaling in their own dtype) raise before
+anything moves.  What takes the stock path says why: an average over a
+count that is not a power of two in a graph, a ``tf.distribute`` strategy,
+Lamb, Adafactor and Muon.
 """
 
 import math
@@ -263,6 +266,28 @@ def test_fit_bit_identical_to_stock_every_batch():
                       state(models[1], models[1].optimizer), "after fit")
     assert 0 < int(models[1].optimizer.iterations.numpy()) < 12  # some steps were skipped
     assert_fused(models[1].optimizer)
+
+
+def test_save_and_load_mid_run_then_lockstep(tmp_path):
+    """The accumulators, the EMA copies and their schedules' counter come
+    back from a ``.keras`` file, and the loaded optimizers go on in lockstep."""
+    policy = "mixed_float16"
+    models = twin_models(policy)
+    opts = make_pair(BOTH["adam_schedule"], models, dynamic_growth_steps=5)
+    for model, opt in zip(models, opts):
+        model.compile(optimizer=opt, loss="mse")
+    data = batches(40, seed=5)
+    lockstep(models, opts, data[:19], policy)
+    assert int(opts[1].inner_optimizer._iterations.numpy()) % 2 == 1  # mid-accumulation
+    loaded = []
+    for which, model in zip(("stock", "ours"), models):
+        model.save(tmp_path / f"{which}.keras")
+        loaded.append(keras.saving.load_model(tmp_path / f"{which}.keras"))
+    assert type(loaded[1].optimizer) is Ours
+    assert_same_state(state(models[1], opts[1]), state(loaded[1], loaded[1].optimizer),
+                      "after load")
+    lockstep(loaded, [m.optimizer for m in loaded], data[19:], policy)
+    assert_fused(loaded[1].optimizer)
 
 
 # ------------------------------------- TensorFlow 2.4's loop, experimental
