@@ -97,10 +97,13 @@ class Family:
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
+      scales_gradient: whether ``update_step`` multiplies the gradient by
+        a scalar (SGD's ``g * lr``), a product TensorFlow's graph optimizer
+        merges with the ``1 / steps`` of an accumulated average.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=(), unsupported=None):
+                 state=None, supports=(), unsupported=None, scales_gradient=True):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
@@ -110,6 +113,7 @@ class Family:
         self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
+        self.scales_gradient = scales_gradient
 
     def reproduces(self, inner):
         return (isinstance(inner, self.keras_class)
@@ -203,7 +207,7 @@ def _adam_scalars(inner, lr):
 
 
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
-             scalars=_adam_scalars, supports=_AROUND_UPDATE)
+             scalars=_adam_scalars, supports=_AROUND_UPDATE, scales_gradient=False)
 
 
 def _rsqrt_form():
@@ -334,7 +338,7 @@ FAMILIES = (
            supports=_AROUND_UPDATE),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
-           scalars=_adamax_scalars, supports=_AROUND_UPDATE),
+           scalars=_adamax_scalars, supports=_AROUND_UPDATE, scales_gradient=False),
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
            scalars=_nadam_scalars, state=_nadam_state, supports=_AROUND_UPDATE),
@@ -406,11 +410,13 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
     steps = _accumulation_steps(inner)
-    if (steps and steps & (steps - 1) and _grappler_folds_constants()
-            and _grappler_reassociates_products()):
+    if (steps and steps & (steps - 1) and family.scales_gradient
+            and _grappler_folds_constants() and _grappler_reassociates_products()):
         # The average (acc + g) / steps becomes a product by 1 / steps, which
         # the graph optimizer merges into the update's first product with the
-        # gradient (SGD's g * lr: g * (1 / steps * lr)).  A product by a power
+        # gradient (SGD's g * lr: g * (1 / steps * lr)); Adam and Adamax
+        # subtract from the gradient, square it or take its absolute value
+        # first, which ends the chain of products.  A product by a power
         # of two is exact, so for one both orders give the same bits (unless
         # an intermediate falls below float32's normal range, ~1e-38).
         return stock(f"gradient_accumulation_steps={steps} in a graph (TensorFlow's graph "

@@ -95,12 +95,19 @@ BOTH = {
                                 gradient_accumulation_steps=2),
 }
 
-# Three steps: an average whose 1 / 3 is inexact.
+# Three steps: an average whose 1 / 3 is inexact.  The value: whether the
+# family multiplies the gradient by a scalar (where the graph optimizer
+# merges the 1 / 3 in).
 THREE = {
-    "adam": lambda: opt_.Adam(0.003, gradient_accumulation_steps=3),
-    "sgd_nesterov_ema": lambda: opt_.SGD(0.02, momentum=0.9, nesterov=True, use_ema=True,
-                                         ema_overwrite_frequency=3,
-                                         gradient_accumulation_steps=3),
+    "adam": (lambda: opt_.Adam(0.003, gradient_accumulation_steps=3), False),
+    "adamw_ema": (lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004,
+                                                 use_ema=True, gradient_accumulation_steps=3),
+                  False),
+    "adamax": (lambda: opt_.Adamax(0.003, gradient_accumulation_steps=3), False),
+    "sgd_nesterov_ema": (lambda: opt_.SGD(0.02, momentum=0.9, nesterov=True, use_ema=True,
+                                          ema_overwrite_frequency=3,
+                                          gradient_accumulation_steps=3), True),
+    "nadam": (lambda: opt_.Nadam(0.003, gradient_accumulation_steps=3), True),
 }
 
 CASES = {**{f"ema-{k}": v for k, v in EMA.items()},
@@ -194,14 +201,20 @@ def test_inexact_average_stock_in_a_graph_fused_eagerly(name):
     """Accumulating over a number of steps that is not a power of two: in a
     graph Keras' average ``(acc + g) / 3`` is a product by ``1 / 3`` that the
     graph optimizer merges into the update's own products (SGD's ``g * lr``),
-    which the fused op cannot follow: the stock path, saying why.  Eagerly
-    the division is a division, fused."""
-    for eager, steps in ((False, 40), (True, 16)):
-        models = twin_models("mixed_float16")
-        opts = make_pair(THREE[name], models, initial_scale=2.0**8, dynamic_growth_steps=5)
-        skipped = lockstep(models, opts, batches(steps, seed=12), "mixed_float16", eager=eager)
+    which the fused op cannot follow: the stock path, saying why.  Adam and
+    Adamax have no such product: fused.  Eagerly the division is a
+    division, fused."""
+    make_inner, scales_gradient = THREE[name]
+    # (policy, eager, steps, initial scale): under bfloat16 a high scale,
+    # for the forced overflows to overflow.
+    runs = [("mixed_float16", False, 40, 2.0**8), ("mixed_bfloat16", False, 40, 2.0**15),
+            ("mixed_float16", True, 16, 2.0**8)]
+    for policy, eager, steps, scale in runs:
+        models = twin_models(policy)
+        opts = make_pair(make_inner, models, initial_scale=scale, dynamic_growth_steps=5)
+        skipped = lockstep(models, opts, batches(steps, seed=12), policy, eager=eager)
         assert set(skipped.values()) == {"update", "accumulate"}, skipped
-        if eager:
+        if eager or not scales_gradient:
             assert_fused(opts[1])
         else:
             assert opts[1].step_path == (
