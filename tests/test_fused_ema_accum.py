@@ -197,7 +197,7 @@ def test_inexact_reciprocal_scale_accumulates_as_stock():
 
 
 @pytest.mark.parametrize("name", list(THREE))
-def test_inexact_average_stock_in_a_graph_fused_eagerly(name):
+def test_average_over_three_steps_fused_where_exact(name):
     """Accumulating over a number of steps that is not a power of two: in a
     graph Keras' average ``(acc + g) / 3`` is a product by ``1 / 3`` that the
     graph optimizer merges into the update's own products (SGD's ``g * lr``),
