@@ -29,6 +29,9 @@ __all__ = [
     "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
     "optimizer_learning_rate_variable", "trackable_children", "lookup_dependency",
     "deferred_dependencies", "nadam_u_product", "same_update_as",
+    "gradient_accumulators", "reset_gradient_accumulators",
+    "increment_gradient_accumulators", "update_moving_averages",
+    "overwrite_with_moving_averages",
 ]
 
 # ------------------------------------------------------------- TensorFlow
@@ -176,6 +179,44 @@ def nadam_u_product(optimizer):
     """Nadam's running product of its momentum schedule, the scalar state
     its ``_backend_update_step`` moves once per applied step."""
     return optimizer._u_product  # pylint: disable=protected-access
+
+
+def gradient_accumulators(optimizer, variables):
+    """The accumulators of ``variables`` in a Keras optimizer built with
+    ``gradient_accumulation_steps`` (its ``_accumulated_gradients``, indexed
+    by ``_get_variable_index``), where its apply adds each gradient."""
+    accumulated = optimizer._accumulated_gradients  # pylint: disable=protected-access
+    return [accumulated[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
+            for v in variables]
+
+
+def reset_gradient_accumulators(optimizer):
+    """Zeroes every gradient accumulator as Keras does after an update step
+    (``_backend_reset_gradient_accumulators``, the backend's own)."""
+    optimizer._backend_reset_gradient_accumulators()  # pylint: disable=protected-access
+
+
+def increment_gradient_accumulators(optimizer, grads, accumulators):
+    """Adds ``grads`` to their ``accumulators`` as Keras does on a step that
+    only accumulates (``_backend_increment_gradient_accumulators``)."""
+    optimizer._backend_increment_gradient_accumulators(  # pylint: disable=protected-access
+        grads, accumulators)
+
+
+def update_moving_averages(optimizer):
+    """Moves the EMA of every variable ``optimizer`` was built for, as Keras
+    does after each applied step with ``use_ema``
+    (``_update_model_variables_moving_average``)."""
+    optimizer._update_model_variables_moving_average(  # pylint: disable=protected-access
+        optimizer._trainable_variables)  # pylint: disable=protected-access
+
+
+def overwrite_with_moving_averages(optimizer):
+    """Assigns each variable ``optimizer`` was built for its EMA, as Keras
+    does every ``ema_overwrite_frequency`` steps
+    (``_overwrite_model_variables_with_average_value``)."""
+    optimizer._overwrite_model_variables_with_average_value(  # pylint: disable=protected-access
+        optimizer._trainable_variables)  # pylint: disable=protected-access
 
 
 def uses_weight_decay(optimizer, variable):

@@ -17,9 +17,15 @@ derives from ``iterations`` (the learning rate of a schedule, Adam's
 ``alpha``) are computed here with the same TensorFlow ops, in the same
 order, as Keras computes them.
 
+EMA (``use_ema``) and gradient accumulation (``gradient_accumulation_steps``)
+wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
+``update_step`` (see ``apply``): the accumulating steps add the unscaled
+gradients to the accumulators with TensorFlow's ops, an update step runs
+the family's op on their average, and the EMA follows every applied step.
+
 What a family does not support is left to the stock path: an option it
-does not declare (clipping, EMA, gradient accumulation, an inner
-``loss_scale_factor``), sparse gradients, variable constraints or
+does not declare (clipping, an inner ``loss_scale_factor``), sparse
+gradients, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 several replicas, and any place the native op cannot run (library missing,
@@ -51,6 +57,21 @@ _OPTIONS = (
      lambda value: value is not None),
 )
 
+# The options ``apply`` runs around the update of any family: the EMA after
+# it, the accumulation before it.
+_AROUND_UPDATE = ("use_ema", "gradient_accumulation_steps")
+
+# Stock optimizers no family reproduces, and why none does.
+_NOT_FUSED = (
+    ("Lamb", "Lamb's trust ratio divides by the norms of each variable and of its update "
+             "(TensorFlow reductions, between its moment and variable updates), which one "
+             "fused pass does not reproduce"),
+    ("Adafactor", "Adafactor's factored moments and RMS are means over each variable "
+                  "(TensorFlow reductions) inside its update, which one fused pass does not "
+                  "reproduce"),
+    ("Muon", "Muon orthogonalises each gradient matrix (Newton-Schulz matrix products)"),
+)
+
 
 class Family:
     """One fused optimizer family, as the native op runs it
@@ -76,10 +97,13 @@ class Family:
       supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
+      scales_gradient: whether ``update_step`` multiplies the gradient by
+        a scalar (SGD's ``g * lr``), a product TensorFlow's graph optimizer
+        merges with the ``1 / steps`` of an accumulated average.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=(), unsupported=None):
+                 state=None, supports=(), unsupported=None, scales_gradient=True):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
@@ -89,6 +113,7 @@ class Family:
         self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
+        self.scales_gradient = scales_gradient
 
     def reproduces(self, inner):
         return (isinstance(inner, self.keras_class)
@@ -112,16 +137,18 @@ class Plan:
         self.scalars = None
         self.state = []
 
-    def run(self, library, should_apply, scale, unscale):
-        """The family's native op over the plan (``prepare_scalars`` first),
-        then the family's own state, when ``should_apply``."""
+    def run(self, library, should_apply, scale, unscale, grads=None):
+        """The family's native op over the plan (``prepare_scalars`` first)
+        on its gradients (or ``grads``, in their place), then the family's
+        own state, when ``should_apply``."""
         def handles(variables):
             return [_step.tf_variable(v).handle for v in variables]
 
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
         library.loss_scale_apply_optimizer(
-            should_apply, handles(self.variables), slots, self.grads, scale,
+            should_apply, handles(self.variables), slots,
+            self.grads if grads is None else grads, scale,
             self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
             hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
             unscale=unscale)
@@ -180,7 +207,7 @@ def _adam_scalars(inner, lr):
 
 
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
-             scalars=_adam_scalars)
+             scalars=_adam_scalars, supports=_AROUND_UPDATE, scales_gradient=False)
 
 
 def _rsqrt_form():
@@ -194,11 +221,7 @@ def _push_down_form():
     """1.0 where the stock step built here has a constant added to a
     difference pushed down, ``(v - s) + eps`` -> ``(eps - s) + v``: in a
     graph, by the graph optimizer's constant folding."""
-    if tf.executing_eagerly():
-        return 0.0
-    options = tf.config.optimizer.get_experimental_options()
-    return 1.0 if (not options.get("disable_meta_optimizer", False)
-                   and options.get("constant_folding", True)) else 0.0
+    return 1.0 if _grappler_folds_constants() else 0.0
 
 
 def _rsqrt_reason(inner):
@@ -306,20 +329,21 @@ FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           hyper=_sgd_hyper),
+           hyper=_sgd_hyper, supports=_AROUND_UPDATE),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
-           unsupported=_rsqrt_reason),
+           unsupported=_rsqrt_reason, supports=_AROUND_UPDATE),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
-           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason),
+           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason,
+           supports=_AROUND_UPDATE),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
-           scalars=_adamax_scalars),
+           scalars=_adamax_scalars, supports=_AROUND_UPDATE, scales_gradient=False),
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
-           scalars=_nadam_scalars, state=_nadam_state),
+           scalars=_nadam_scalars, state=_nadam_state, supports=_AROUND_UPDATE),
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
-           numbers=("beta_1", "beta_2"), hyper=_lion_hyper),
+           numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE),
 )
 
 _CLASS_NAMES = sorted({f.keras_class.__name__ for f in FAMILIES}, key=str.lower)
@@ -344,13 +368,16 @@ class Decision:
         self.path = f"stock: {reason}" if reason else f"fused ({type(inner).__name__})"
 
 
-def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None):
+def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
+           unscale="divide"):
     """The fused ``Plan`` for this step, or the reason it takes the stock path.
 
     ``enabled`` is the optimizer's ``fused`` switch; ``rule_reason`` what
-    its loss-scale rule says against fusing (None: nothing).  Without
-    ``grads`` it answers for the configuration alone (``step_path`` before
-    any step) and never holds a plan.
+    its loss-scale rule says against fusing (None: nothing); ``unscale``
+    how the step will unscale the gradients (as ``apply`` takes it).
+    Without ``grads`` it answers for the configuration alone (``step_path``
+    before any step) and never holds a plan.  Gradients the inner
+    optimizer cannot accumulate raise a ValueError before anything moves.
     """
     def stock(reason):
         return Decision(inner, reason=reason)
@@ -361,6 +388,9 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
         return stock(rule_reason)
     family = family_of(inner)
     if family is None:
+        for name, reason in _NOT_FUSED:
+            if isinstance(inner, getattr(keras.optimizers, name, ())):
+                return stock(reason)
         return stock(f"the inner optimizer ({type(inner).__name__}) is not a stock "
                      f"{_FAMILY_NAMES}")
     for attr, reason, is_set in _OPTIONS:
@@ -379,14 +409,49 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
         # own ops, which the kernel does not follow.
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
+    steps = _accumulation_steps(inner)
+    if (steps and steps & (steps - 1) and family.scales_gradient
+            and _grappler_folds_constants() and _grappler_reassociates_products()):
+        # The average (acc + g) / steps becomes a product by 1 / steps, which
+        # the graph optimizer merges into the update's first product with the
+        # gradient (SGD's g * lr: g * (1 / steps * lr)); Adam and Adamax
+        # subtract from the gradient, square it or take its absolute value
+        # first, which ends the chain of products.  A product by a power
+        # of two is exact, so for one both orders give the same bits (unless
+        # an intermediate falls below float32's normal range, ~1e-38).
+        return stock(f"gradient_accumulation_steps={steps} in a graph (TensorFlow's graph "
+                     f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
         return Decision(inner)
     reason = family.unsupported(inner) or _step_reason(family, grads, variables)
+    if reason is None and tf.distribute.has_strategy() and (
+            steps or getattr(inner, "use_ema", False)):
+        # Keras' accumulation and EMA steps go through the strategy's merge
+        # call, which the cond around them here does not allow (nor does
+        # stock Keras' own cond).
+        reason = "EMA or gradient accumulation under a tf.distribute strategy"
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    if steps and unscale != "divide":
+        _check_accumulable(pairs)
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
                                      [v for _, v in pairs]))
+
+
+def _check_accumulable(pairs):
+    """Gradients unscaled in their own dtype (a ``LossScale`` rule, or
+    TensorFlow 2.4's loop) must be float32 to be added to the float32
+    accumulators: stock Keras' add of a float16 gradient fails halfway
+    through its step."""
+    for g, v in pairs:
+        dtype = tf.as_dtype(g.dtype)
+        if dtype != tf.float32:
+            raise ValueError(
+                f"gradient_accumulation_steps: the inner optimizer adds each gradient to a "
+                f"float32 accumulator, and the gradient of {v.name} is {dtype.name} after "
+                "unscaling (unscaled in its own dtype, as TensorFlow 2.4 did); cast the "
+                "gradients to float32 first.  No variable was changed.")
 
 
 def _step_reason(family, grads, variables):
@@ -422,6 +487,17 @@ def _step_reason(family, grads, variables):
 
 # ------------------------------------------------------------------ run
 
+def _grappler_folds_constants():
+    """Whether the stock step built here will have its constants folded: in
+    a graph that TensorFlow's graph optimizer rewrites (its constant
+    folding, which also turns ``x / c`` into ``x * (1 / c)``), not eagerly."""
+    if tf.executing_eagerly():
+        return False
+    options = tf.config.optimizer.get_experimental_options()
+    return (not options.get("disable_meta_optimizer", False)
+            and options.get("constant_folding", True))
+
+
 def _grappler_reassociates_products():
     """Whether the stock step built here will have ``var * wd * lr``
     reordered to ``var * (wd * lr)``: in a graph that TensorFlow's graph
@@ -453,11 +529,76 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     ``"none"`` — and ``iterations`` advanced; when not, nothing changes.
     ``plan.prepare_scalars()`` must have run before the loss scale moved.
     With ``advance_iterations_always`` a skipped step advances
-    ``iterations`` too, as TensorFlow 2.4's optimizer did."""
+    ``iterations`` too, as TensorFlow 2.4's optimizer did.
+
+    With ``gradient_accumulation_steps`` an applied step only adds the
+    unscaled gradients to the accumulators, except every ``steps``-th
+    (counted by ``iterations``) which updates by their average and zeroes
+    them; with ``use_ema`` every applied step then moves the EMA, and
+    overwrites the variables with it on Keras' schedule.  Each as Keras'
+    ``_backend_apply_gradients`` does, with its ops."""
     scale = tf.convert_to_tensor(scale, tf.float32)
-    plan.run(native_ops.native_library_for([]), should_apply, scale, unscale)
+    library = native_ops.native_library_for([])
+    inner = plan.inner
+    if _accumulation_steps(inner):
+        _step.cond(should_apply,
+                   lambda: _accumulate_or_update(plan, library, scale, unscale), lambda: None)
+    else:
+        plan.run(library, should_apply, scale, unscale)
+    if getattr(inner, "use_ema", False):
+        _step.cond(should_apply, lambda: _moving_average_step(inner), lambda: None)
     iterations = _compat.optimizer_iterations(plan.inner)
     if advance_iterations_always:
         iterations.assign_add(1)
     else:
         iterations.assign_add(tf.cast(should_apply, iterations.dtype))
+
+
+def _accumulation_steps(inner):
+    """The inner optimizer's ``gradient_accumulation_steps`` (None where its
+    Keras has no such option: tf_keras)."""
+    return getattr(inner, "gradient_accumulation_steps", None)
+
+
+def _unscaled(grads, scale, unscale):
+    """The gradients the stock step hands the inner optimizer's apply:
+    ``g / scale`` in float32 (Keras 3's ``ops.divide``), ``g * (1 / scale)``
+    in g's dtype (TensorFlow 2.4), or as they came."""
+    if unscale == "divide":
+        return [tf.math.divide(tf.cast(g, tf.float32), scale) for g in grads]
+    if unscale == "multiply":
+        inverse = 1.0 / scale
+        return [g * tf.cast(inverse, g.dtype) for g in grads]
+    return list(grads)
+
+
+def _accumulate_or_update(plan, library, scale, unscale):
+    """An applied step of an inner optimizer with gradient accumulation:
+    Keras' ``_backend_apply_gradients`` with the fused op as its update."""
+    inner = plan.inner
+    steps = inner.gradient_accumulation_steps
+    accumulators = _compat.gradient_accumulators(inner, plan.variables)
+    is_update_step = (_compat.optimizer_iterations(inner) + 1) % steps == 0
+
+    def update():
+        # Keras' order: the new gradient plus the accumulated, then divided.
+        grads = [(g + a) / steps for g, a in zip(_unscaled(plan.grads, scale, unscale),
+                                                  accumulators)]
+        plan.run(library, tf.constant(True), scale, "none", grads=grads)
+        _compat.reset_gradient_accumulators(inner)
+
+    def accumulate():
+        _compat.increment_gradient_accumulators(
+            inner, _unscaled(plan.grads, scale, unscale), accumulators)
+
+    _step.cond(is_update_step, update, accumulate)
+
+
+def _moving_average_step(inner):
+    """An applied step's EMA of an inner optimizer with ``use_ema``, after
+    its update: Keras' ``_backend_apply_gradients``, its last part."""
+    _compat.update_moving_averages(inner)
+    frequency = inner.ema_overwrite_frequency
+    if frequency:
+        _step.cond((inner.iterations + 1) % frequency == 0,
+                   lambda: _compat.overwrite_with_moving_averages(inner), lambda: None)

@@ -18,10 +18,12 @@ update (one native op), then ONE native op that unscales every gradient on
 the fly and applies the inner optimizer's update to every variable and
 slot, in one pass over memory: no unscaled copy of the gradients, no op per
 variable.  Its arithmetic is Keras' float32 op by op, in Keras' order, so
-variables and slots come out bit-identical.  ``step_path`` says which path a
-step took and why; ``fused=False`` turns it off.  Anything the fused path
-does not do (clipping, EMA, gradient accumulation, constraints, sparse
-gradients, several replicas, a non-CPU device, XLA...) takes the path
+variables and slots come out bit-identical.  An inner optimizer's EMA and
+gradient accumulation run around that op with Keras' own ops, on Keras'
+schedule.  ``step_path`` says which path a step took and why;
+``fused=False`` turns it off.  Anything the fused path does not do
+(clipping, constraints, sparse gradients, several replicas, a non-CPU
+device, XLA...) takes the path
 below: the finite check and the unscale of the whole gradient list are one
 native op, and the scale update is another, instead of three ops per
 gradient and a graph of ``cond``s; then the inner optimizer's own step.
@@ -297,13 +299,14 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     # ------------------------------------------------------------------
     # The fused step
 
-    def _decide(self, grads=None, variables=None):
+    def _decide(self, grads=None, variables=None, unscale=None):
         """``lossscale._fused.decide`` for this optimizer: its ``fused`` switch,
         its rule, its inner optimizer; with ``grads``, for this step (and
-        recorded for ``step_path``)."""
+        recorded for ``step_path``), unscaled as ``_fused_apply`` will."""
         decision = _fused.decide(self.inner_optimizer, enabled=self._fused,
                                  rule_reason=self._rule.fused_reason(),
-                                 grads=grads, variables=variables)
+                                 grads=grads, variables=variables,
+                                 unscale=unscale or self._rule.fused_unscale)
         if grads is not None:
             self._step_path = decision.path
         return decision

@@ -308,3 +308,53 @@ def test_same_update_as_sees_an_overridden_step():
     assert not _compat.same_update_as(OwnUpdate(), keras.optimizers.Adam)
     assert not _compat.same_update_as(OwnStep(), keras.optimizers.Nadam)
     assert hasattr(keras.optimizers.Nadam, "_backend_update_step")
+
+
+def test_gradient_accumulators_and_their_increment_and_reset():
+    """Where Keras keeps each variable's accumulator, and its own add and
+    zeroing of them."""
+    import numpy as np
+
+    variables = [keras.Variable(np.ones((2, 3), np.float32), name="a"),
+                 keras.Variable(np.ones(4, np.float32), name="b")]
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    optimizer.build(variables)
+    accumulators = _compat.gradient_accumulators(optimizer, variables[::-1])
+    assert [tuple(a.shape) for a in accumulators] == [(4,), (2, 3)], (
+        "gradient_accumulators: _accumulated_gradients no longer follows _get_variable_index")
+    assert all("gradient_accumulator" in a.name for a in accumulators)
+    grads = [tf.fill((4,), 0.5), tf.fill((2, 3), -2.0)]
+    for _ in range(2):
+        _compat.increment_gradient_accumulators(optimizer, grads, accumulators)
+    assert [a.numpy().tolist() for a in accumulators] == [[1.0] * 4, [[-4.0] * 3] * 2], (
+        "increment_gradient_accumulators: _backend_increment_gradient_accumulators moved")
+    _compat.reset_gradient_accumulators(optimizer)
+    assert all(not a.numpy().any() for a in accumulators), (
+        "reset_gradient_accumulators: _backend_reset_gradient_accumulators moved")
+
+
+def test_moving_averages_update_and_overwrite():
+    """Keras' EMA step (``ema_momentum`` from the second step on) over every
+    variable the optimizer was built for, and its overwrite of them."""
+    import numpy as np
+
+    variables = [keras.Variable(np.full(3, 2.0, np.float32), name="a"),
+                 keras.Variable(np.full(2, -1.0, np.float32), name="b")]
+    optimizer = keras.optimizers.SGD(use_ema=True, ema_momentum=0.75)
+    optimizer.build(variables)
+    averages = optimizer._model_variables_moving_average  # pylint: disable=protected-access
+    _compat.update_moving_averages(optimizer)
+    assert [a.numpy().tolist() for a in averages] == [[2.0] * 3, [-1.0] * 2], (
+        "update_moving_averages: the first step no longer copies the variables")
+    optimizer.iterations.assign(1)
+    for v in variables:
+        v.assign(v * 3.0)
+    _compat.update_moving_averages(optimizer)
+    m = np.float32(0.75)
+    want = [m * np.float32(2.0) + (np.float32(1) - m) * np.float32(6.0),
+            m * np.float32(-1.0) + (np.float32(1) - m) * np.float32(-3.0)]
+    assert [a.numpy()[0] for a in averages] == want, (
+        "update_moving_averages: _update_model_variables_moving_average moved")
+    _compat.overwrite_with_moving_averages(optimizer)
+    assert [v.numpy()[0] for v in variables] == want, (
+        "overwrite_with_moving_averages: _overwrite_model_variables_with_average_value moved")

@@ -162,17 +162,22 @@ def optimizer_variables(opt):
     return list(opt.variables) + own_state(opt.inner_optimizer)
 
 
+def path(variable):
+    # A LossScale's variables are tf.Variables, which have a name only.
+    return getattr(variable, "path", variable.name)
+
+
 def state(model, opt):
     """(path, bits) of every model variable and every optimizer variable."""
-    return [(v.path, bits(v.numpy())) for v in list(model.variables) + optimizer_variables(opt)]
+    return [(path(v), bits(v.numpy())) for v in list(model.variables) + optimizer_variables(opt)]
 
 
 def state_reader(model, opt):
     """``state`` as one graph call: reading ~40 variables one by one eagerly
     costs more than the training step itself."""
     variables = list(model.variables) + optimizer_variables(opt)
-    read = tf.function(lambda: [tf.identity(v.value) for v in variables])
-    return lambda: [(v.path, bits(t.numpy())) for v, t in zip(variables, read())]
+    read = tf.function(lambda: [tf.identity(v) for v in variables])
+    return lambda: [(path(v), bits(t.numpy())) for v, t in zip(variables, read())]
 
 
 def assert_same_state(a, b, where):

@@ -1,0 +1,460 @@
+"""EMA and gradient accumulation on the fused step, against stock Keras.
+
+The oracle is stock ``keras.optimizers.LossScaleOptimizer(inner)`` with an
+inner optimizer of every fused family that sets ``use_ema`` (several
+``ema_momentum`` values, ``ema_overwrite_frequency`` None and several
+periods), ``gradient_accumulation_steps`` (2, 3 and 4) or both, twin models
+as in ``test_fused_step``, overflow forced on steps that fall both where the
+inner optimizer only accumulates and where it updates.  After every step
+every model variable, every slot, every EMA copy and accumulator,
+``iterations``, ``dynamic_scale`` and ``step_counter`` must be
+bit-identical, under ``mixed_float16`` and ``mixed_bfloat16``, in
+``tf.function`` and eagerly, with constant and scheduled learning rates, a
+scale with an inexact reciprocal, across a ``.keras`` save and load
+mid-accumulation, and through ``fit`` (whose end overwrites the variables
+with their EMA).  The step must say it was fused.  A ``LossScale`` rule is
+held to its own stock path, TensorFlow 2.4's loop to TensorFlow's own
+``DynamicLossScale`` driving the stock inner optimizer; gradients they
+cannot accumulate (float16 after unscaling in their own dtype) raise before
+anything moves.  What takes the stock path says why: an average over a
+count that is not a power of two in a graph, a ``tf.distribute`` strategy,
+Lamb, Adafactor and Muon.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lossscale
+from helpers import batch_recorder, bits, tf24_reference_step, tf24_train_step, tf_dynamic
+from test_fused_step import (INF, NAN, Ours, Stock, assert_same_state, batches, build_model,
+                             excluding_biases, own_state, schedule, state, state_reader,
+                             step_fn, twin_models)
+
+opt_ = keras.optimizers
+
+
+def adamw_excluding_biases(**kw):
+    return excluding_biases(opt_.AdamW(**kw))
+
+
+# Every fused family with EMA, with accumulation, and with both.  No case
+# pairs a schedule with weight decay: in a graph that takes the stock path
+# (test_fused_step).
+EMA = {
+    "sgd_momentum": lambda: opt_.SGD(0.02, momentum=0.9, use_ema=True),
+    "sgd_nesterov_schedule": lambda: opt_.SGD(schedule(), momentum=0.9, nesterov=True,
+                                              use_ema=True, ema_momentum=0.9,
+                                              ema_overwrite_frequency=5),
+    "adam": lambda: opt_.Adam(0.003, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=1),
+    "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004,
+                                                    use_ema=True, ema_overwrite_frequency=3),
+    "rmsprop_efficientnet": lambda: opt_.RMSprop(rho=0.9, momentum=0.9, epsilon=0.001,
+                                                 use_ema=True),
+    "adagrad_schedule": lambda: opt_.Adagrad(schedule(), use_ema=True, ema_momentum=0.999,
+                                             ema_overwrite_frequency=7),
+    "adamax_decay": lambda: opt_.Adamax(0.003, weight_decay=0.01, use_ema=True,
+                                        ema_momentum=0.75),
+    "nadam_schedule": lambda: opt_.Nadam(schedule(), beta_1=0.8, use_ema=True,
+                                         ema_overwrite_frequency=4),
+    "lion_decay": lambda: opt_.Lion(0.0005, weight_decay=0.01, use_ema=True, ema_momentum=0.9,
+                                    ema_overwrite_frequency=2),
+}
+
+ACCUMULATE = {
+    "sgd_momentum": lambda: opt_.SGD(0.02, momentum=0.9, gradient_accumulation_steps=2),
+    "sgd_weight_decay": lambda: opt_.SGD(0.02, momentum=0.5, weight_decay=0.01,
+                                         gradient_accumulation_steps=4),
+    "adam_amsgrad_schedule": lambda: opt_.Adam(schedule(), amsgrad=True,
+                                               gradient_accumulation_steps=4),
+    "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004,
+                                                    gradient_accumulation_steps=4),
+    "rmsprop_centered_decay": lambda: excluding_biases(opt_.RMSprop(
+        0.002, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True, weight_decay=0.01,
+        gradient_accumulation_steps=2)),
+    "adagrad_decay": lambda: opt_.Adagrad(0.05, initial_accumulator_value=0.37, epsilon=1e-5,
+                                          weight_decay=0.02, gradient_accumulation_steps=2),
+    "adamax_schedule": lambda: opt_.Adamax(schedule(), beta_1=0.8, beta_2=0.95, epsilon=1e-4,
+                                           gradient_accumulation_steps=4),
+    "nadam_decay": lambda: opt_.Nadam(0.003, weight_decay=0.01, gradient_accumulation_steps=2),
+    "lion_schedule": lambda: opt_.Lion(schedule(), beta_1=0.8, beta_2=0.95,
+                                       gradient_accumulation_steps=4),
+}
+
+BOTH = {
+    "adam_schedule": lambda: opt_.Adam(schedule(), use_ema=True, ema_momentum=0.9,
+                                       ema_overwrite_frequency=2, gradient_accumulation_steps=2),
+    "rmsprop_momentum": lambda: opt_.RMSprop(0.003, momentum=0.9, use_ema=True,
+                                             gradient_accumulation_steps=4),
+    "sgd_nesterov": lambda: opt_.SGD(0.02, momentum=0.9, nesterov=True, use_ema=True,
+                                     ema_overwrite_frequency=3, gradient_accumulation_steps=4),
+    "nadam": lambda: opt_.Nadam(0.003, use_ema=True, ema_momentum=0.8,
+                                gradient_accumulation_steps=2),
+}
+
+# Three steps: an average whose 1 / 3 is inexact.  The value: whether the
+# family multiplies the gradient by a scalar (where the graph optimizer
+# merges the 1 / 3 in).
+THREE = {
+    "adam": (lambda: opt_.Adam(0.003, gradient_accumulation_steps=3), False),
+    "adamw_ema": (lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004,
+                                                 use_ema=True, gradient_accumulation_steps=3),
+                  False),
+    "adamax": (lambda: opt_.Adamax(0.003, gradient_accumulation_steps=3), False),
+    "sgd_nesterov_ema": (lambda: opt_.SGD(0.02, momentum=0.9, nesterov=True, use_ema=True,
+                                          ema_overwrite_frequency=3,
+                                          gradient_accumulation_steps=3), True),
+    "nadam": (lambda: opt_.Nadam(0.003, gradient_accumulation_steps=3), True),
+}
+
+CASES = {**{f"ema-{k}": v for k, v in EMA.items()},
+         **{f"accumulate-{k}": v for k, v in ACCUMULATE.items()},
+         **{f"both-{k}": v for k, v in BOTH.items()}}
+
+# Overflowing steps: with 2, 3 or 4 accumulation steps some of them fall
+# where the inner optimizer would only accumulate and some where it would
+# update, within the first 16 steps already (the eager runs).
+OVERFLOWS = {1: INF, 2: NAN, 4: -INF, 7: 1e30, 8: INF, 9: NAN, 13: 1e30, 15: INF, 22: NAN,
+             27: 1e30, 28: 1e30, 35: INF, 41: NAN, 42: -INF, 50: 1e30, 57: INF}
+
+
+def factor(step, policy):
+    f = OVERFLOWS.get(step, 1.0)
+    if f == 1e30 and policy == "mixed_bfloat16":
+        f = 1e38
+    return np.float32(f)
+
+
+def lockstep(models, opts, data, policy, *, eager=False):
+    """Steps both twins, comparing everything after every step.  Returns
+    ``{step: kind}`` for the steps the first twin skipped (every forced
+    overflow, and any the scale caused), ``kind`` what its inner optimizer
+    would have done had the step been finite: ``"update"`` or
+    ``"accumulate"``."""
+    steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
+    readers = [state_reader(m, o) for m, o in zip(models, opts)]
+    inner = opts[0].inner_optimizer
+    n = inner.gradient_accumulation_steps or 1
+    skipped = {}
+    for i, (x, y) in enumerate(data):
+        iterations = int(inner._iterations.numpy())
+        for step in steps:
+            step(tf.constant(x), tf.constant(y), tf.constant(factor(i, policy)))
+        assert_same_state(readers[0](), readers[1](), f"step {i}")
+        if int(inner._iterations.numpy()) == iterations:
+            skipped[i] = "update" if (iterations + 1) % n == 0 else "accumulate"
+    assert set(OVERFLOWS) & set(range(len(data))) <= set(skipped), skipped
+    return skipped
+
+
+def make_pair(make_inner, models, **kw):
+    opts = [Stock(make_inner(), **kw), Ours(make_inner(), **kw)]
+    for model, opt in zip(models, opts):
+        opt.build(model.trainable_variables)
+    return opts
+
+
+def assert_fused(opt):
+    assert opt.step_path.startswith("fused"), opt.step_path
+
+
+RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("policy,eager", RUNS,
+                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+def test_bit_identical_to_stock_every_step(policy, eager, name):
+    models = twin_models(policy)
+    opts = make_pair(CASES[name], models, dynamic_growth_steps=5)
+    steps = 16 if eager else 64
+    skipped = lockstep(models, opts, batches(steps, seed=11), policy, eager=eager)
+    assert_fused(opts[1])
+    inner = opts[1].inner_optimizer
+    applied = steps - len(skipped)
+    assert int(inner._iterations.numpy()) == applied
+    if inner.gradient_accumulation_steps:
+        # Skipped steps on both sides of the schedule, and updates made.
+        assert set(skipped.values()) == {"update", "accumulate"}, skipped
+        assert int(inner.iterations.numpy()) == applied // inner.gradient_accumulation_steps > 0
+    if inner.use_ema:
+        averages = inner._model_variables_moving_average
+        assert all(np.any(a.numpy() != 0) for a in averages)
+
+
+def test_inexact_reciprocal_scale_accumulates_as_stock():
+    """A scale whose reciprocal is inexact (1000): stock divides each
+    gradient by it before adding it up, and so does the fused step."""
+    models = twin_models("mixed_float16")
+    opts = make_pair(BOTH["sgd_nesterov"], models, initial_scale=1000.0,
+                     dynamic_growth_steps=1000)
+    lockstep(models, opts, batches(40, seed=13), "mixed_float16")
+    assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
+    assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("name", list(THREE))
+def test_average_over_three_steps_fused_where_exact(name):
+    """Accumulating over a number of steps that is not a power of two: in a
+    graph Keras' average ``(acc + g) / 3`` is a product by ``1 / 3`` that the
+    graph optimizer merges into the update's own products (SGD's ``g * lr``),
+    which the fused op cannot follow: the stock path, saying why.  Adam and
+    Adamax have no such product: fused.  Eagerly the division is a
+    division, fused."""
+    make_inner, scales_gradient = THREE[name]
+    # (policy, eager, steps, initial scale): under bfloat16 a high scale,
+    # for the forced overflows to overflow.
+    runs = [("mixed_float16", False, 40, 2.0**8), ("mixed_bfloat16", False, 40, 2.0**15),
+            ("mixed_float16", True, 16, 2.0**8)]
+    for policy, eager, steps, scale in runs:
+        models = twin_models(policy)
+        opts = make_pair(make_inner, models, initial_scale=scale, dynamic_growth_steps=5)
+        skipped = lockstep(models, opts, batches(steps, seed=12), policy, eager=eager)
+        assert set(skipped.values()) == {"update", "accumulate"}, skipped
+        if eager or not scales_gradient:
+            assert_fused(opts[1])
+        else:
+            assert opts[1].step_path == (
+                "stock: gradient_accumulation_steps=3 in a graph (TensorFlow's graph optimizer "
+                "merges the average's 1 / 3 into the update's products)"), opts[1].step_path
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+def test_skipped_step_leaves_accumulators_and_averages_as_they_were(eager):
+    """An overflow skips the inner optimizer's apply altogether: on stock and
+    here, neither an accumulator nor an EMA copy moves, whether the step
+    would have accumulated or updated."""
+    models = twin_models("mixed_float16")
+    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
+                     dynamic_growth_steps=100)
+    steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
+
+    def extra(opt):
+        inner = opt.inner_optimizer
+        return [bits(v.numpy()) for v in
+                list(inner._accumulated_gradients) + list(inner._model_variables_moving_average)]
+
+    kinds = set()
+    for i, (x, y) in enumerate(batches(12, seed=3)):
+        skip = i in (3, 4, 8)
+        if skip:
+            kinds.add((int(opts[1].inner_optimizer._iterations.numpy()) + 1) % 2)
+        before = [extra(o) for o in opts]
+        for step in steps:
+            step(tf.constant(x), tf.constant(y), tf.constant(np.float32(INF if skip else 1.0)))
+        after = [extra(o) for o in opts]
+        assert after[0] == after[1], f"step {i}"
+        if skip:
+            assert after == before, f"step {i}"
+        else:
+            assert after[1] != before[1], f"step {i}"
+    assert kinds == {0, 1}
+    assert_fused(opts[1])
+
+
+def test_fit_bit_identical_to_stock_every_batch():
+    """``fit`` under mixed_float16, a scale high enough to overflow its first
+    steps, EMA and accumulation: every batch as stock, and the end of
+    training's overwrite with the EMA (``finalize_variable_values``) too."""
+    models = twin_models("mixed_float16")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((96, 6, 6, 2)).astype(np.float32)
+    y = rng.standard_normal((96, 1)).astype(np.float32)
+    recorders = []
+    for model, cls in zip(models, (Stock, Ours)):
+        model.compile(optimizer=cls(adamw_excluding_biases(
+            learning_rate=0.003, weight_decay=0.004, use_ema=True, ema_momentum=0.9,
+            gradient_accumulation_steps=2), initial_scale=2.0**20, dynamic_growth_steps=4),
+            loss="mse")
+        recorders.append(batch_recorder(keras.callbacks, state))
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorders[-1]])
+    assert len(recorders[0].states) == len(recorders[1].states) == 24
+    for i, (a, b) in enumerate(zip(recorders[0].states, recorders[1].states)):
+        assert_same_state(a, b, f"batch {i}")
+    assert_same_state(state(models[0], models[0].optimizer),
+                      state(models[1], models[1].optimizer), "after fit")
+    assert 0 < int(models[1].optimizer.iterations.numpy()) < 12  # some steps were skipped
+    assert_fused(models[1].optimizer)
+
+
+def test_save_and_load_mid_run_then_lockstep(tmp_path):
+    """The accumulators, the EMA copies and their schedules' counter come
+    back from a ``.keras`` file, and the loaded optimizers go on in lockstep."""
+    policy = "mixed_float16"
+    models = twin_models(policy)
+    opts = make_pair(BOTH["adam_schedule"], models, dynamic_growth_steps=5)
+    for model, opt in zip(models, opts):
+        model.compile(optimizer=opt, loss="mse")
+    data = batches(40, seed=5)
+    lockstep(models, opts, data[:19], policy)
+    assert int(opts[1].inner_optimizer._iterations.numpy()) % 2 == 1  # mid-accumulation
+    loaded = []
+    for which, model in zip(("stock", "ours"), models):
+        model.save(tmp_path / f"{which}.keras")
+        loaded.append(keras.saving.load_model(tmp_path / f"{which}.keras"))
+    assert type(loaded[1].optimizer) is Ours
+    assert_same_state(state(models[1], opts[1]), state(loaded[1], loaded[1].optimizer),
+                      "after load")
+    lockstep(loaded, [m.optimizer for m in loaded], data[19:], policy)
+    assert_fused(loaded[1].optimizer)
+
+
+# ------------------------------------- TensorFlow 2.4's loop, experimental
+
+
+@pytest.mark.parametrize("name", ["ema-adamw_exclude", "accumulate-sgd_weight_decay",
+                                  "both-sgd_nesterov", "both-nadam"])
+def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
+    """``experimental.LossScaleOptimizer.apply_gradients`` on float32
+    gradients unscaled by ``get_unscaled_gradients``, against TensorFlow's
+    own ``DynamicLossScale`` and the stock inner optimizer: a skipped step
+    advances ``iterations`` (TensorFlow 2.4's rule), and with it the
+    accumulation's schedule, as the stock inner optimizer counts it."""
+    from lossscale import experimental
+
+    models = [build_model("float32", 0), build_model("float32", 0)]
+    opt = experimental.LossScaleOptimizer(CASES[name](), experimental.DynamicLossScale(
+        2.0**10, 5))
+    reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
+    reference_inner = CASES[name]()
+    reference_inner.build(models[0].trainable_variables)
+    # TensorFlow 2.4's skipped step advances the counter the accumulation
+    # follows, the inner optimizer's own.
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
+                                                     reference_scale))
+    step = tf.function(tf24_train_step(models[1], opt))
+
+    def slots(inner):
+        return [v for v in inner.variables if all(v is not u for u in own_state(inner))] + \
+            own_state(inner)
+
+    for i, (x, y) in enumerate(batches(40, seed=6)):
+        # float32 gradients overflow only past float32: the loss times 1e36.
+        f = tf.constant(np.float32(1e36 if i in OVERFLOWS else 1.0))
+        if not bool(reference_step(x, y, f)):
+            reference_inner._iterations.assign_add(1)
+        step(x, y, f)
+        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), f"step {i}"
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
+            [(v.path, bits(v.numpy()))
+             for v in models[1].variables + slots(opt.inner_optimizer)], f"step {i}")
+    assert int(opt.inner_optimizer._iterations.numpy()) == 40
+    assert_fused(opt)
+
+
+def float16_gradients(model, scale, seed):
+    """Gradients of ``scale`` times the loss, made float16 (as a custom loop
+    may hand them over)."""
+    x, y = batches(1, seed=seed)[0]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), tf.float32) - y))
+        loss = loss * scale
+    return [tf.cast(g, tf.float16) for g in tape.gradient(loss, model.trainable_variables)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_float16_gradients_accumulate_as_stock(mode):
+    """Keras 3's rule divides float16 gradients by the scale in float32
+    before the inner optimizer adds them up: as stock, every step."""
+    models = twin_models("mixed_float16")
+    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
+                     dynamic_growth_steps=3)
+    readers = [state_reader(m, o) for m, o in zip(models, opts)]
+    for i in range(10):
+        for model, opt in zip(models, opts):
+            grads = float16_gradients(model, opt.dynamic_scale, seed=i)
+            if i == 4:
+                grads[1] = grads[1] * np.float16(np.inf)
+            apply = lambda g, opt=opt, model=model: opt.apply(g, model.trainable_variables)
+            (apply if mode == "eager" else tf.function(apply))(grads)
+        assert_same_state(readers[0](), readers[1](), f"step {i}")
+    assert 0 < int(opts[1].inner_optimizer.iterations.numpy())
+    assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("loop", ["tf24", "loss_scale"])
+def test_float16_gradients_that_cannot_accumulate_raise_and_change_nothing(loop, mode):
+    """Unscaled in their own dtype (TensorFlow 2.4's loop, or a ``LossScale``
+    rule), float16 gradients stay float16, which stock Keras cannot add to
+    its float32 accumulators (it fails inside its step): a ValueError naming
+    the argument and the variable, before anything moves."""
+    from lossscale import experimental
+
+    model = build_model("mixed_float16")
+    inner = opt_.Adam(0.003, gradient_accumulation_steps=2)
+    if loop == "tf24":
+        opt = experimental.LossScaleOptimizer(inner, experimental.DynamicLossScale(2.0**10, 5))
+
+        def apply(grads):
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+    else:
+        opt = Ours(inner, loss_scale=lossscale.DynamicLossScale(2.0**10, 5))
+
+        def apply(grads):
+            opt.apply(grads, model.trainable_variables)
+    opt.build(model.trainable_variables)
+    grads = float16_gradients(model, 1.0, seed=0)
+    before = state(model, opt)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps.*float16"):
+        (apply if mode == "eager" else tf.function(apply))(grads)
+    assert_same_state(state(model, opt), before, "after the bad call")
+
+
+@pytest.mark.parametrize("name", ["ema-adamw_exclude", "accumulate-sgd_weight_decay",
+                                  "both-adam_schedule"])
+def test_loss_scale_rule_bit_identical_to_its_stock_path(name):
+    """A ``LossScale`` rule (TensorFlow 2.4's unscale, ``g * (1 / scale)`` in
+    the gradient's own dtype) with EMA, accumulation or both: the fused step
+    against the same optimizer's stock path."""
+    models = twin_models("mixed_float16")
+    opts = [Ours(CASES[name](), loss_scale=lossscale.DynamicLossScale(2.0**10, 5),
+                 fused=fused) for fused in (False, True)]
+    for model, opt in zip(models, opts):
+        opt.build(model.trainable_variables)
+    skipped = lockstep(models, opts, batches(40, seed=8), "mixed_float16")
+    if opts[1].inner_optimizer.gradient_accumulation_steps:
+        assert set(skipped.values()) == {"update", "accumulate"}, skipped
+    assert opts[0].step_path == "stock: fused=False"
+    assert_fused(opts[1])
+
+
+# ------------------------------------------------------- not fused
+
+
+@pytest.mark.parametrize("make_inner,why", [
+    (lambda: opt_.Lamb(0.003, use_ema=True), "Lamb's trust ratio divides by the norms"),
+    (lambda: opt_.Adafactor(0.003, gradient_accumulation_steps=2),
+     "Adafactor's factored moments and RMS are means"),
+    (lambda: opt_.Muon(0.003), "Muon orthogonalises each gradient matrix"),
+], ids=["lamb", "adafactor", "muon"])
+def test_stock_path_says_why_not_fused(make_inner, why):
+    models = twin_models("mixed_float16")
+    opts = make_pair(make_inner, models, dynamic_growth_steps=5)
+    assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
+    lockstep(models, opts, batches(10, seed=9), "mixed_float16")
+    assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
+
+
+@pytest.mark.parametrize("name", ["ema-adam", "accumulate-sgd_momentum"])
+def test_under_a_strategy_stock_path_as_stock_fails(name):
+    """Keras' EMA and accumulation steps make the strategy's merge call,
+    which stock Keras' cond around the inner step does not allow: under
+    ``MirroredStrategy``, even with one replica, stock fails, and ours takes
+    the stock path (and fails as it does) rather than a fused step of its own."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    for cls in (Stock, Ours):
+        with strategy.scope():
+            model = build_model("mixed_float16")
+            opt = cls(CASES[name](), initial_scale=2.0**8)
+            opt.build(model.trainable_variables)
+        replica = step_fn(model, opt, eager=True)
+        x, y = batches(1)[0]
+        with pytest.raises(RuntimeError, match="merge_call"):
+            tf.function(lambda: strategy.run(replica, args=(x, y, tf.constant(1.0))))()
+    assert opt.step_path == "stock: EMA or gradient accumulation under a tf.distribute strategy"
