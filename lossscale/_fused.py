@@ -17,8 +17,13 @@ derives from ``iterations`` (the learning rate of a schedule, Adam's
 ``alpha``) are computed here with the same TensorFlow ops, in the same
 order, as Keras computes them.
 
+Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
+is every family's: the native op clips each unscaled gradient in its one
+gradient load, with the factors ``Plan.check_finite`` computes (the
+section "clipping" below says how, and what it costs).
+
 What a family does not support is left to the stock path: an option it
-does not declare (clipping, EMA, gradient accumulation, an inner
+does not declare (EMA, gradient accumulation, an inner
 ``loss_scale_factor``), sparse gradients, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
@@ -40,7 +45,8 @@ _GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 # Optimizer options a family may support, by the attribute Keras keeps them
 # in, with the reason a step gives when its family does not.  Set as Keras
 # tests them: a clip of 0 clips nothing, a loss_scale_factor of any value
-# divides.
+# divides.  The clip options are the native op's common gradient load:
+# every family supports them (_CLIP_OPTIONS).
 _OPTIONS = (
     ("clipnorm", "the inner optimizer sets clipnorm", bool),
     ("clipvalue", "the inner optimizer sets clipvalue", bool),
@@ -50,6 +56,10 @@ _OPTIONS = (
     ("loss_scale_factor", "the inner optimizer sets loss_scale_factor",
      lambda value: value is not None),
 )
+
+# Keras' clip options, in the order its _clip_gradients tests them, with
+# the native op's name for each.
+_CLIP_OPTIONS = (("clipnorm", "norm"), ("global_clipnorm", "global"), ("clipvalue", "value"))
 
 
 class Family:
@@ -73,7 +83,8 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes,
+        besides the clip options every family takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
     """
@@ -87,7 +98,7 @@ class Family:
         self.hyper = hyper
         self.scalars = scalars or (lambda inner, lr, *state: [])
         self.state = state or (lambda inner: [])
-        self.supports = frozenset(supports)
+        self.supports = frozenset(supports) | {attr for attr, _ in _CLIP_OPTIONS}
         self.unsupported = unsupported or (lambda inner: None)
 
     def reproduces(self, inner):
@@ -100,15 +111,18 @@ class Family:
 
 class Plan:
     """One fused step: the family, the gradients (dense, None dropped) with
-    their variables, and the native form of each variable's weight decay."""
+    their variables, the native form of each variable's weight decay, and
+    the inner optimizer's clip (``clip_of``)."""
 
-    def __init__(self, family, inner, grads, variables):
+    def __init__(self, family, inner, grads, variables, clip=None):
         self.family = family
         self.inner = inner
         self.grads = [tf.convert_to_tensor(g) for g in grads]
         self.variables = variables
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
+        self.clip = clip
+        self.clip_scalars = []
         self.scalars = None
         self.state = []
 
@@ -120,11 +134,13 @@ class Plan:
 
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
+        mode, value = self.clip or ("none", 0.0)
         library.loss_scale_apply_optimizer(
             should_apply, handles(self.variables), slots, self.grads, scale,
-            self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
-            hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
-            unscale=unscale)
+            self.learning_rate, self.weight_decay, self.scalars, self.clip_scalars,
+            family=self.family.name, hyper=[float(h) for h in self.family.hyper(self.inner)],
+            decay=self.decay, unscale=unscale, clip=mode,
+            clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
         for variable, value in self.state:
             variable = _step.tf_variable(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
@@ -149,6 +165,29 @@ class Plan:
         self.state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in self.state]))
         return self.checks
+
+    def check_finite(self, scale, unscale):
+        """Whether every gradient is finite (a bool tensor), and the clip's
+        numbers for the op (``clip_scalars``), from the gradients as they
+        were made, before the loss scale moves.
+
+        Without a norm to take, the read-only check of the gradients.  With
+        one, the norms are the check: a finite sum of squares has only
+        finite terms, so only a non-finite sum (an overflow, or a sum too
+        large for float32) runs the read-only check, under a ``cond``.
+        """
+        mode = self.clip[0] if self.clip else None
+        if mode not in ("norm", "global"):
+            return native_ops.all_finite_grouped(self.grads)
+        sums = _squared_norms(self.grads, scale, unscale)
+        clipnorm = self.clip[1]
+        if mode == "norm":
+            self.clip_scalars = [_clip_by_norm_divisor(s, clipnorm) for s in sums]
+        else:
+            self.clip_scalars = [_global_clip_factor(sums, clipnorm)]
+        sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
+        return tf.cond(sums_finite, lambda: tf.constant(True),
+                       lambda: native_ops.all_finite_grouped(self.grads))
 
 
 # ------------------------------------------------------------- families
@@ -344,13 +383,16 @@ class Decision:
         self.path = f"stock: {reason}" if reason else f"fused ({type(inner).__name__})"
 
 
-def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None):
+def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
+           unscale="divide"):
     """The fused ``Plan`` for this step, or the reason it takes the stock path.
 
     ``enabled`` is the optimizer's ``fused`` switch; ``rule_reason`` what
-    its loss-scale rule says against fusing (None: nothing).  Without
-    ``grads`` it answers for the configuration alone (``step_path`` before
-    any step) and never holds a plan.
+    its loss-scale rule says against fusing (None: nothing); ``unscale``
+    how the step unscales the gradients (``apply``'s).  Without ``grads``
+    it answers for the configuration alone (``step_path`` before any step)
+    and never holds a plan.  A clip option that is set but not a positive
+    finite number raises ``ValueError`` (``clip_of``).
     """
     def stock(reason):
         return Decision(inner, reason=reason)
@@ -366,6 +408,9 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
     for attr, reason, is_set in _OPTIONS:
         if attr not in family.supports and is_set(getattr(inner, attr, None)):
             return stock(reason)
+    clip = clip_of(inner)
+    if isinstance(clip, str):
+        return stock(clip)
     for attr in family.numbers:
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
@@ -381,12 +426,13 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
                      "(TensorFlow's graph optimizer reorders its products)")
     if grads is None:
         return Decision(inner)
-    reason = family.unsupported(inner) or _step_reason(family, grads, variables)
+    reason = (family.unsupported(inner) or _step_reason(family, grads, variables)
+              or _clip_reason(clip, grads, unscale))
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
-                                     [v for _, v in pairs]))
+                                     [v for _, v in pairs], clip=clip))
 
 
 def _step_reason(family, grads, variables):
@@ -418,6 +464,141 @@ def _step_reason(family, grads, variables):
             return f"the native op library is not available ({status.reason})"
         return "a tensor is not on the CPU, or XLA is compiling"
     return None
+
+
+# -------------------------------------------------------------- clipping
+#
+# Keras clips the gradients its inner optimizer is given: under Keras 3's
+# LossScaleOptimizer the unscaled float32 ``u = float32(g) / scale``, with
+# TensorFlow's ops (keras/src/optimizers/base_optimizer.py, the TensorFlow
+# backend's _clip_by_norm):
+#
+#   clipvalue        u' = clip_by_value(u, -v, v)
+#   clipnorm         l2sum = reduce_sum(u * u); l2norm = sqrt(l2sum) where
+#                    l2sum > 0, else l2sum; u' = (u * c) / maximum(l2norm, c)
+#   global_clipnorm  n = sqrt(reduce_sum(stack([reduce_sum(square(u))...])));
+#                    f = c * minimum(1 / n, 1 / c) + (n - n);  u' = u * f
+#
+# The native op applies each u' in its one pass (ls_clip_mode), so what is
+# left here is the norms, whose reduction order is Eigen's: they are
+# computed with TensorFlow's own ops, on values that make the same sums.
+# Per float32 value of the stock norm's input, that is one square and one
+# pass of the reduction; the step then moves, for each gradient, one read
+# for the norm (its squares a temporary the reduction reads once) and the
+# fused update's one read of it with its variable and slots: two passes,
+# the finite check folded into the first (Plan.check_finite).  clipvalue
+# takes no norm: the read-only check, then the update.
+#
+# On which values: stock squares ``u``; squaring the scaled float32 values
+# instead saves the division, and for a power-of-two scale every square and
+# partial sum is the stock one times scale**2 exactly, as long as each
+# stays a normal float32 number on both sides.  That is decided at run
+# time, in the graph (one ``cond``, no retrace), and only where it can be
+# decided from the scale alone: float16 gradients, whose nonzero squares
+# are at least 2**-48, with a power-of-two scale of at most 2**39 (no
+# unscaled square of a nonzero value falls below float32's normal range,
+# where TensorFlow flushes it to zero) and every rescaled sum finite.
+# Float32 and bfloat16 gradients reach down to 2**-126: an element whose
+# unscaled square would be flushed while its scaled one is not changes the
+# sum's rounding, whatever the sum's size, and telling takes a pass over
+# the data, which costs what the division saves.  Their norms (and float16
+# ones outside those bounds) are taken the stock way, on ``g / scale``.
+
+def clip_of(inner):
+    """Keras' clip of ``inner`` as the native op takes it: ``(mode, value)``
+    (``"norm"``, ``"global"`` or ``"value"``, in the order Keras' own
+    ``_clip_gradients`` tests them), None for no clip, or the reason the
+    step is left to the stock path (a tensor or a callable).
+
+    Keras clips when the value is set and > 0, and silently ignores a
+    negative or NaN one (an infinite one turns every gradient into NaN):
+    here any set value that is not a positive finite number is a
+    ``ValueError`` that names it, before anything moves.
+    """
+    for attr, mode in _CLIP_OPTIONS:
+        value = getattr(inner, attr, None)
+        if value is None or (isinstance(value, (int, float)) and value == 0):
+            continue
+        if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
+            return f"the inner optimizer's {attr} is not a number"
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+                or not (np.isfinite(np.float32(value)) and np.float32(value) > 0)):
+            raise ValueError(f"{inner.name}: {attr} must be a positive finite number, got "
+                             f"{value!r}")
+        return mode, float(value)
+    return None
+
+
+def _clip_reason(clip, grads, unscale):
+    """Why this clip cannot be fused with these gradients: Keras clips
+    gradients that are already unscaled in their own dtype, and the native
+    op clips in float32."""
+    if clip is None or unscale == "divide":
+        return None
+    for g in grads:
+        if g is not None and tf.as_dtype(g.dtype) != tf.float32:
+            return (f"clipping {tf.as_dtype(g.dtype).name} gradients (the inner optimizer "
+                    f"clips them in {tf.as_dtype(g.dtype).name})")
+    return None
+
+
+_SCALED_NORM_MAX_SCALE_EXPONENT = 39
+
+
+def _scaled_norm_exact(scale):
+    """Whether squares of float16 gradients scaled by ``scale`` sum to the
+    unscaled ones' times scale**2 exactly (as far as the scale tells): a
+    normal power of two up to 2**39, as a bool tensor."""
+    bits = tf.bitcast(scale, tf.int32)
+    return tf.logical_and(
+        tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFF), 0),
+        tf.logical_and(bits >= 1 << 23,
+                       bits <= (127 + _SCALED_NORM_MAX_SCALE_EXPONENT) << 23))
+
+
+def _squared_norms(grads, scale, unscale):
+    """Each gradient's ``reduce_sum(square(u))`` as stock computes it, ``u``
+    the unscaled float32 gradient the inner optimizer clips."""
+    def stock_sum(g):
+        if unscale == "divide":
+            u = tf.cast(g, tf.float32) / scale
+        elif unscale == "multiply":
+            u = g * tf.cast(1.0 / scale, g.dtype)
+        else:
+            u = g
+        return tf.reduce_sum(tf.square(u))
+
+    sums = [None] * len(grads)
+    halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16]
+    for i, g in enumerate(grads):
+        if i not in halves:
+            sums[i] = stock_sum(g)
+    if halves:
+        inv = 1.0 / scale
+        rescaled = [(tf.reduce_sum(tf.square(tf.cast(grads[i], tf.float32))) * inv) * inv
+                    for i in halves]
+        exact = tf.logical_and(_scaled_norm_exact(scale),
+                               tf.reduce_all(tf.math.is_finite(tf.stack(rescaled))))
+        taken = tf.cond(exact, lambda: rescaled, lambda: [stock_sum(grads[i]) for i in halves])
+        for i, s in zip(halves, taken):
+            sums[i] = s
+    return sums
+
+
+def _clip_by_norm_divisor(l2sum, clipnorm):
+    """tf.clip_by_norm's ``maximum(l2norm, clip_norm)`` from the sum."""
+    pred = l2sum > 0
+    l2sum_safe = tf.where(pred, l2sum, tf.ones_like(l2sum))
+    l2norm = tf.where(pred, tf.sqrt(l2sum_safe), l2sum)
+    return tf.maximum(l2norm, tf.constant(clipnorm, tf.float32))
+
+
+def _global_clip_factor(sums, clip_norm):
+    """Keras' clip_by_global_norm factor from the per-gradient sums, with
+    Keras' own ops in its order."""
+    use_norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(sums)))
+    scale_for_finite = clip_norm * keras.ops.minimum(1.0 / use_norm, 1.0 / clip_norm)
+    return scale_for_finite + (use_norm - use_norm)
 
 
 # ------------------------------------------------------------------ run

@@ -324,7 +324,7 @@ class LossScaleOptimizer(optimizer_module.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        plan = self._decide(grads, trainable_variables).plan
+        plan = self._decide(grads, trainable_variables, unscale="none").plan
         if plan is not None:
             # TensorFlow 2.4's check of the unscaled gradients, the rule and
             # the inner update, fused.
