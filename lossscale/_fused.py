@@ -522,7 +522,7 @@ def clip_of(inner):
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
             return f"the inner optimizer's {attr} is not a number"
         if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
-                or not (np.isfinite(np.float32(value)) and np.float32(value) > 0)):
+                or not 0 < float(value) <= _FLOAT32_MAX):
             raise ValueError(f"{inner.name}: {attr} must be a positive finite number, got "
                              f"{value!r}")
         return mode, float(value)
@@ -542,6 +542,7 @@ def _clip_reason(clip, grads, unscale):
     return None
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SCALED_NORM_MAX_SCALE_EXPONENT = 39
 
 
