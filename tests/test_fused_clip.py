@@ -180,9 +180,11 @@ def test_low_precision_gradients_and_a_scale_past_the_scaled_norm(dtypes, clip, 
 
     steps = [apply(opt, vs) for opt, vs in zip(opts, variables)]
     rng = np.random.default_rng(5)
-    scales = []
+    scales, clipped = [], set()
     for i in range(30):
         grads = direct_gradients(rng, DTYPE_LISTS[dtypes], DIRECT_OVERFLOWS.get(i))
+        if i not in DIRECT_OVERFLOWS:
+            clipped.add(clips(clip, value, grads, float(opts[0].dynamic_scale.numpy())))
         for step in steps:
             step(grads)
         assert_same_state(
@@ -191,7 +193,19 @@ def test_low_precision_gradients_and_a_scale_past_the_scaled_norm(dtypes, clip, 
             f"step {i}")
         scales.append(float(opts[1].dynamic_scale.numpy()))
     assert_fused(opts[1])
-    assert scales[0] < 2.0**39 < 2.0**60 < scales[-1], scales
+    assert scales[0] < 2.0**39 < 2.0**50 < scales[-1], scales
+    assert clipped == {True, False}
+
+
+def clips(clip, value, grads, scale):
+    """Whether ``clip`` at ``value`` changes any of these gradients
+    unscaled (in float64: near enough to tell)."""
+    u = [g.numpy().astype(np.float64) / scale for g in grads]
+    if clip == "clipnorm":
+        return any(np.linalg.norm(x) > value for x in u)
+    if clip == "global_clipnorm":
+        return np.sqrt(sum(np.sum(x * x) for x in u)) > value
+    return any(np.any(np.abs(x) > value) for x in u)
 
 
 def stock_squared_norm(g, scale):
