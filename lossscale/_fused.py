@@ -201,6 +201,19 @@ def _sgd_hyper(inner):
     return [inner.momentum, 1.0 if inner.nesterov else 0.0]
 
 
+def _sgd_reason(inner):
+    # SGD's only use of the gradient is `gradient * learning_rate` (Nesterov's
+    # second one merged with the first): with global_clipnorm that makes the
+    # chain `u * factor * learning_rate`, which the graph optimizer reorders
+    # to `u * (factor * learning_rate)` for each variable of more than one
+    # element, as it does the weight decay's.
+    if _grappler_reassociates_products() and clip_of(inner) is not None \
+            and clip_of(inner)[0] == "global":
+        return ("global_clipnorm with SGD in a graph (TensorFlow's graph optimizer "
+                "reorders its products)")
+    return None
+
+
 def _adam_slots(inner):
     return ("m", "v", "v_hat") if inner.amsgrad else ("m", "v")
 
@@ -345,7 +358,7 @@ FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           hyper=_sgd_hyper),
+           hyper=_sgd_hyper, unsupported=_sgd_reason),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason),
@@ -482,12 +495,18 @@ def _step_reason(family, grads, variables):
 # The native op applies each u' in its one pass (ls_clip_mode), so what is
 # left here is the norms, whose reduction order is Eigen's: they are
 # computed with TensorFlow's own ops, on values that make the same sums.
-# Per float32 value of the stock norm's input, that is one square and one
-# pass of the reduction; the step then moves, for each gradient, one read
-# for the norm (its squares a temporary the reduction reads once) and the
-# fused update's one read of it with its variable and slots: two passes,
-# the finite check folded into the first (Plan.check_finite).  clipvalue
-# takes no norm: the read-only check, then the update.
+#
+# Passes: two over the gradients, the norm's read and the fused update's,
+# with the finite check folded into the first (Plan.check_finite: only a
+# non-finite sum runs the read-only check).  The norm is TensorFlow's op
+# chain per gradient, run as soon as the gradient is made: a Cast (16-bit
+# gradients) or a Div (the stock way) writing a float32 copy, Square
+# writing another, Sum reading it; per element, the gradient read once
+# (2 or 4 bytes) and 12-16 bytes of float32 temporaries, which for a
+# tensor that fits the cache stay in it.  The update then reads the
+# gradient once more with its variable and slots and writes those, as
+# without a clip.  clipvalue takes no norm: the read-only check, then
+# the update, as without a clip.
 #
 # On which values: stock squares ``u``; squaring the scaled float32 values
 # instead saves the division, and for a power-of-two scale every square and

@@ -654,7 +654,11 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
-    ``lossscale.core``."""
+    ``lossscale.core``.  ``clip`` (every step function takes it) clips each
+    unscaled gradient as Keras does: ``"value"`` to [-clip_value,
+    clip_value]; ``"norm"`` ``(g * clip_value) / clip_scalars[i]`` (the
+    divisor ``max(l2norm, clipnorm)`` of each variable); ``"global"``
+    ``g * clip_scalars`` (the one factor)."""
     cdef ls_optim_config c
     cdef int f, i, want
     memset(&c, 0, sizeof(c))

@@ -118,8 +118,30 @@ def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
     for model, opt in zip(models, opts):
         opt.build(model.trainable_variables)
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
-    assert_fused(opts[1])
+    if name.startswith("sgd") and clip == "global_clipnorm" and not eager:
+        # The graph's `u * factor * learning_rate`, reordered (see _fused._sgd_reason).
+        assert opts[1].step_path == ("stock: global_clipnorm with SGD in a graph "
+                                     "(TensorFlow's graph optimizer reorders its products)")
+    else:
+        assert_fused(opts[1])
     assert min(b / a for a, b in zip(scales, scales[1:])) < 1  # overflow steps were skipped
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda: keras.optimizers.SGD(0.02, global_clipnorm=0.01),
+    lambda: keras.optimizers.SGD(0.02, momentum=0.9, global_clipnorm=0.01),
+], ids=["plain", "momentum"])
+def test_sgd_global_clipnorm_fused_eagerly_stock_in_a_graph(make_inner):
+    """Eagerly the products run as written and the step is fused; in a graph
+    the step is the stock one, and the same bits."""
+    for eager in (True, False):
+        models = twin_models("mixed_float16")
+        opts = [Stock(make_inner(), dynamic_growth_steps=10),
+                Ours(make_inner(), dynamic_growth_steps=10)]
+        for model, opt in zip(models, opts):
+            opt.build(model.trainable_variables)
+        lockstep(models, opts, batches(12 if eager else 40), "mixed_float16", eager=eager)
+        assert opts[1].step_path.startswith("fused" if eager else "stock: global_clipnorm")
 
 
 # --------------------------------------- 16-bit gradients, a growing scale
