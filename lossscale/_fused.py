@@ -44,13 +44,10 @@ _GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 
 # Optimizer options a family may support, by the attribute Keras keeps them
 # in, with the reason a step gives when its family does not.  Set as Keras
-# tests them: a clip of 0 clips nothing, a loss_scale_factor of any value
-# divides.  The clip options are the native op's common gradient load:
-# every family supports them (_CLIP_OPTIONS).
+# tests them: a loss_scale_factor of any value divides.  (Clipping is not
+# among them: the native op's common gradient load clips for every family,
+# _CLIP_OPTIONS.)
 _OPTIONS = (
-    ("clipnorm", "the inner optimizer sets clipnorm", bool),
-    ("clipvalue", "the inner optimizer sets clipvalue", bool),
-    ("global_clipnorm", "the inner optimizer sets global_clipnorm", bool),
     ("use_ema", "the inner optimizer uses EMA", bool),
     ("gradient_accumulation_steps", "the inner optimizer accumulates gradients", bool),
     ("loss_scale_factor", "the inner optimizer sets loss_scale_factor",
@@ -58,7 +55,7 @@ _OPTIONS = (
 )
 
 # Keras' clip options, in the order its _clip_gradients tests them, with
-# the native op's name for each.
+# the native op's name for each; a clip of 0 clips nothing, as in Keras.
 _CLIP_OPTIONS = (("clipnorm", "norm"), ("global_clipnorm", "global"), ("clipvalue", "value"))
 
 
@@ -83,8 +80,7 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes,
-        besides the clip options every family takes.
+      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
     """
@@ -98,7 +94,7 @@ class Family:
         self.hyper = hyper
         self.scalars = scalars or (lambda inner, lr, *state: [])
         self.state = state or (lambda inner: [])
-        self.supports = frozenset(supports) | {attr for attr, _ in _CLIP_OPTIONS}
+        self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
 
     def reproduces(self, inner):
@@ -530,9 +526,9 @@ def clip_of(inner):
     step is left to the stock path (a tensor or a callable).
 
     Keras clips when the value is set and > 0, and silently ignores a
-    negative or NaN one (an infinite one turns every gradient into NaN):
-    here any set value that is not a positive finite number is a
-    ``ValueError`` that names it, before anything moves.
+    negative or NaN one (an infinite clipnorm or global_clipnorm turns
+    every gradient into NaN): here any set value that is not a positive
+    finite number is a ``ValueError`` that names it, before anything moves.
     """
     for attr, mode in _CLIP_OPTIONS:
         value = getattr(inner, attr, None)

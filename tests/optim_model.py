@@ -2,8 +2,9 @@
 the fused families reproduce (SGD, Adam / AdamW, ...; ``FAMILIES``).
 
 The oracle of the fused optimizer step at every layer that runs it.  Written
-from Keras' own source (``BaseOptimizer._apply_weight_decay`` then each
-optimizer's ``update_step``): every elementwise op is one numpy float32 op,
+from Keras' own source (``BaseOptimizer._clip_gradients`` with the
+clip numbers given, ``_apply_weight_decay``, then each optimizer's
+``update_step``): every elementwise op is one numpy float32 op,
 in Keras' order, so each result is rounded on its own as TensorFlow's
 op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
 the IEEE (``flush_denormals=False``) model.  Also here: the cases the tests

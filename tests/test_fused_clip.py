@@ -19,7 +19,8 @@ fused:
   switch is checked on its own against TensorFlow's ops on gradients
   whose squares the scaled way would get wrong;
 * TensorFlow 2.4's loop (``experimental.LossScaleOptimizer``, gradients
-  already unscaled) against TensorFlow's ``DynamicLossScale`` driving the
+  already unscaled) and the ``loss_scale=`` mode (gradients times
+  ``1 / scale``) against TensorFlow's ``DynamicLossScale`` driving the
   stock inner optimizer;
 * a clip that is not a positive finite number raises ``ValueError`` naming
   it, and changes nothing; float16 gradients that the inner optimizer
@@ -31,8 +32,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import lossscale
 from lossscale import _fused
-from helpers import bits, mse_loss, tf24_reference_step, tf24_train_step, tf_dynamic
+from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
+                     tf_dynamic)
 from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, batches,
                              excluding_biases, factor, lockstep, schedule, state, twin_models)
 
@@ -298,6 +301,38 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(clip, value):
             [(v.path, bits(v.numpy()))
              for v in models[1].variables + opt.inner_optimizer.variables], f"step {i}")
     assert_fused(opt)
+
+
+@pytest.mark.parametrize("clip,value", [("clipnorm", 0.02), ("global_clipnorm", 0.05),
+                                        ("clipvalue", 0.002)])
+def test_loss_scale_object_mode_bit_identical_to_tensorflow_reference(clip, value):
+    """With ``loss_scale=`` a ``DynamicLossScale`` the gradients are unscaled
+    as TensorFlow 2.4 did (times ``1 / scale``) before the inner optimizer
+    clips them: TensorFlow's own ``DynamicLossScale`` driving the stock
+    inner optimizer is the reference."""
+    models = twin_models("mixed_float16")
+
+    def make():
+        return keras.optimizers.SGD(0.05, momentum=0.9, **{clip: value})
+
+    ours = Ours(make(), loss_scale=lossscale.DynamicLossScale(2.0**10, 3, 2.0))
+    ours.build(models[1].trainable_variables)
+    reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
+    reference_inner = make()
+    reference_inner.build(models[0].trainable_variables)
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner, reference))
+    step = tf.function(keras3_train_step(models[1], ours))
+    for i, (x, y) in enumerate(batches(40, seed=11)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        assert bits(ours.loss_scale.numpy()) == bits(reference().numpy()), i
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
+            [(v.path, bits(v.numpy()))
+             for v in models[1].variables + ours.inner_optimizer.variables], f"step {i}")
+    expected = ("stock: global_clipnorm with SGD" if clip == "global_clipnorm" else "fused")
+    assert ours.step_path.startswith(expected), ours.step_path
 
 
 # --------------------------------------------------------- bad input
