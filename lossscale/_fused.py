@@ -495,14 +495,15 @@ def _step_reason(family, grads, variables):
 # Passes: two over the gradients, the norm's read and the fused update's,
 # with the finite check folded into the first (Plan.check_finite: only a
 # non-finite sum runs the read-only check).  The norm is TensorFlow's op
-# chain per gradient, run as soon as the gradient is made: a Cast (16-bit
-# gradients) or a Div (the stock way) writing a float32 copy, Square
-# writing another, Sum reading it; per element, the gradient read once
-# (2 or 4 bytes) and 12-16 bytes of float32 temporaries, which for a
-# tensor that fits the cache stay in it.  The update then reads the
-# gradient once more with its variable and slots and writes those, as
-# without a clip.  clipvalue takes no norm: the read-only check, then
-# the update, as without a clip.
+# chain per gradient, run as soon as the gradient is made: a float32 copy
+# (float16's scaled way: a Cast; the stock way: a Div, after a Cast for
+# 16-bit gradients), Square writing another, Sum reading it; per element,
+# the gradient read once (2 or 4 bytes) and 16 bytes of float32
+# temporaries written and read (24 for a 16-bit gradient the stock way),
+# which for a tensor that fits the cache stay in it.  The update then
+# reads the gradient once more with its variable and slots and writes
+# those, as without a clip.  clipvalue takes no norm: the read-only check,
+# then the update, as without a clip.
 #
 # On which values: stock squares ``u``; squaring the scaled float32 values
 # instead saves the division, and for a power-of-two scale every square and
