@@ -28,9 +28,11 @@
  *          count are ignored), in family_<name>.h's order
  *   65     variables: 1 + byte % 3
  *   66     cut: where the range run splits, byte * total / 255
- *   then per variable 4 bytes: gradient dtype (byte % 4: float16,
+ *   67     clip mode (byte % 5: ls_clip_mode; 4 is refused)
+ *   68..71 clip value (float)
+ *   then per variable 8 bytes: gradient dtype (byte % 4: float16,
  *          bfloat16, float32, float64 — refused), decay (byte % 4; 3 is
- *          refused), length (u16 % 1500)
+ *          refused), length (u16 % 1500), clip scalar (float)
  *   then the content, handed out to the buffers in order and repeated.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -211,17 +213,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         read_bytes(&in, 17 + 4 * f, &c.hyper[f], 4);
     if (mode & 64)
         c.hyper[0] = 0.0f;
+    c.clip = byte_at(&in, 67) % 5;
+    read_bytes(&in, 68, &c.clip_value, 4);
     const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
 
     arena layout;
     memset(&layout, 0, sizeof layout);
     layout.count = 1 + byte_at(&in, 65) % MAX_VARS;
-    size_t at = 67, total = 0;
-    for (size_t i = 0; i < layout.count; i++, at += 4) {
+    size_t at = 72, total = 0;
+    for (size_t i = 0; i < layout.count; i++, at += 8) {
         ls_param *p = &layout.params[i];
         p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
         p->decay = byte_at(&in, at + 1) % 4;
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
+        read_bytes(&in, at + 4, &p->clip_scalar, 4);
         total += p->length;
         layout.bytes[i][0] = p->length * 4;
         layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);

@@ -23,9 +23,14 @@ wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
 gradients to the accumulators with TensorFlow's ops, an update step runs
 the family's op on their average, and the EMA follows every applied step.
 
+Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
+is every family's: the native op clips each unscaled gradient in its one
+gradient load, with the factors ``Plan.check_finite`` computes (the
+section "clipping" below says how, and what it costs).
+
 What a family does not support is left to the stock path: an option it
-does not declare (clipping, an inner ``loss_scale_factor``), sparse
-gradients, variable constraints or
+does not declare (an inner ``loss_scale_factor``), clipping together with
+gradient accumulation, sparse gradients, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 several replicas, and any place the native op cannot run (library missing,
@@ -45,12 +50,10 @@ _GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 
 # Optimizer options a family may support, by the attribute Keras keeps them
 # in, with the reason a step gives when its family does not.  Set as Keras
-# tests them: a clip of 0 clips nothing, a loss_scale_factor of any value
-# divides.
+# tests them: a loss_scale_factor of any value divides.  (Clipping is not
+# among them: the native op's common gradient load clips for every family,
+# _CLIP_OPTIONS.)
 _OPTIONS = (
-    ("clipnorm", "the inner optimizer sets clipnorm", bool),
-    ("clipvalue", "the inner optimizer sets clipvalue", bool),
-    ("global_clipnorm", "the inner optimizer sets global_clipnorm", bool),
     ("use_ema", "the inner optimizer uses EMA", bool),
     ("gradient_accumulation_steps", "the inner optimizer accumulates gradients", bool),
     ("loss_scale_factor", "the inner optimizer sets loss_scale_factor",
@@ -71,6 +74,10 @@ _NOT_FUSED = (
                   "reproduce"),
     ("Muon", "Muon orthogonalises each gradient matrix (Newton-Schulz matrix products)"),
 )
+
+# Keras' clip options, in the order its _clip_gradients tests them, with
+# the native op's name for each; a clip of 0 clips nothing, as in Keras.
+_CLIP_OPTIONS = (("clipnorm", "norm"), ("global_clipnorm", "global"), ("clipvalue", "value"))
 
 
 class Family:
@@ -125,15 +132,18 @@ class Family:
 
 class Plan:
     """One fused step: the family, the gradients (dense, None dropped) with
-    their variables, and the native form of each variable's weight decay."""
+    their variables, the native form of each variable's weight decay, and
+    the inner optimizer's clip (``clip_of``)."""
 
-    def __init__(self, family, inner, grads, variables):
+    def __init__(self, family, inner, grads, variables, clip=None):
         self.family = family
         self.inner = inner
         self.grads = [tf.convert_to_tensor(g) for g in grads]
         self.variables = variables
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
+        self.clip = clip
+        self.clip_scalars = []
         self.scalars = None
         self.state = []
 
@@ -146,12 +156,14 @@ class Plan:
 
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
+        mode, value = self.clip or ("none", 0.0)
         library.loss_scale_apply_optimizer(
             should_apply, handles(self.variables), slots,
             self.grads if grads is None else grads, scale,
-            self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
-            hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
-            unscale=unscale)
+            self.learning_rate, self.weight_decay, self.scalars, self.clip_scalars,
+            family=self.family.name, hyper=[float(h) for h in self.family.hyper(self.inner)],
+            decay=self.decay, unscale=unscale, clip=mode,
+            clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
         for variable, value in self.state:
             variable = _step.tf_variable(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
@@ -177,6 +189,29 @@ class Plan:
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in self.state]))
         return self.checks
 
+    def check_finite(self, scale, unscale):
+        """Whether every gradient is finite (a bool tensor), and the clip's
+        numbers for the op (``clip_scalars``), from the gradients as they
+        were made, before the loss scale moves.
+
+        Without a norm to take, the read-only check of the gradients.  With
+        one, the norms are the check: a finite sum of squares has only
+        finite terms, so only a non-finite sum (an overflow, or a sum too
+        large for float32) runs the read-only check, under a ``cond``.
+        """
+        mode = self.clip[0] if self.clip else None
+        if mode not in ("norm", "global"):
+            return native_ops.all_finite_grouped(self.grads)
+        sums = _squared_norms(self.grads, scale, unscale)
+        clipnorm = self.clip[1]
+        if mode == "norm":
+            self.clip_scalars = [_clip_by_norm_divisor(s, clipnorm) for s in sums]
+        else:
+            self.clip_scalars = [_global_clip_factor(sums, clipnorm)]
+        sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
+        return tf.cond(sums_finite, lambda: tf.constant(True),
+                       lambda: native_ops.all_finite_grouped(self.grads))
+
 
 # ------------------------------------------------------------- families
 # Each family's numbers in the order of its family_<name>.h.
@@ -187,6 +222,19 @@ def _sgd_slots(inner):
 
 def _sgd_hyper(inner):
     return [inner.momentum, 1.0 if inner.nesterov else 0.0]
+
+
+def _sgd_reason(inner):
+    # SGD's only use of the gradient is `gradient * learning_rate` (Nesterov's
+    # second one merged with the first): with global_clipnorm that makes the
+    # chain `u * factor * learning_rate`, which the graph optimizer reorders
+    # to `u * (factor * learning_rate)` for each variable of more than one
+    # element, as it does the weight decay's.
+    if _grappler_reassociates_products() and clip_of(inner) is not None \
+            and clip_of(inner)[0] == "global":
+        return ("global_clipnorm with SGD in a graph (TensorFlow's graph optimizer "
+                "reorders its products)")
+    return None
 
 
 def _adam_slots(inner):
@@ -329,7 +377,7 @@ FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           hyper=_sgd_hyper, supports=_AROUND_UPDATE),
+           hyper=_sgd_hyper, unsupported=_sgd_reason, supports=_AROUND_UPDATE),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE),
@@ -377,7 +425,9 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     how the step will unscale the gradients (as ``apply`` takes it).
     Without ``grads`` it answers for the configuration alone (``step_path``
     before any step) and never holds a plan.  Gradients the inner
-    optimizer cannot accumulate raise a ValueError before anything moves.
+    optimizer cannot accumulate, and a clip option that is set but not a
+    positive finite number (``clip_of``), raise a ValueError before
+    anything moves.
     """
     def stock(reason):
         return Decision(inner, reason=reason)
@@ -396,6 +446,9 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     for attr, reason, is_set in _OPTIONS:
         if attr not in family.supports and is_set(getattr(inner, attr, None)):
             return stock(reason)
+    clip = clip_of(inner)
+    if isinstance(clip, str):
+        return stock(clip)
     for attr in family.numbers:
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
@@ -410,6 +463,11 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
     steps = _accumulation_steps(inner)
+    if steps and clip is not None:
+        # Keras clips the average of the accumulated gradients on an update
+        # step; the clip's norms here are taken on the step's own gradients.
+        return stock("clipping with gradient_accumulation_steps (Keras clips the "
+                     "accumulated average)")
     if (steps and steps & (steps - 1) and family.scales_gradient
             and _grappler_folds_constants() and _grappler_reassociates_products()):
         # The average (acc + g) / steps becomes a product by 1 / steps, which
@@ -423,7 +481,8 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
                      f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
         return Decision(inner)
-    reason = family.unsupported(inner) or _step_reason(family, grads, variables)
+    reason = (family.unsupported(inner) or _step_reason(family, grads, variables)
+              or _clip_reason(clip, grads, unscale))
     if reason is None and tf.distribute.has_strategy() and (
             steps or getattr(inner, "use_ema", False)):
         # Keras' accumulation and EMA steps go through the strategy's merge
@@ -436,7 +495,7 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     if steps and unscale != "divide":
         _check_accumulable(pairs)
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
-                                     [v for _, v in pairs]))
+                                     [v for _, v in pairs], clip=clip))
 
 
 def _check_accumulable(pairs):
@@ -483,6 +542,149 @@ def _step_reason(family, grads, variables):
             return f"the native op library is not available ({status.reason})"
         return "a tensor is not on the CPU, or XLA is compiling"
     return None
+
+
+# -------------------------------------------------------------- clipping
+#
+# Keras clips the gradients its inner optimizer is given: under Keras 3's
+# LossScaleOptimizer the unscaled float32 ``u = float32(g) / scale``, with
+# TensorFlow's ops (keras/src/optimizers/base_optimizer.py, the TensorFlow
+# backend's _clip_by_norm):
+#
+#   clipvalue        u' = clip_by_value(u, -v, v)
+#   clipnorm         l2sum = reduce_sum(u * u); l2norm = sqrt(l2sum) where
+#                    l2sum > 0, else l2sum; u' = (u * c) / maximum(l2norm, c)
+#   global_clipnorm  n = sqrt(reduce_sum(stack([reduce_sum(square(u))...])));
+#                    f = c * minimum(1 / n, 1 / c) + (n - n);  u' = u * f
+#
+# The native op applies each u' in its one pass (ls_clip_mode), so what is
+# left here is the norms, whose reduction order is Eigen's: they are
+# computed with TensorFlow's own ops, on values that make the same sums.
+#
+# Passes: two over the gradients, the norm's read and the fused update's,
+# with the finite check folded into the first (Plan.check_finite: only a
+# non-finite sum runs the read-only check).  The norm is TensorFlow's op
+# chain per gradient, run as soon as the gradient is made: a float32 copy
+# (float16's scaled way: a Cast; the stock way: a Div, after a Cast for
+# 16-bit gradients), Square writing another, Sum reading it; per element,
+# the gradient read once (2 or 4 bytes) and 16 bytes of float32
+# temporaries written and read (24 for a 16-bit gradient the stock way),
+# which for a tensor that fits the cache stay in it.  The update then
+# reads the gradient once more with its variable and slots and writes
+# those, as without a clip.  clipvalue takes no norm: the read-only check,
+# then the update, as without a clip.
+#
+# On which values: stock squares ``u``; squaring the scaled float32 values
+# instead saves the division, and for a power-of-two scale every square and
+# partial sum is the stock one times scale**2 exactly, as long as each
+# stays a normal float32 number on both sides.  That is decided at run
+# time, in the graph (one ``cond``, no retrace), and only where it can be
+# decided from the scale alone: float16 gradients, whose nonzero squares
+# are at least 2**-48, with a power-of-two scale of at most 2**39 (no
+# unscaled square of a nonzero value falls below float32's normal range,
+# where TensorFlow flushes it to zero) and every rescaled sum finite.
+# Float32 and bfloat16 gradients reach down to 2**-126: an element whose
+# unscaled square would be flushed while its scaled one is not changes the
+# sum's rounding, whatever the sum's size, and telling takes a pass over
+# the data, which costs what the division saves.  Their norms (and float16
+# ones outside those bounds) are taken the stock way, on ``g / scale``.
+
+def clip_of(inner):
+    """Keras' clip of ``inner`` as the native op takes it: ``(mode, value)``
+    (``"norm"``, ``"global"`` or ``"value"``, in the order Keras' own
+    ``_clip_gradients`` tests them), None for no clip, or the reason the
+    step is left to the stock path (a tensor or a callable).
+
+    Keras clips when the value is set and > 0, and silently ignores a
+    negative or NaN one (an infinite clipnorm or global_clipnorm turns
+    every gradient into NaN): here any set value that is not a positive
+    finite number is a ``ValueError`` that names it, before anything moves.
+    """
+    for attr, mode in _CLIP_OPTIONS:
+        value = getattr(inner, attr, None)
+        if value is None or (isinstance(value, (int, float)) and value == 0):
+            continue
+        if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
+            return f"the inner optimizer's {attr} is not a number"
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+                or not 0 < float(value) <= _FLOAT32_MAX):
+            raise ValueError(f"{inner.name}: {attr} must be a positive finite number, got "
+                             f"{value!r}")
+        return mode, float(value)
+    return None
+
+
+def _clip_reason(clip, grads, unscale):
+    """Why this clip cannot be fused with these gradients: Keras clips
+    gradients that are already unscaled in their own dtype, and the native
+    op clips in float32."""
+    if clip is None or unscale == "divide":
+        return None
+    for g in grads:
+        if g is not None and tf.as_dtype(g.dtype) != tf.float32:
+            return (f"clipping {tf.as_dtype(g.dtype).name} gradients (the inner optimizer "
+                    f"clips them in {tf.as_dtype(g.dtype).name})")
+    return None
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SCALED_NORM_MAX_SCALE_EXPONENT = 39
+
+
+def _scaled_norm_exact(scale):
+    """Whether squares of float16 gradients scaled by ``scale`` sum to the
+    unscaled ones' times scale**2 exactly (as far as the scale tells): a
+    normal power of two up to 2**39, as a bool tensor."""
+    bits = tf.bitcast(scale, tf.int32)
+    return tf.logical_and(
+        tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFF), 0),
+        tf.logical_and(bits >= 1 << 23,
+                       bits <= (127 + _SCALED_NORM_MAX_SCALE_EXPONENT) << 23))
+
+
+def _squared_norms(grads, scale, unscale):
+    """Each gradient's ``reduce_sum(square(u))`` as stock computes it, ``u``
+    the unscaled float32 gradient the inner optimizer clips."""
+    def stock_sum(g):
+        if unscale == "divide":
+            u = tf.cast(g, tf.float32) / scale
+        elif unscale == "multiply":
+            u = g * tf.cast(1.0 / scale, g.dtype)
+        else:
+            u = g
+        return tf.reduce_sum(tf.square(u))
+
+    sums = [None] * len(grads)
+    halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16]
+    for i, g in enumerate(grads):
+        if i not in halves:
+            sums[i] = stock_sum(g)
+    if halves:
+        inv = 1.0 / scale
+        rescaled = [(tf.reduce_sum(tf.square(tf.cast(grads[i], tf.float32))) * inv) * inv
+                    for i in halves]
+        exact = tf.logical_and(_scaled_norm_exact(scale),
+                               tf.reduce_all(tf.math.is_finite(tf.stack(rescaled))))
+        taken = tf.cond(exact, lambda: rescaled, lambda: [stock_sum(grads[i]) for i in halves])
+        for i, s in zip(halves, taken):
+            sums[i] = s
+    return sums
+
+
+def _clip_by_norm_divisor(l2sum, clipnorm):
+    """tf.clip_by_norm's ``maximum(l2norm, clip_norm)`` from the sum."""
+    pred = l2sum > 0
+    l2sum_safe = tf.where(pred, l2sum, tf.ones_like(l2sum))
+    l2norm = tf.where(pred, tf.sqrt(l2sum_safe), l2sum)
+    return tf.maximum(l2norm, tf.constant(clipnorm, tf.float32))
+
+
+def _global_clip_factor(sums, clip_norm):
+    """Keras' clip_by_global_norm factor from the per-gradient sums, with
+    Keras' own ops in its order."""
+    use_norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(sums)))
+    scale_for_finite = clip_norm * keras.ops.minimum(1.0 / use_norm, 1.0 / clip_norm)
+    return scale_for_finite + (use_norm - use_norm)
 
 
 # ------------------------------------------------------------------ run

@@ -80,6 +80,7 @@ cdef extern from "lossscale.h" nogil:
         size_t length
         ls_dtype grad_dtype
         int decay
+        float clip_scalar
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -92,6 +93,8 @@ cdef extern from "lossscale.h" nogil:
         float weight_decay
         int num_hyper
         float hyper[LS_OPTIM_MAX_HYPER]
+        int clip
+        float clip_value
 
     int ls_optim_family(const char *name)
     const char *ls_optim_family_name(int family)
@@ -103,6 +106,12 @@ cdef extern from "lossscale.h" nogil:
         LS_UNSCALE_NONE
         LS_UNSCALE_DIVIDE
         LS_UNSCALE_MULTIPLY
+
+    enum:
+        LS_CLIP_NONE
+        LS_CLIP_VALUE
+        LS_CLIP_NORM
+        LS_CLIP_GLOBAL
 
     int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
                       unsigned flags)
@@ -372,6 +381,8 @@ def scale_update(state, bint grads_finite, *, int rule=RULE_TF24,
 # ----------------------------------------------------------------- fused steps
 
 _UNSCALE_MODES = {"divide": LS_UNSCALE_DIVIDE, "multiply": LS_UNSCALE_MULTIPLY}
+_CLIP_MODES = {None: LS_CLIP_NONE, "value": LS_CLIP_VALUE, "norm": LS_CLIP_NORM,
+               "global": LS_CLIP_GLOBAL}
 
 
 def _real(value, str what, str name, bint positive=False, bint nonnegative=False):
@@ -429,7 +440,7 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
-                    ls_optim_config *config, unsigned flags) except -10:
+                    list clip_scalars, ls_optim_config *config, unsigned flags) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
@@ -464,6 +475,7 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].length = <size_t>cnp.PyArray_SIZE(var)
             params[i].grad_dtype = <ls_dtype>code
             params[i].decay = decay[i]
+            params[i].clip_scalar = clip_scalars[i]
             params[i].slot[0] = NULL
             params[i].slot[1] = NULL
             params[i].slot[2] = NULL
@@ -493,8 +505,8 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
         free(bufs)
 
 
-cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale,
-              ls_optim_config *c):
+cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale, clip,
+              clip_value, clip_scalars, ls_optim_config *c):
     variables = _param_list(variables, what, "variables", len(variables)
                             if isinstance(variables, (list, tuple)) else -1)
     n = len(variables)
@@ -524,19 +536,59 @@ cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale,
         else:
             raise ValueError(f"{what}: decay[{i}] must be False/0 (none), True/1 "
                              f"(var - (var * wd) * lr) or 2 (var - var * (wd * lr)), got {d!r}")
-    return variables, grads, forms
+    return variables, grads, forms, _prepare_clip(what, n, clip, clip_value, clip_scalars, c)
+
+
+cdef list _prepare_clip(str what, Py_ssize_t n, clip, clip_value, clip_scalars,
+                        ls_optim_config *c):
+    """The clip mode and value into ``c``; each variable's clip scalar
+    (float32; any value, NaN and infinities included, as Keras computes
+    them)."""
+    if not isinstance(clip, (str, type(None))) or clip not in _CLIP_MODES:
+        raise ValueError(f"{what}: clip must be None, 'value', 'norm' or 'global', got "
+                         f"{clip!r}")
+    c.clip = _CLIP_MODES[clip]
+    c.clip_value = 0.0
+    if clip in ("value", "norm"):
+        if clip_value is None:
+            raise ValueError(f"{what}: clip={clip!r} needs clip_value")
+        c.clip_value = _float32(_real(clip_value, what, "clip_value", positive=True), what,
+                                "clip_value")
+    elif clip_value is not None:
+        raise ValueError(f"{what}: clip_value is given but clip is {clip!r}")
+    if clip == "global":
+        clip_scalars = [_real_any(clip_scalars, what, "clip_scalars")] * n
+    elif clip == "norm":
+        if not isinstance(clip_scalars, (list, tuple)) or len(clip_scalars) != n:
+            raise ValueError(f"{what}: clip='norm' needs clip_scalars, one divisor per "
+                             f"variable ({n})")
+        clip_scalars = [_real_any(x, what, f"clip_scalars[{i}]")
+                        for i, x in enumerate(clip_scalars)]
+    elif clip_scalars is not None:
+        raise ValueError(f"{what}: clip_scalars is given but clip is {clip!r}")
+    else:
+        clip_scalars = [0.0] * n
+    return clip_scalars
+
+
+def _real_any(value, str what, str name):
+    """A real number as float32, NaN and infinities kept."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: {name} must be a real number, got {type(value).__name__}")
+    return float(np.float32(value))
 
 
 def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,
               nesterov=False, weight_decay=None, decay=None, scale=None, unscale="divide",
-              bint flush_denormals=False):
+              clip=None, clip_value=None, clip_scalars=None, bint flush_denormals=False):
     """One Keras SGD step over float32 arrays, in place, fused with the
     finite check and the unscale; see ``lossscale.core``."""
     cdef ls_optim_config c
     memset(&c, 0, sizeof(c))
     what = "sgd_step_"
-    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
-                                       unscale, &c)
+    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
+                                                     decay, scale, unscale, clip, clip_value,
+                                                     clip_scalars, &c)
     _set_family(&c, b"sgd")
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
                                what, "learning_rate")
@@ -550,21 +602,23 @@ def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,
         slots.append(("momentums", _param_list(momentums, what, "momentums", len(variables))))
     elif momentums is not None:
         raise ValueError(f"{what}: momentums given but momentum is 0 (Keras keeps no slot)")
-    return bool(_optim_run(what, variables, grads, slots, decay, &c,
+    return bool(_optim_run(what, variables, grads, slots, decay, clip_scalars, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0))
 
 
 def adam_step_(variables, grads, m, v, v_hat=None, *, learning_rate, alpha, beta_1=0.9,
                beta_2=0.999, epsilon=1e-7, weight_decay=None, decay=None, scale=None,
-               unscale="divide", bint flush_denormals=False):
+               unscale="divide", clip=None, clip_value=None, clip_scalars=None,
+               bint flush_denormals=False):
     """One Keras Adam (AdamW with ``weight_decay``; amsgrad with ``v_hat``)
     step over float32 arrays, in place, fused with the finite check and the
     unscale; see ``lossscale.core``."""
     cdef ls_optim_config c
     memset(&c, 0, sizeof(c))
     what = "adam_step_"
-    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
-                                       unscale, &c)
+    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
+                                                     decay, scale, unscale, clip, clip_value,
+                                                     clip_scalars, &c)
     n = len(variables)
     _set_family(&c, b"adam")
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
@@ -579,7 +633,7 @@ def adam_step_(variables, grads, m, v, v_hat=None, *, learning_rate, alpha, beta
     slots = [("m", _param_list(m, what, "m", n)), ("v", _param_list(v, what, "v", n))]
     if v_hat is not None:
         slots.append(("v_hat", _param_list(v_hat, what, "v_hat", n)))
-    return bool(_optim_run(what, variables, grads, slots, decay, &c,
+    return bool(_optim_run(what, variables, grads, slots, decay, clip_scalars, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0))
 
 
@@ -596,10 +650,15 @@ def optimizer_families():
 
 def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
+                    clip=None, clip_value=None, clip_scalars=None,
                     bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
-    ``lossscale.core``."""
+    ``lossscale.core``.  ``clip`` (every step function takes it) clips each
+    unscaled gradient as Keras does: ``"value"`` to [-clip_value,
+    clip_value]; ``"norm"`` ``(g * clip_value) / clip_scalars[i]`` (the
+    divisor ``max(l2norm, clipnorm)`` of each variable); ``"global"``
+    ``g * clip_scalars`` (the one factor)."""
     cdef ls_optim_config c
     cdef int f, i, want
     memset(&c, 0, sizeof(c))
@@ -607,8 +666,9 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     names = optimizer_families()
     if family not in names:
         raise ValueError(f"{what}: family must be one of {sorted(names)}, got {family!r}")
-    variables, grads, decay = _prepare(what, variables, grads, weight_decay, decay, scale,
-                                       unscale, &c)
+    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
+                                                     decay, scale, unscale, clip, clip_value,
+                                                     clip_scalars, &c)
     _set_family(&c, family.encode())
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
                                what, "learning_rate")
@@ -624,5 +684,5 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                          f"slots must be a list of {want} lists, got {slots!r}")
     slot_lists = [(f"slots[{k}]", _param_list(slots[k], what, f"slots[{k}]", len(variables)))
                   for k in range(want)]
-    return bool(_optim_run(what, variables, grads, slot_lists, decay, &c,
+    return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0))

@@ -18,12 +18,13 @@ update (one native op), then ONE native op that unscales every gradient on
 the fly and applies the inner optimizer's update to every variable and
 slot, in one pass over memory: no unscaled copy of the gradients, no op per
 variable.  Its arithmetic is Keras' float32 op by op, in Keras' order, so
-variables and slots come out bit-identical.  An inner optimizer's EMA and
-gradient accumulation run around that op with Keras' own ops, on Keras'
-schedule.  ``step_path`` says which path a step took and why;
+variables and slots come out bit-identical.  An inner optimizer's clipping
+(``clipnorm``, ``clipvalue``, ``global_clipnorm``) happens in that same pass;
+its EMA and gradient accumulation run around that op with Keras' own ops,
+on Keras' schedule.  ``step_path`` says which path a step took and why;
 ``fused=False`` turns it off.  Anything the fused path does not do
-(clipping, constraints, sparse gradients, several replicas, a non-CPU
-device, XLA...) takes the path
+(constraints, sparse gradients, several replicas, a non-CPU device,
+XLA...) takes the path
 below: the finite check and the unscale of the whole gradient list are one
 native op, and the scale update is another, instead of three ops per
 gradient and a graph of ``cond``s; then the inner optimizer's own step.
@@ -302,7 +303,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def _decide(self, grads=None, variables=None, unscale=None):
         """``lossscale._fused.decide`` for this optimizer: its ``fused`` switch,
         its rule, its inner optimizer; with ``grads``, for this step (and
-        recorded for ``step_path``), unscaled as ``_fused_apply`` will."""
+        recorded for ``step_path``), unscaled as ``unscale`` says (default:
+        as the rule unscales, as ``_fused_apply`` will)."""
         decision = _fused.decide(self.inner_optimizer, enabled=self._fused,
                                  rule_reason=self._rule.fused_reason(),
                                  grads=grads, variables=variables,
@@ -314,21 +316,23 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
     def _fused_apply(self, plan, unscale=None):
         """The step on the fused path: the read-only check of the gradients
         (as they come, inside the graph that makes them, a few small ones
-        per op), the rule, then one native pass that unscales and updates
-        every variable and slot."""
+        per op; with a norm to clip by, the norms), the rule, then one
+        native pass that unscales, clips and updates every variable and
+        slot."""
         # Mistakes fail before any state moves, with the stock step's message.
         _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
         checks = plan.prepare_scalars()
-        finite = native_ops.all_finite_grouped(plan.grads)
+        unscale = unscale or self._rule.fused_unscale
+        finite = plan.check_finite(scale, unscale)
         # A bad learning rate fails before the loss scale moves.
         with tf.control_dependencies(checks):
             finite = tf.identity(finite)
         should_apply = self._rule.advance(finite)
         if isinstance(should_apply, bool):
             should_apply = tf.constant(should_apply)
-        _fused.apply(plan, scale=scale, unscale=unscale or self._rule.fused_unscale,
+        _fused.apply(plan, scale=scale, unscale=unscale,
                      should_apply=should_apply,
                      advance_iterations_always=self._skipped_steps_advance_iterations)
 

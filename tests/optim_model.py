@@ -2,8 +2,9 @@
 the fused families reproduce (SGD, Adam / AdamW, ...; ``FAMILIES``).
 
 The oracle of the fused optimizer step at every layer that runs it.  Written
-from Keras' own source (``BaseOptimizer._apply_weight_decay`` then each
-optimizer's ``update_step``): every elementwise op is one numpy float32 op,
+from Keras' own source (``BaseOptimizer._clip_gradients`` with the
+clip numbers given, ``_apply_weight_decay``, then each optimizer's
+``update_step``): every elementwise op is one numpy float32 op,
 in Keras' order, so each result is rounded on its own as TensorFlow's
 op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
 the IEEE (``flush_denormals=False``) model.  Also here: the cases the tests
@@ -68,6 +69,25 @@ CONFIGS = {
     "lion": dict(opt="lion", lr=0.001, beta_1=0.9, beta_2=0.99),
     "lion_decay_odd": dict(opt="lion", lr=0.003, beta_1=0.7, beta_2=0.95, weight_decay=0.1,
                            mask=True),
+    # Keras' clipping (``clip``: the core's mode and value; ``clip_scalars``
+    # gives each variable's divisor or the one factor).
+    "sgd_momentum_clipvalue": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=False,
+                                   clip=("value", 0.03)),
+    "adam_clipnorm": dict(opt="adam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                          amsgrad=False, clip=("norm", 0.7)),
+    "adamw_amsgrad_clipglobal": dict(opt="adam", lr=0.003, beta_1=0.8, beta_2=0.99,
+                                     epsilon=1e-3, amsgrad=True, weight_decay=0.1, mask=True,
+                                     clip=("global", None)),
+    "rmsprop_centered_clipnorm_graph": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.5,
+                                            epsilon=1e-7, centered=True, graph=True,
+                                            clip=("norm", 3.3)),
+    "adagrad_clipvalue": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1,
+                              epsilon=1e-7, graph=False, clip=("value", 1e-3)),
+    "adamax_clipglobal_tiny": dict(opt="adamax", lr=0.001, beta_1=0.9, beta_2=0.999,
+                                   epsilon=1e-7, clip=("global", 1e-39)),
+    "nadam_clipnorm": dict(opt="nadam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                           clip=("norm", 0.05)),
+    "lion_clipvalue": dict(opt="lion", lr=0.001, beta_1=0.9, beta_2=0.99, clip=("value", 2.5)),
 }
 
 
@@ -105,6 +125,31 @@ def unscaled(grad, scale, mode):
     return (grad * reciprocal).astype(grad.dtype).astype(F32)
 
 
+def clip_scalars(cfg, n):
+    """Each variable's clip number for a configuration with ``clip``: for
+    "norm" divisors of max(l2norm, clipnorm)'s kinds (clipnorm itself, a
+    larger one, a huge one, inf: every gradient 0); for "global" the one
+    factor (``clip``'s second entry, else 0.37)."""
+    mode, value = cfg["clip"]
+    if mode == "global":
+        return [float(F32(0.37 if value is None else value))] * n
+    kinds = [F32(value), F32(value) * F32(3.7), F32(1e30), F32(np.inf)]
+    return [float(kinds[i % 4]) for i in range(n)]
+
+
+def clipped(cfg, g, i, n):
+    """Keras' clip of the unscaled gradient ``g`` of variable ``i`` of
+    ``n``: clip_by_value's Minimum then Maximum, clip_by_norm's
+    ``(g * c) / divisor``, clip_by_global_norm's ``g * factor``."""
+    if cfg.get("clip") is None:
+        return g
+    mode, value = cfg["clip"]
+    if mode == "value":
+        return np.maximum(np.minimum(g, F32(value)), -F32(value))
+    scalar = F32(clip_scalars(cfg, n)[i])
+    return (g * F32(value)) / scalar if mode == "norm" else g * scalar
+
+
 def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"):
     """Keras' step on copies: ``(variables, slots)`` after it.  ``slots`` is a
     dict name -> list of arrays; ``lr`` the float32 learning rate of this
@@ -120,7 +165,7 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
                 if mask[i]:
                     out_vars[i] = w - (w * wd) * lr
         for i, grad in enumerate(grads):
-            g = unscaled(grad, scale, mode)
+            g = clipped(cfg, unscaled(grad, scale, mode), i, len(grads))
             out_vars[i] = FAMILIES[cfg["opt"]]["update"](
                 cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
                 lambda name, value, i=i: out_slots[name].__setitem__(i, value))
@@ -323,6 +368,12 @@ def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="di
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
+    if cfg.get("clip") is not None:
+        clip, value = cfg["clip"]
+        common.update(clip=clip, clip_value=None if clip == "global" else value)
+        if clip != "value":
+            scalars = clip_scalars(cfg, len(variables))
+            common["clip_scalars"] = scalars[0] if clip == "global" else scalars
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
                               momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)

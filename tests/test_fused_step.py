@@ -44,7 +44,7 @@ INF, NAN = float("inf"), float("nan")
 # ``step_path`` is the optimizer's own report of the path it took ("fused
 # ..." or "stock ..." and why); every expectation about its text is here.
 
-STOCK_REASONS = {"fused=False": "fused=False", "clipnorm": "clipnorm",
+STOCK_REASONS = {"fused=False": "fused=False",
                  "update_step": "SGDWithOwnUpdate",
                  "schedule_and_decay": "weight decay with a learning-rate schedule in a graph"}
 
@@ -357,7 +357,6 @@ class SGDWithOwnUpdate(keras.optimizers.SGD):
 
 @pytest.mark.parametrize("why,make_inner,ours_kw", [
     ("fused=False", lambda: keras.optimizers.Adam(0.003), {"fused": False}),
-    ("clipnorm", lambda: keras.optimizers.SGD(0.02, momentum=0.9, clipnorm=1.0), {}),
     ("update_step", lambda: SGDWithOwnUpdate(0.02, momentum=0.9), {}),
 ])
 def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):

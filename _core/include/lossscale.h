@@ -261,6 +261,7 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
  * slots come out bit-identical to the stock optimizer's:
  *
  *   g  = unscale(grad)                     (see ls_unscale_mode)
+ *   g  = clip(g)                           (see ls_clip_mode)
  *   w  = var;  decay 1: w = w - (w * weight_decay) * learning_rate
  *              decay 2: w = w - w * (weight_decay * learning_rate)
  *   then the family's update of w and its slots.
@@ -306,6 +307,21 @@ typedef enum ls_unscale_mode {
     LS_UNSCALE_MULTIPLY = 2
 } ls_unscale_mode;
 
+/* Keras' gradient clipping (clipvalue, clipnorm, global_clipnorm), applied
+ * to each unscaled float32 gradient before the update, with the roundings
+ * of TensorFlow's ops: */
+typedef enum ls_clip_mode {
+    LS_CLIP_NONE = 0,
+    /* g = max(min(g, clip_value), -clip_value)  (tf.clip_by_value; exact) */
+    LS_CLIP_VALUE = 1,
+    /* g = (g * clip_value) / clip_scalar  (tf.clip_by_norm: clip_value is
+     * clipnorm, the variable's clip_scalar max(l2norm, clipnorm)) */
+    LS_CLIP_NORM = 2,
+    /* g = g * clip_scalar  (Keras' clip_by_global_norm: every variable's
+     * clip_scalar is the step's one factor) */
+    LS_CLIP_GLOBAL = 3
+} ls_clip_mode;
+
 /* One variable with its gradient and slots.  `var` and the slots are
  * float32 buffers of `length` elements, updated in place; `grad` is
  * float16, bfloat16 or float32 and only read.  The family says which slots
@@ -318,6 +334,8 @@ typedef struct ls_param {
     size_t length;
     ls_dtype grad_dtype;
     int decay; /* ls_decay: whether and how weight decay applies */
+    float clip_scalar; /* LS_CLIP_NORM, LS_CLIP_GLOBAL: this variable's clip
+                          number (any value: IEEE arithmetic, as Keras') */
 } ls_param;
 
 typedef struct ls_optim_config {
@@ -329,6 +347,8 @@ typedef struct ls_optim_config {
     float weight_decay;     /* for params with decay = 1 or 2; finite */
     int num_hyper;          /* ls_optim_hyper_count(family) */
     float hyper[LS_OPTIM_MAX_HYPER]; /* the family's numbers, in its order */
+    int clip;               /* ls_clip_mode */
+    float clip_value;       /* LS_CLIP_VALUE, LS_CLIP_NORM: finite, > 0 */
 } ls_optim_config;
 
 /* The slots per variable a configuration updates (a family's count may

@@ -74,6 +74,11 @@ static const char *config_problem(const ls_optim_config *c)
         return "the learning rate must be finite and >= 0";
     if (!ls_optim_finite(c->weight_decay))
         return "the weight decay must be finite";
+    if (c->clip < LS_CLIP_NONE || c->clip > LS_CLIP_GLOBAL)
+        return "unknown clip mode";
+    if ((c->clip == LS_CLIP_VALUE || c->clip == LS_CLIP_NORM) &&
+        !(ls_optim_finite(c->clip_value) && c->clip_value > 0.0f))
+        return "the clip value must be finite and > 0";
     return families[c->family].problem(c->hyper);
 }
 
@@ -156,6 +161,8 @@ static void resolve(const ls_optim_config *c, unsigned flags, ls_optim_args args
     a.wd = c->weight_decay;
     a.wd_lr = ls_f32_mul(c->weight_decay, c->learning_rate);
     memcpy(a.h, c->hyper, sizeof a.h);
+    a.clip = c->clip;
+    a.clip_value = c->clip_value;
     const float scale = (float)c->scale;
     for (int t = 0; t < LS_NUM_DTYPES; t++) {
         args[t] = a;
@@ -206,6 +213,7 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
             continue;
         ls_optim_args a = j->args[p->grad_dtype];
         a.decay = p->decay;
+        a.clip_scalar = p->clip_scalar;
         j->kernels->fn[j->family][p->grad_dtype](p, lo, hi, &a);
     }
     ls_fpenv_leave(&env);

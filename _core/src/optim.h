@@ -37,6 +37,9 @@ typedef struct ls_optim_args {
     float wd;       /* weight decay */
     float wd_lr;    /* wd * lr, rounded to float32 */
     int decay;      /* ls_decay of this variable */
+    int clip;       /* ls_clip_mode */
+    float clip_value;  /* the config's */
+    float clip_scalar; /* this variable's */
     float h[LS_OPTIM_MAX_HYPER];
 } ls_optim_args;
 
@@ -90,6 +93,42 @@ static inline float ls_optim_max(float a, float b)
 #else
 static inline float ls_optim_max(float a, float b) { return a > b ? a : b; }
 #endif
+
+/* min(a, b) = (a < b) ? a : b, as MINPS computes it (the second operand
+ * when either is NaN), through the instruction on x86 as ls_optim_max. */
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+static inline float ls_optim_min(float a, float b)
+{
+    return _mm_cvtss_f32(_mm_min_ss(_mm_set_ss(a), _mm_set_ss(b)));
+}
+#else
+static inline float ls_optim_min(float a, float b) { return a < b ? a : b; }
+#endif
+
+/* The clip of an unscaled gradient (ls_clip_mode).  clip_by_value's
+ * Minimum then Maximum, each with the gradient second, so that a NaN
+ * gradient stays NaN as TensorFlow's NaN-propagating ops keep it (the
+ * bounds are finite and the results are g or a bound: exact). */
+static inline float ls_optim_clip1(float g, const ls_optim_args *a)
+{
+    switch (a->clip) {
+    case LS_CLIP_VALUE:
+        return ls_optim_max(-a->clip_value, ls_optim_min(a->clip_value, g));
+    case LS_CLIP_NORM:
+        return (g * a->clip_value) / a->clip_scalar;
+    case LS_CLIP_GLOBAL:
+        return g * a->clip_scalar;
+    default:
+        return g;
+    }
+}
+
+/* Element i's gradient as the update applies it: loaded, unscaled, clipped. */
+static inline float ls_optim_grad1(const ls_param *p, size_t i, const ls_optim_args *a)
+{
+    return ls_optim_clip1(
+        ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype), p->grad_dtype, a), a);
+}
 
 /* TensorFlow's Maximum and Sign on the CPU, as their vector bodies compute
  * them (Eigen's NaN-propagating pmax and its generic psign; TensorFlow's
@@ -179,10 +218,7 @@ static inline const char *ls_optim_numbers_problem(const float *h, int n, const 
                                               const ls_optim_args *a)                      \
     {                                                                                      \
         for (size_t i = lo; i < hi; i++)                                                   \
-            ls_##family##1(p, i, ls_optim_unscale1(ls_optim_load_grad(p->grad, i,         \
-                                                                      p->grad_dtype),      \
-                                                   p->grad_dtype, a),                      \
-                           a);                                                             \
+            ls_##family##1(p, i, ls_optim_grad1(p, i, a), a);                              \
     }
 LS_OPTIM_FAMILIES(LS_OPTIM_ELEMENTS)
 #undef LS_OPTIM_ELEMENTS

@@ -40,6 +40,18 @@ LS_INLINE LS_V LS_FN(grad)(const void *grad, size_t i, ls_dtype dt, int mode, LS
     return g;
 }
 
+/* ls_optim_clip1 on LS_VW lanes. */
+LS_INLINE LS_V LS_FN(clip)(LS_V g, int clip, LS_V value, LS_V neg_value, LS_V scalar)
+{
+    if (clip == LS_CLIP_VALUE)
+        return v_max(neg_value, v_min(value, g));
+    if (clip == LS_CLIP_NORM)
+        return v_div(v_mul(g, value), scalar);
+    if (clip == LS_CLIP_GLOBAL)
+        return v_mul(g, scalar);
+    return g;
+}
+
 LS_INLINE LS_V LS_FN(decay)(LS_V w, int decay, LS_V wd, LS_V lr, LS_V wd_lr)
 {
     if (decay == LS_DECAY_OP_BY_OP)
@@ -95,25 +107,32 @@ typedef struct LS_FN(common) {
     const void *grad;
     float *var;
     size_t gsize;
-    int mode, decay;
-    LS_V factor, lr, wd, wd_lr;
+    int mode, decay, clip;
+    LS_V factor, lr, wd, wd_lr, clip_value, neg_clip_value, clip_scalar;
 } LS_FN(common);
 
 LS_INLINE LS_FN(common) LS_FN(common_of)(const ls_param *p, const ls_optim_args *a,
                                          ls_dtype dt)
 {
-    const LS_FN(common) c = {p->grad, p->var, ls_dtype_size(dt), a->grad_mode, a->decay,
-                             v_set1(a->factor), v_set1(a->lr), v_set1(a->wd), v_set1(a->wd_lr)};
+    const LS_FN(common) c = {p->grad,           p->var,
+                             ls_dtype_size(dt), a->grad_mode,
+                             a->decay,          a->clip,
+                             v_set1(a->factor), v_set1(a->lr),
+                             v_set1(a->wd),     v_set1(a->wd_lr),
+                             v_set1(a->clip_value), v_set1(-a->clip_value),
+                             v_set1(a->clip_scalar)};
     return c;
 }
 
-/* The gradient at i and the weight after decay, their streams prefetched. */
+/* The gradient at i (unscaled, clipped) and the weight after decay, their
+ * streams prefetched. */
 LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype dt, LS_V *g,
                                       LS_V *w)
 {
     ls_prefetch(c->grad, i * c->gsize);
     ls_prefetch(c->var, i * sizeof(float));
-    *g = LS_FN(grad)(c->grad, i, dt, c->mode, c->factor);
+    *g = LS_FN(clip)(LS_FN(grad)(c->grad, i, dt, c->mode, c->factor), c->clip, c->clip_value,
+                     c->neg_clip_value, c->clip_scalar);
     *w = LS_FN(decay)(v_load(c->var + i), c->decay, c->wd, c->lr, c->wd_lr);
 }
 

@@ -14,6 +14,7 @@
  *   v_load_f16, v_load_bf16   LS_VW 16-bit values widened (exactly)
  *   v_set1, v_add, v_sub, v_mul, v_div, v_sqrt   IEEE, each rounded once
  *   v_max(a, b)          (a > b) ? a : b
+ *   v_min(a, b)          (a < b) ? a : b
  *   v_abs(a)             a with its sign bit cleared (NaN too)
  *   v_maximum(a, b)      TensorFlow's Maximum: a where a is NaN, else v_max
  *   v_sign(a)            TensorFlow's Sign: copysign(1, a) where 0 < |a|,

@@ -36,6 +36,7 @@ static inline LS_V v_mul(LS_V a, LS_V b) { return vmulq_f32(a, b); }
 static inline LS_V v_div(LS_V a, LS_V b) { return vdivq_f32(a, b); }
 static inline LS_V v_sqrt(LS_V a) { return vsqrtq_f32(a); }
 static inline LS_V v_max(LS_V a, LS_V b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+static inline LS_V v_min(LS_V a, LS_V b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
 static inline LS_V v_abs(LS_V a) { return vabsq_f32(a); }
 
 /* Maximum and Sign as TensorFlow's CPU kernels compute them (simd.h). */

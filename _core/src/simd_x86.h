@@ -62,6 +62,7 @@ static inline LS_V v_mul(LS_V a, LS_V b) { return LS_MM(mul_ps)(a, b); }
 static inline LS_V v_div(LS_V a, LS_V b) { return LS_MM(div_ps)(a, b); }
 static inline LS_V v_sqrt(LS_V a) { return LS_MM(sqrt_ps)(a); }
 static inline LS_V v_max(LS_V a, LS_V b) { return LS_MM(max_ps)(a, b); }
+static inline LS_V v_min(LS_V a, LS_V b) { return LS_MM(min_ps)(a, b); }
 static inline LS_V v_abs(LS_V a) { return LS_MM(andnot_ps)(v_set1(-0.0f), a); }
 
 /* Maximum and Sign as TensorFlow's CPU kernels compute them in their

@@ -32,16 +32,17 @@ namespace {
 using tf::shape_inference::InferenceContext;
 
 // `apply` and the trailing scalars (scale, learning_rate, weight_decay, the
-// family's step scalars) are scalars.
+// family's step scalars, the clip scalars) are scalars.
 tf::Status ScalarShapes(InferenceContext* c) {
-    int n = 0, k = 0, scalars = 0;
+    int n = 0, k = 0, scalars = 0, clip_scalars = 0;
     TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
     TF_RETURN_IF_ERROR(c->GetAttr("num_slots", &k));
     TF_RETURN_IF_ERROR(c->GetAttr("num_scalars", &scalars));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_clip_scalars", &clip_scalars));
     tf::shape_inference::ShapeHandle unused;
     TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
     const int first = 1 + n + k + n;
-    for (int i = first; i < first + 3 + scalars; ++i)
+    for (int i = first; i < first + 3 + scalars + clip_scalars; ++i)
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     return tf::OkStatus();
 }
@@ -55,6 +56,7 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("learning_rate: float")
     .Input("weight_decay: float")
     .Input("scalars: num_scalars * float")
+    .Input("clip_scalars: num_clip_scalars * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
@@ -63,6 +65,9 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Attr("num_scalars: int >= 0")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
+    .Attr("clip: {'none', 'value', 'norm', 'global'} = 'none'")
+    .Attr("clip_value: float = 0")
+    .Attr("num_clip_scalars: int >= 0 = 0")
     .SetIsStateful()
     .SetShapeFn(ScalarShapes)
     .Doc(R"doc(
@@ -74,7 +79,21 @@ slot by slot (slot s of variable i at s * num_variables + i); the family's
 numbers are `hyper` followed by `scalars` (the ones Keras derives from its
 step counter), in the family's order; weight decay as `decay` says for each
 variable (0 none, 1 var - (var * wd) * lr, 2 var - var * (wd * lr)).
+Each unscaled gradient is clipped first as `clip` says (Keras' clipvalue,
+clipnorm, global_clipnorm): 'value' to [-clip_value, clip_value]; 'norm'
+(g * clip_value) / its variable's `clip_scalars` entry (max(l2norm,
+clipnorm), one per variable); 'global' g * `clip_scalars`' one factor.
 )doc");
+
+int ClipMode(const std::string& name) {
+    if (name == "value")
+        return LS_CLIP_VALUE;
+    if (name == "norm")
+        return LS_CLIP_NORM;
+    if (name == "global")
+        return LS_CLIP_GLOBAL;
+    return LS_CLIP_NONE;
+}
 
 int UnscaleMode(const std::string& name) {
     if (name == "divide")
@@ -91,7 +110,7 @@ float ScalarInput(tf::OpKernelContext* ctx, int index) {
 class FusedStepOp : public tf::OpKernel {
   public:
     explicit FusedStepOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {
-        std::string unscale, family;
+        std::string unscale, family, clip;
         std::vector<float> hyper;
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
@@ -100,6 +119,8 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("hyper", &hyper));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("unscale", &unscale));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("clip", &clip));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_clip_scalars", &num_clip_scalars_));
         OP_REQUIRES(ctx, static_cast<int>(decay_.size()) == num_variables_,
                     tf::errors::InvalidArgument("decay has ", decay_.size(),
                                                 " entries for ", num_variables_, " variables"));
@@ -116,6 +137,15 @@ class FusedStepOp : public tf::OpKernel {
                         num_scalars_, " scalars"));
         std::copy(hyper.begin(), hyper.end(), config_.hyper);
         config_.unscale = UnscaleMode(unscale);
+        config_.clip = ClipMode(clip);
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("clip_value", &config_.clip_value));
+        const int clip_scalars = config_.clip == LS_CLIP_NORM     ? num_variables_
+                                 : config_.clip == LS_CLIP_GLOBAL ? 1
+                                                                  : 0;
+        OP_REQUIRES(ctx, num_clip_scalars_ == clip_scalars,
+                    tf::errors::InvalidArgument("LossScaleApplyOptimizer: clip '", clip,
+                                                "' takes ", clip_scalars,
+                                                " clip scalars, got ", num_clip_scalars_));
         // The slot count follows from the constant numbers alone.
         const int slots = ls_optim_slot_count(&config_);
         OP_REQUIRES(ctx, num_slots_ == slots * num_variables_,
@@ -141,6 +171,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_variables_ = 0;
     int num_slots_ = 0;
     int num_scalars_ = 0;
+    int num_clip_scalars_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     ls_optim_config config_;
 
@@ -199,6 +230,9 @@ class FusedStepOp : public tf::OpKernel {
             params[i].grad_dtype = dt;
             params[i].length = static_cast<size_t>(g.NumElements());
             params[i].decay = decay_[i];
+            if (num_clip_scalars_ > 0)
+                params[i].clip_scalar = ScalarInput(
+                    ctx, first_scalar + 3 + num_scalars_ + (num_clip_scalars_ > 1 ? i : 0));
         }
         const char* why = nullptr;
         OP_REQUIRES(ctx, ls_optim_config_check(&config, &why) == LS_OK,

@@ -1,0 +1,388 @@
+"""Keras' gradient clipping on the fused step, against stock Keras.
+
+The oracle is stock ``keras.optimizers.LossScaleOptimizer(inner)`` with
+the inner optimizer's ``clipnorm``, ``clipvalue`` or ``global_clipnorm``:
+stock unscales the gradients (``float32(g) / scale``), the inner optimizer
+clips them with TensorFlow's ops, then updates.  Ours must leave every
+model variable, slot, ``iterations``, ``dynamic_scale`` and
+``step_counter`` bit-identical after every step, with ``step_path`` saying
+fused:
+
+* every fused family, each clip option, thresholds that clip some
+  variables or steps and not others, overflow steps, ``tf.function`` and
+  eager, under ``mixed_float16`` and ``mixed_bfloat16`` (the model's
+  float32 gradients);
+* float16, bfloat16 and mixed gradient lists applied directly, with a
+  learning-rate schedule and a loss scale grown from below 2**39 to far
+  above it, where the norms of float16 gradients switch from the scaled
+  values to the stock ``g / scale`` (``_fused._squared_norms``); that
+  switch is checked on its own against TensorFlow's ops on gradients
+  whose squares the scaled way would get wrong;
+* TensorFlow 2.4's loop (``experimental.LossScaleOptimizer``, gradients
+  already unscaled) and the ``loss_scale=`` mode (gradients times
+  ``1 / scale``) against TensorFlow's ``DynamicLossScale`` driving the
+  stock inner optimizer;
+* a clip that is not a positive finite number raises ``ValueError`` naming
+  it, and changes nothing; float16 gradients that the inner optimizer
+  would clip in float16 take the stock path, saying so.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lossscale
+from lossscale import _fused
+from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
+                     tf_dynamic)
+from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, batches,
+                             excluding_biases, factor, lockstep, schedule, state, twin_models)
+
+# One inner optimizer per fused family (AdamW is Adam's), a schedule and
+# weight decay among them; ``clip`` is the clip keyword.
+FAMILY_INNERS = {
+    "sgd_nesterov_schedule": lambda **clip: keras.optimizers.SGD(
+        schedule(), momentum=0.9, nesterov=True, **clip),
+    "adam": lambda **clip: keras.optimizers.Adam(0.003, **clip),
+    "adamw_exclude": lambda **clip: excluding_biases(
+        keras.optimizers.AdamW(0.003, weight_decay=0.004, **clip)),
+    "rmsprop_centered_decay": lambda **clip: keras.optimizers.RMSprop(
+        0.002, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True, weight_decay=0.01, **clip),
+    "adagrad_decay": lambda **clip: keras.optimizers.Adagrad(
+        0.05, initial_accumulator_value=0.37, epsilon=1e-5, weight_decay=0.02, **clip),
+    "adamax_schedule": lambda **clip: keras.optimizers.Adamax(
+        schedule(), beta_1=0.8, beta_2=0.95, epsilon=1e-4, **clip),
+    "nadam_decay": lambda **clip: keras.optimizers.Nadam(0.003, weight_decay=0.01, **clip),
+    "lion": lambda **clip: keras.optimizers.Lion(0.0005, **clip),
+}
+
+CLIPS = ["clipnorm", "clipvalue", "global_clipnorm"]
+
+RUNS = [("mixed_float16", False, 80), ("mixed_bfloat16", False, 80),
+        ("mixed_float16", True, 10)]
+
+
+def test_every_family_is_covered():
+    covered = {_fused.family_of(make()).name for make in FAMILY_INNERS.values()}
+    assert covered == {f.name for f in _fused.FAMILIES}
+
+
+def true_gradients(policy, steps):
+    """The unscaled gradients of the twins' first model over the first
+    batches, untrained: what the clip thresholds are chosen from."""
+    model = twin_models(policy)[0]
+    out = []
+    for x, y in batches(steps):
+        with tf.GradientTape() as tape:
+            loss = mse_loss(model, tf.constant(x), tf.constant(y), tf.constant(1.0, tf.float32))
+        out.append([g.numpy().astype(np.float64) for g in
+                    tape.gradient(loss, model.trainable_variables)])
+    return out
+
+
+def threshold(policy, clip):
+    """A clip value that clips some of the gradients and not others: the
+    median per-variable norm, global norm or magnitude."""
+    grads = true_gradients(policy, 6)
+    if clip == "clipnorm":
+        values = [np.linalg.norm(g) for step in grads for g in step]
+    elif clip == "global_clipnorm":
+        values = [np.sqrt(sum(np.sum(g * g) for g in step)) for step in grads]
+    else:
+        values = [np.abs(g[g != 0]) for g in grads[0]]
+        values = np.concatenate([v.reshape(-1) for v in values])
+    return float(np.median(values))
+
+
+def clipped_somewhere_not_everywhere(policy, clip, value):
+    """Whether the threshold clips on the untrained model's first batches
+    and also leaves something unclipped (the test's own premise)."""
+    grads = true_gradients(policy, 6)
+    if clip == "clipnorm":
+        norms = [np.linalg.norm(g) for step in grads for g in step]
+    elif clip == "global_clipnorm":
+        norms = [np.sqrt(sum(np.sum(g * g) for g in step)) for step in grads]
+    else:
+        norms = np.concatenate([np.abs(g).reshape(-1) for g in grads[0]])
+    return min(norms) < value < max(norms)
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("name", list(FAMILY_INNERS))
+@pytest.mark.parametrize("policy,eager,steps", RUNS,
+                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e, _ in RUNS])
+def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
+    value = threshold(policy, clip)
+    assert clipped_somewhere_not_everywhere(policy, clip, value)
+    models = twin_models(policy)
+    opts = [Stock(FAMILY_INNERS[name](**{clip: value}), dynamic_growth_steps=10),
+            Ours(FAMILY_INNERS[name](**{clip: value}), dynamic_growth_steps=10)]
+    for model, opt in zip(models, opts):
+        opt.build(model.trainable_variables)
+    scales = lockstep(models, opts, batches(steps), policy, eager=eager)
+    if name.startswith("sgd") and clip == "global_clipnorm" and not eager:
+        # The graph's `u * factor * learning_rate`, reordered (see _fused._sgd_reason).
+        assert opts[1].step_path == ("stock: global_clipnorm with SGD in a graph "
+                                     "(TensorFlow's graph optimizer reorders its products)")
+    else:
+        assert_fused(opts[1])
+    assert min(b / a for a, b in zip(scales, scales[1:])) < 1  # overflow steps were skipped
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda: keras.optimizers.SGD(0.02, global_clipnorm=0.01),
+    lambda: keras.optimizers.SGD(0.02, momentum=0.9, global_clipnorm=0.01),
+], ids=["plain", "momentum"])
+def test_sgd_global_clipnorm_fused_eagerly_stock_in_a_graph(make_inner):
+    """Eagerly the products run as written and the step is fused; in a graph
+    the step is the stock one, and the same bits."""
+    for eager in (True, False):
+        models = twin_models("mixed_float16")
+        opts = [Stock(make_inner(), dynamic_growth_steps=10),
+                Ours(make_inner(), dynamic_growth_steps=10)]
+        for model, opt in zip(models, opts):
+            opt.build(model.trainable_variables)
+        lockstep(models, opts, batches(12 if eager else 40), "mixed_float16", eager=eager)
+        assert opts[1].step_path.startswith("fused" if eager else "stock: global_clipnorm")
+
+
+# --------------------------------------- 16-bit gradients, a growing scale
+
+SHAPES = [(7,), (33, 5), (1000,), (3,), (4, 4, 2)]
+
+
+def direct_gradients(rng, dtypes, overflow):
+    """Gradients as a 16-bit (or float32) backward pass leaves them: random
+    magnitudes over many binades, zeros, the smallest subnormals, and a
+    non-finite value when ``overflow``."""
+    out = []
+    for shape, dtype in zip(SHAPES, dtypes):
+        g = rng.standard_normal(shape) * np.exp2(rng.uniform(-10, 8, shape))
+        flat = g.reshape(-1)
+        flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = 0.0
+        if dtype == tf.float16:
+            flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = 2.0**-24
+        elif dtype == tf.bfloat16:
+            flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = 2.0**-126
+        out.append(tf.cast(tf.constant(g, tf.float32), dtype))
+    if overflow:
+        k = int(rng.integers(0, len(out)))
+        g = out[k].numpy().reshape(-1)
+        g[int(rng.integers(0, g.size))] = overflow
+        out[k] = tf.constant(g.reshape(SHAPES[k]), out[k].dtype)
+    return out
+
+
+DTYPE_LISTS = {
+    "float16": [tf.float16] * len(SHAPES),
+    "bfloat16": [tf.bfloat16] * len(SHAPES),
+    "mixed": [tf.float16, tf.float32, tf.bfloat16, tf.float16, tf.float32],
+}
+
+DIRECT_OVERFLOWS = {2: np.inf, 9: np.nan, 10: -np.inf, 23: np.inf}
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+@pytest.mark.parametrize("clip,value", [("clipnorm", 2.0**-28), ("global_clipnorm", 2.0**-26),
+                                        ("clipvalue", 2.0**-33)])
+@pytest.mark.parametrize("dtypes", list(DTYPE_LISTS))
+def test_low_precision_gradients_and_a_scale_past_the_scaled_norm(dtypes, clip, value, eager):
+    """The scale starts at 2**30 and doubles every good step to far past
+    2**39; the true gradients (g / scale) shrink with it, so the clip
+    thresholds clip at first and not later."""
+    variables = [[keras.Variable(np.full(s, 0.5, np.float32), name=f"w{i}")
+                  for i, s in enumerate(SHAPES)] for _ in range(2)]
+    inners = [keras.optimizers.Adam(schedule(), **{clip: value}) for _ in range(2)]
+    opts = [Stock(inners[0], initial_scale=2.0**30, dynamic_growth_steps=1),
+            Ours(inners[1], initial_scale=2.0**30, dynamic_growth_steps=1)]
+    for opt, vs in zip(opts, variables):
+        opt.build(vs)
+
+    def apply(opt, vs):
+        step = lambda grads: opt.apply(grads, vs)  # noqa: E731
+        return step if eager else tf.function(step)
+
+    steps = [apply(opt, vs) for opt, vs in zip(opts, variables)]
+    rng = np.random.default_rng(5)
+    scales, clipped = [], set()
+    for i in range(30):
+        grads = direct_gradients(rng, DTYPE_LISTS[dtypes], DIRECT_OVERFLOWS.get(i))
+        if i not in DIRECT_OVERFLOWS:
+            clipped.add(clips(clip, value, grads, float(opts[0].dynamic_scale.numpy())))
+        for step in steps:
+            step(grads)
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in variables[0] + list(opts[0].variables)],
+            [(v.path, bits(v.numpy())) for v in variables[1] + list(opts[1].variables)],
+            f"step {i}")
+        scales.append(float(opts[1].dynamic_scale.numpy()))
+    assert_fused(opts[1])
+    assert scales[0] < 2.0**39 < 2.0**50 < scales[-1], scales
+    assert clipped == {True, False}
+
+
+def clips(clip, value, grads, scale):
+    """Whether ``clip`` at ``value`` changes any of these gradients
+    unscaled (in float64: near enough to tell)."""
+    u = [g.numpy().astype(np.float64) / scale for g in grads]
+    if clip == "clipnorm":
+        return any(np.linalg.norm(x) > value for x in u)
+    if clip == "global_clipnorm":
+        return np.sqrt(sum(np.sum(x * x) for x in u)) > value
+    return any(np.any(np.abs(x) > value) for x in u)
+
+
+def stock_squared_norm(g, scale):
+    """What stock Keras sums: ``reduce_sum(square(float32(g) / scale))``."""
+    return tf.reduce_sum(tf.square(tf.cast(g, tf.float32) / scale))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+def test_squared_norms_are_stock_on_both_sides_of_the_bound(eager):
+    """Float16 values whose unscaled squares fall below float32's normal
+    range once the scale passes 2**39 (TensorFlow flushes them to zero),
+    next to values that set the sum's last bits: the scaled sum, rescaled,
+    is then wrong, and ``_squared_norms`` must take the stock way."""
+    rng = np.random.default_rng(2)
+    tiny = np.full(4096, 2.0**-24)
+    tiny[::7] = 2.0**-14
+    grads = [tf.constant(tiny.astype(np.float16)),
+             tf.constant((rng.standard_normal(1001) * 4).astype(np.float16)),
+             tf.constant((rng.standard_normal(257) * 100).astype(np.float32)),
+             tf.constant(np.array([0, 0, 0], np.float16))]
+
+    def both(scale):
+        return (_fused._squared_norms(grads, scale, "divide"),
+                [stock_squared_norm(g, scale) for g in grads])
+
+    run = both if eager else tf.function(both)
+    # the bound, one past it, well past, below 1, not a power of two
+    for scale in [2.0**39, 2.0**40, 2.0**45, 2.0**15, 2.0**-3, 1000.0, 3.0 * 2.0**40]:
+        got, want = run(tf.constant(scale, tf.float32))
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert bits(a.numpy()) == bits(b.numpy()), (scale, k, a.numpy(), b.numpy())
+    # The case the bound exists for: past it, the rescaled scaled sum differs.
+    scale = tf.constant(2.0**45, tf.float32)
+    naive = tf.reduce_sum(tf.square(tf.cast(grads[0], tf.float32))) * (1 / scale) * (1 / scale)
+    assert bits(naive.numpy()) != bits(stock_squared_norm(grads[0], scale).numpy())
+
+
+# ----------------------------------------------- TensorFlow 2.4's loop
+
+
+@pytest.mark.parametrize("clip,value", [("clipnorm", 0.02), ("global_clipnorm", 0.05),
+                                        ("clipvalue", 0.002)])
+def test_tf24_loop_bit_identical_to_tensorflow_reference(clip, value):
+    """``experimental.LossScaleOptimizer.apply_gradients`` on unscaled
+    gradients: TensorFlow's own ``DynamicLossScale`` checks them and the
+    stock inner optimizer clips and applies them."""
+    from lossscale import experimental
+
+    models = twin_models("mixed_float16")
+
+    def make():
+        return keras.optimizers.Adam(0.003, **{clip: value})
+
+    opt = experimental.LossScaleOptimizer(make(), experimental.DynamicLossScale(2.0**10, 5))
+    reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
+    reference_inner = make()
+    reference_inner.build(models[0].trainable_variables)
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
+                                                     reference_scale, count_skipped=True))
+    step = tf.function(tf24_train_step(models[1], opt))
+    for i, (x, y) in enumerate(batches(40, seed=6)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), i
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
+            [(v.path, bits(v.numpy()))
+             for v in models[1].variables + opt.inner_optimizer.variables], f"step {i}")
+    assert_fused(opt)
+
+
+@pytest.mark.parametrize("clip,value", [("clipnorm", 0.02), ("global_clipnorm", 0.05),
+                                        ("clipvalue", 0.002)])
+def test_loss_scale_object_mode_bit_identical_to_tensorflow_reference(clip, value):
+    """With ``loss_scale=`` a ``DynamicLossScale`` the gradients are unscaled
+    as TensorFlow 2.4 did (times ``1 / scale``) before the inner optimizer
+    clips them: TensorFlow's own ``DynamicLossScale`` driving the stock
+    inner optimizer is the reference."""
+    models = twin_models("mixed_float16")
+
+    def make():
+        return keras.optimizers.Adam(0.003, **{clip: value})
+
+    ours = Ours(make(), loss_scale=lossscale.DynamicLossScale(2.0**10, 3, 2.0))
+    ours.build(models[1].trainable_variables)
+    reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
+    reference_inner = make()
+    reference_inner.build(models[0].trainable_variables)
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner, reference))
+    step = tf.function(keras3_train_step(models[1], ours))
+    for i, (x, y) in enumerate(batches(40, seed=11)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        assert bits(ours.loss_scale.numpy()) == bits(reference().numpy()), i
+        assert_same_state(
+            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
+            [(v.path, bits(v.numpy()))
+             for v in models[1].variables + ours.inner_optimizer.variables], f"step {i}")
+    assert_fused(ours)
+
+
+# --------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 1e39, "0.5", True],
+                         ids=["negative", "nan", "inf", "overflows_float32", "string", "bool"])
+@pytest.mark.parametrize("clip", CLIPS)
+def test_bad_clip_value_raises_naming_it_and_changes_nothing(clip, value, mode):
+    """Stock Keras takes any of these at construction and then ignores a
+    negative or NaN one, or turns every gradient into NaN with an infinite
+    one: ours refuses each with an error that names it."""
+    models = twin_models("mixed_float16")
+    model = models[0]
+    inner = keras.optimizers.Adam(0.003)
+    opt = Ours(inner, dynamic_growth_steps=10)
+    opt.build(model.trainable_variables)
+    setattr(inner, clip, value)
+    x, y = batches(1)[0]
+    with tf.GradientTape() as tape:
+        loss = opt.scale_loss(mse_loss(model, tf.constant(x), tf.constant(y),
+                                       tf.constant(1.0)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    before = state(model, opt)
+    apply = (lambda: opt.apply(grads, model.trainable_variables))
+    with pytest.raises(ValueError, match=f"{clip} must be a positive finite number"):
+        apply() if mode == "eager" else tf.function(apply)()
+    assert_same_state(state(model, opt), before, "after the bad call")
+
+
+def test_clip_of_zero_clips_nothing_as_stock():
+    inner = keras.optimizers.SGD(0.1, clipnorm=0.0)
+    assert _fused.clip_of(inner) is None
+    assert Ours(inner).step_path.startswith("fused")
+
+
+def test_clip_held_in_a_variable_takes_the_stock_path():
+    inner = keras.optimizers.SGD(0.1)
+    inner.clipnorm = tf.Variable(1.0)
+    assert Ours(inner).step_path == "stock: the inner optimizer's clipnorm is not a number"
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_unscaled_16_bit_gradients_clipped_by_the_inner_optimizer_take_the_stock_path(dtype):
+    """TensorFlow 2.4's loop hands the inner optimizer 16-bit gradients as
+    they are, which Keras clips in their own dtype."""
+    from lossscale import experimental
+
+    variables = [keras.Variable(np.ones(5, np.float32))]
+    opt = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1, clipvalue=0.5), "dynamic")
+    opt.apply_gradients(zip([tf.ones(5, dtype)], variables))
+    assert opt.step_path == (f"stock: clipping {dtype.name} gradients (the inner optimizer "
+                             f"clips them in {dtype.name})")
