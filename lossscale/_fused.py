@@ -472,6 +472,16 @@ def _tf_keras_rmsprop_hyper(inner):
             _push_down_form()]
 
 
+def _tf_keras_rmsprop_reason(inner):
+    if _grappler_reassociates_products():
+        # lr * g * rsqrt(d) becomes g * (lr * rsqrt(d)), except for
+        # one-element variables: an order per variable, which the kernel
+        # does not take.
+        return ("tf_keras' RMSprop in a graph (TensorFlow's graph optimizer reorders "
+                "its lr * g * rsqrt(d))")
+    return _tf_keras_reason(inner) or _tf_rsqrt_reason()
+
+
 def _legacy_hyper(inner, name):
     return _compat.tf_keras_legacy_hyper(inner, name)
 
@@ -536,8 +546,7 @@ def tf_keras_families():
             _tf_keras_family("rmsprop", "RMSprop", slots=_rmsprop_slots,
                              numbers=("rho", "momentum", "epsilon"),
                              hyper=_tf_keras_rmsprop_hyper,
-                             unsupported=lambda inner: (_tf_keras_reason(inner)
-                                                        or _tf_rsqrt_reason())),
+                             unsupported=_tf_keras_rmsprop_reason),
             _legacy_family("legacy_sgd", "SGD",
                            slots=lambda inner: ("momentum",) if _legacy_momentum_flag(inner)
                            else (),
