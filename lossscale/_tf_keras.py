@@ -136,6 +136,11 @@ class _NativeOps:
         _compat.tf_keras_update_dynamic_state_with(self, _NativeDynamicLossScaleState)
         self._fused = fused
         self._step_path = None
+        # Set while minimize (fit's train step) runs, and then from its
+        # get_unscaled_gradients to its apply_gradients: the gradients are
+        # handed over still scaled, for the fused step to unscale on the fly.
+        self._minimizing = False
+        self._gradients_scaled = False
 
     @property
     def fused(self):
@@ -160,22 +165,55 @@ class _NativeOps:
 
     def get_unscaled_gradients(self, grads):
         _compat.tf_keras_note_gradients_unscaled(self)
+        if self._minimizing and self._fused and self.initial_scale >= 1:
+            # minimize's own gradients, on their way to its apply_gradients.
+            # A scale >= 1 (tf_keras' rule keeps it so) cannot overflow a
+            # finite gradient when unscaling, so checking the scaled ones
+            # gives tf_keras' verdict.
+            self._gradients_scaled = True
+            return list(grads)
         unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
         return unscaled
 
+    def minimize(self, *args, **kwargs):
+        """tf_keras' ``minimize`` (what ``fit``'s train step calls): on the
+        fused path the gradients reach the step scaled, and the one native
+        pass unscales them too."""
+        self._minimizing = True
+        try:
+            return super().minimize(*args, **kwargs)
+        finally:
+            self._minimizing = False
+            self._gradients_scaled = False
+
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        scaled, self._gradients_scaled = self._gradients_scaled, False
         grads_and_vars = list(grads_and_vars)
+        plan = self._fused_plan(grads_and_vars)
+        if plan is not None:
+            return self._fused_apply(plan, unscale="multiply" if scaled else "none")
+        if scaled:
+            # What get_unscaled_gradients gives outside minimize.
+            unscaled, _ = ops.unscale_and_check([g for g, _ in grads_and_vars], self.loss_scale)
+            grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+    def _fused_plan(self, grads_and_vars):
+        """The fused ``Plan`` for these pairs, or None for tf_keras' own step."""
         if (not grads_and_vars or tf.distribute.in_cross_replica_context()
                 or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in grads_and_vars)):
-            # tf_keras' own step says what is wrong.
-            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+            return None  # tf_keras' own step says what is wrong
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         self._build_before_deciding(variables)
         plan = self._decide(grads, variables).plan
-        if plan is None:
-            return super().apply_gradients(grads_and_vars, *args, **kwargs)
-        self._build_for_fused(plan.variables)
+        if plan is not None:
+            self._build_for_fused(plan.variables)
+        return plan
+
+    def _fused_apply(self, plan, unscale):
+        """The fused step over ``plan``: gradients unscaled already
+        (``"none"``) or still scaled (``"multiply"``, as tf_keras unscales)."""
         _compat.tf_keras_warn_about_scaling(self)
         state = self._loss_scale
         if isinstance(state, _NativeDynamicLossScaleState):
@@ -185,9 +223,8 @@ class _NativeOps:
             def advance(finite):
                 del finite
                 return True
-        # The gradients come unscaled, as tf_keras' apply_gradients takes
-        # them; a skipped step advances iterations, as there.
-        _fused.check_and_apply(plan, scale=self.loss_scale, advance=advance, unscale="none",
+        # A skipped step advances iterations, as tf_keras'.
+        _fused.check_and_apply(plan, scale=self.loss_scale, advance=advance, unscale=unscale,
                                advance_iterations_always=True)
         return self.inner_optimizer.iterations
 

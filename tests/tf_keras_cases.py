@@ -529,6 +529,35 @@ def test_fused_custom_loop_bit_identical(kind, use_function):
     _assert_same_states(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind", ["legacy_sgd_momentum", "legacy_adam_amsgrad_schedule",
+                                  "legacy_rmsprop_centered", "adamw_amsgrad", "rmsprop"])
+def test_fused_minimize_bit_identical(kind, use_function):
+    # TensorFlow 2.4's minimize(loss, var_list, tape=tape): the unscale
+    # fused into the step.
+    x, y = _fused_data(FUSED_STEPS)
+    runs = []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        opt = cls(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+        model = _fused_model()
+
+        def step(xb, yb, opt=opt, model=model):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            opt.minimize(loss, model.trainable_variables, tape=tape)
+
+        if use_function:
+            step = tf.function(step)
+        states = []
+        for i in range(FUSED_STEPS):
+            step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+            states.append(_fused_state(model, opt))
+        runs.append(states)
+    assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
+    _assert_moved(runs[0])
+    _assert_same_states(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("kind", ["legacy_adam_amsgrad_schedule", "legacy_rmsprop_centered",
                                   "sgd_nesterov_decay", "adamw_schedule"])
 def test_fused_experimental_optimizer_bit_identical(kind):
@@ -545,7 +574,14 @@ def test_fused_experimental_optimizer_bit_identical(kind):
 @pytest.mark.parametrize("kind", ["legacy_sgd_nesterov_schedule", "legacy_adam",
                                   "legacy_rmsprop_centered_momentum", "legacy_adagrad", "sgd",
                                   "adam_schedule", "adamw_amsgrad"])
-def test_fused_fit_bit_identical(kind):
+def test_fused_fit_bit_identical(kind, monkeypatch):
+    from lossscale import ops  # pylint: disable=import-outside-toplevel
+
+    # fit's gradients reach the fused step scaled: no separate unscale op.
+    unscale_calls = []
+    monkeypatch.setattr(ops, "unscale_and_check",
+                        lambda *a, _original=ops.unscale_and_check, **k: (
+                            unscale_calls.append(1), _original(*a, **k))[1])
     x, y = _fused_data(FUSED_STEPS)
     states = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
@@ -557,6 +593,7 @@ def test_fused_fit_bit_identical(kind):
                   callbacks=[recorder])
         states.append(recorder.states)
     assert model.optimizer.step_path == _expected_path(kind, True)
+    assert not unscale_calls
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])
 
