@@ -15,9 +15,11 @@ user hands them ``tf_keras`` objects:
   ``tf_keras.mixed_precision.LossScaleOptimizer``.  It *is* ``tf_keras``'s
   class (``LossScaleOptimizerV3``, or the legacy one for
   ``tf_keras.optimizers.legacy`` optimizers), so every rule of its
-  ``apply_gradients`` stays theirs; only the unscaling and the dynamic scale's
+  ``apply_gradients`` stays theirs; the unscaling and the dynamic scale's
   check and update run as the native ops, on TensorFlow 2.4's rule, which is
-  ``tf_keras``'s: the results are bit-identical;
+  ``tf_keras``'s, and for a stock SGD, Adam, AdamW, RMSprop or (legacy)
+  Adagrad the step itself is fused (``lossscale._fused``): the results are
+  bit-identical;
 * the compile hook: ``tf_keras``'s ``Model`` wraps a plain optimizer in its
   ``_get_optimizer``; ``GET_OPTIMIZER`` replaces that method, through
   ``lossscale._compile_hook`` (which also holds the rule it follows), once

@@ -644,3 +644,47 @@ def test_fused_skipped_step_leaves_every_variable():
         assert int(opt.iterations.numpy()) == 2
         for b, a in zip(before[:1] + before[2:], after[:1] + after[2:]):
             assert_same_bits(a, b, "a skipped step moved a variable")
+
+
+def test_fused_compat_names():
+    # Each private tf_keras name the fused step reaches through _compat is
+    # still there and means what it meant.
+    var = tf.Variable(tf.ones([3]))
+    other = tf.Variable(tf.ones([2]))
+    adam = tf_keras.optimizers.Adam(_schedule(), amsgrad=True)
+    adam.build([var])
+    before = [s.numpy().copy() for s in _compat.tf_keras_optimizer_slots(adam, "m", [var])]
+    adam.apply_gradients([(tf.ones([3]), var)])
+    for kind in ("m", "v", "v_hat"):
+        (slot,) = _compat.tf_keras_optimizer_slots(adam, kind, [var])
+        assert slot.shape == var.shape and slot.name.startswith(kind.replace("_", ""))
+    assert not np.array_equal(before[0], _compat.tf_keras_optimizer_slots(adam, "m", [var])[0])
+    assert _compat.tf_keras_unknown_variable(adam, [var]) is None
+    assert _compat.tf_keras_unknown_variable(adam, [var, other]) is other
+    schedule, recorded = _compat.tf_keras_learning_rate_schedule(adam)
+    assert schedule is adam._learning_rate and recorded is adam.learning_rate
+    assert _compat.tf_keras_learning_rate_schedule(tf_keras.optimizers.SGD(0.1)) == (None, None)
+    assert not _compat.tf_keras_uses_dtensor(adam)
+    assert _compat.tf_keras_same_update_as(adam, tf_keras.optimizers.Adam)
+    assert not _compat.tf_keras_same_update_as(adam, tf_keras.optimizers.AdamW)
+
+    legacy = tf_keras.optimizers.legacy.SGD(0.5, momentum=0.25, decay=0.5)
+    _compat.tf_keras_legacy_create_weights(legacy, [var])
+    assert legacy.get_slot(var, "momentum").shape == var.shape
+    legacy.iterations.assign(2)
+    assert float(_compat.tf_keras_legacy_learning_rate(legacy)) == np.float32(0.5) / np.float32(2)
+    assert float(_compat.tf_keras_legacy_hyper(legacy, "momentum")) == np.float32(0.25)
+    assert _compat.tf_keras_legacy_has_momentum(legacy)
+    assert not _compat.tf_keras_legacy_has_momentum(tf_keras.optimizers.legacy.SGD())
+    assert _compat.tf_keras_legacy_same_update_as(legacy, tf_keras.optimizers.legacy.SGD)
+    # tf_keras' warning when a loop neither scaled nor unscaled.
+    opt = STOCK(tf_keras.optimizers.legacy.SGD())
+    warned = []
+    logger = tf.get_logger()
+    original = logger.warning
+    logger.warning = lambda msg, *a, **k: warned.append(msg)
+    try:
+        _compat.tf_keras_warn_about_scaling(opt)
+    finally:
+        logger.warning = original
+    assert warned and "get_scaled_loss" in warned[0]
