@@ -18,15 +18,19 @@
  *     written, and the caller's floating-point control state comes back.
  *
  * Input layout (a short input reads as if padded with zeros):
- *   0      bit 0 LS_FLUSH_DENORMALS, bits 1-3 the family (% (families + 1):
- *          the last value is an unknown one), bits 4-5 unscale mode (3: an
+ *   0      bit 0 LS_FLUSH_DENORMALS, bits 1-3 the family's low three bits
+ *          (its fourth is byte 65's bit 7; the four % (families + 1): the
+ *          last value is an unknown one), bits 4-5 unscale mode (3: an
  *          invalid one), bit 6 the family's first number forced to 0 (SGD:
  *          no momentum), bit 7 the caller runs with FTZ/DAZ
  *   1..8   scale (double)
  *   9..16  learning rate, weight decay (float each)
  *   17..64 the family's numbers (LS_OPTIM_MAX_HYPER floats; those past its
  *          count are ignored), in family_<name>.h's order
- *   65     variables: 1 + byte % 3
+ *   65     variables: 1 + (byte & 127) % 3; bit 7: the family's fourth bit
+ *          (the corpus was rewritten when it was added, and again when the
+ *          clip fields were: each input kept its meaning, the unknown family
+ *          included)
  *   66     cut: where the range run splits, byte * total / 255
  *   67     clip mode (byte % 5: ls_clip_mode; 4 is refused)
  *   68..71 clip value (float)
@@ -203,7 +207,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const uint8_t mode = byte_at(&in, 0);
     ls_optim_config c;
     memset(&c, 0, sizeof c);
-    c.family = ((mode >> 1) & 7) % (ls_optim_family_count() + 1);
+    c.family = (((mode >> 1) & 7) | (byte_at(&in, 65) >> 7) << 3) % (ls_optim_family_count() + 1);
     c.num_hyper = c.family < ls_optim_family_count() ? ls_optim_hyper_count(c.family) : 0;
     c.unscale = (mode >> 4) & 3;
     read_bytes(&in, 1, &c.scale, 8);
@@ -219,7 +223,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     arena layout;
     memset(&layout, 0, sizeof layout);
-    layout.count = 1 + byte_at(&in, 65) % MAX_VARS;
+    layout.count = 1 + (byte_at(&in, 65) & 127) % MAX_VARS;
     size_t at = 72, total = 0;
     for (size_t i = 0; i < layout.count; i++, at += 8) {
         ls_param *p = &layout.params[i];

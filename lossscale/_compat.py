@@ -164,6 +164,14 @@ def optimizer_slots(optimizer, kind, variables):
     ``"velocity"``, ``"average_gradient"`` (RMSprop), ``"accumulator"``
     (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax).  Keras keeps them in lists
     indexed by ``_get_variable_index``, private but SGD's."""
+    slots = _slot_list(optimizer, kind)
+    return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
+            for v in variables]
+
+
+def _slot_list(optimizer, kind):
+    """The list a Keras 3 or current ``tf_keras`` optimizer keeps the slots
+    of ``kind`` in (the two name them alike)."""
     attribute = {"momentum": "momentums", "m": "_momentums", "v": "_velocities",
                  "v_hat": "_velocity_hats", "velocity": "_velocities",
                  "average_gradient": "_average_gradients",
@@ -171,8 +179,7 @@ def optimizer_slots(optimizer, kind, variables):
     slots = getattr(optimizer, attribute, None)
     if slots is None:  # RMSprop keeps its momentums private
         slots = getattr(optimizer, "_" + attribute)
-    return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
-            for v in variables]
+    return slots
 
 
 def nadam_u_product(optimizer):
@@ -365,3 +372,104 @@ class TfKerasBatchHooks:
 
 
 __all__ += ["TfKerasBatchHooks"]
+
+
+# ------------------------------------------------- tf_keras: the fused step
+# (lossscale._fused's tf_keras families)
+
+__all__ += [
+    "tf_keras_same_update_as", "tf_keras_optimizer_slots", "tf_keras_unknown_variable",
+    "tf_keras_learning_rate_schedule", "tf_keras_uses_dtensor", "tf_keras_legacy_same_update_as",
+    "tf_keras_legacy_learning_rate", "tf_keras_legacy_hyper", "tf_keras_legacy_has_momentum",
+    "tf_keras_legacy_create_weights", "tf_keras_warn_about_scaling",
+]
+
+
+def tf_keras_same_update_as(optimizer, cls):
+    """Whether a current ``tf_keras`` optimizer updates as the stock ``cls``:
+    a subclass may override ``update_step`` or the weight decay
+    (``_apply_weight_decay``)."""
+    kind = type(optimizer)
+    return (kind.update_step is cls.update_step
+            and kind._apply_weight_decay is cls._apply_weight_decay)  # pylint: disable=protected-access
+
+
+def tf_keras_optimizer_slots(optimizer, kind, variables):
+    """The slot variables of ``variables`` in a current ``tf_keras`` optimizer,
+    where its ``update_step`` finds them: in the lists Keras 3 names alike,
+    indexed by ``_index_dict[_var_key(variable)]``."""
+    slots = _slot_list(optimizer, kind)
+    index = optimizer._index_dict  # pylint: disable=protected-access
+    return [slots[index[optimizer._var_key(v)]] for v in variables]  # pylint: disable=protected-access
+
+
+def tf_keras_unknown_variable(optimizer, variables):
+    """The first of ``variables`` a built current ``tf_keras`` optimizer has
+    no slots for (its ``_update_step`` raises a KeyError for it), or None."""
+    index = optimizer._index_dict  # pylint: disable=protected-access
+    return next((v for v in variables
+                 if optimizer._var_key(v) not in index), None)  # pylint: disable=protected-access
+
+
+def tf_keras_learning_rate_schedule(optimizer):
+    """``(schedule, variable)`` of a current ``tf_keras`` optimizer built with
+    a learning-rate schedule: ``apply_gradients`` first records
+    ``schedule(iterations)`` in ``variable`` (``_current_learning_rate``),
+    which ``learning_rate`` then reads; ``(None, None)`` for a plain rate."""
+    from tf_keras.src.optimizers.schedules import learning_rate_schedule
+
+    schedule = optimizer._learning_rate  # pylint: disable=protected-access
+    if isinstance(schedule, learning_rate_schedule.LearningRateSchedule):
+        return schedule, optimizer._current_learning_rate  # pylint: disable=protected-access
+    return None, None
+
+
+def tf_keras_uses_dtensor(optimizer):
+    """Whether a current ``tf_keras`` optimizer runs under DTensor (a mesh),
+    where its step skips the strategy logic."""
+    return bool(optimizer._mesh or optimizer._run_with_dtensor)  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_same_update_as(optimizer, cls):
+    """Whether a legacy ``tf_keras`` optimizer updates as the stock ``cls``:
+    a subclass may override the dense update or the scalars it prepares."""
+    kind = type(optimizer)
+    return (kind._resource_apply_dense is cls._resource_apply_dense  # pylint: disable=protected-access
+            and kind._prepare_local is cls._prepare_local  # pylint: disable=protected-access
+            and kind._decayed_lr is cls._decayed_lr)  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_learning_rate(optimizer):
+    """A legacy ``tf_keras`` optimizer's learning rate of this step, float32,
+    as its ``_prepare_local`` computes it (the schedule at ``iterations``,
+    then the ``decay``)."""
+    return tf.identity(optimizer._decayed_lr(tf.float32))  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_hyper(optimizer, name):
+    """The float32 value of a legacy ``tf_keras`` optimizer's hyperparameter
+    (its variable, or what a callable gives), read as its step reads it."""
+    return tf.identity(optimizer._get_hyper(name, tf.float32))  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_has_momentum(optimizer):
+    """Whether a legacy ``tf_keras`` SGD or RMSprop keeps momentum slots (its
+    ``_momentum``, set from the constructor's ``momentum``)."""
+    return bool(optimizer._momentum)  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_create_weights(optimizer, variables):
+    """Creates a legacy ``tf_keras`` optimizer's ``iterations``, hyperparameter
+    variables and the slots of ``variables``, as its ``apply_gradients``
+    does first (in its name scope, lifted out of any function)."""
+    with tf.name_scope(optimizer._name), tf.init_scope():  # pylint: disable=protected-access
+        optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+
+
+def tf_keras_warn_about_scaling(optimizer):
+    """``tf_keras``' warning when a custom loop forgot to scale the loss or to
+    unscale the gradients, as its loss-scale optimizers' ``apply_gradients``
+    gives it."""
+    # pylint: disable=protected-access
+    tf_keras_loss_scale_optimizer_module()._maybe_warn_about_scaling(
+        optimizer._loss_has_been_scaled, optimizer._gradients_have_been_unscaled)

@@ -35,6 +35,14 @@ gradient accumulation, sparse gradients, variable constraints or
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 several replicas, and any place the native op cannot run (library missing,
 not on the CPU, XLA).
+
+``tf_keras`` (Keras 2) optimizers have families of their own
+(``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
+Keras 3's kernels where their arithmetic is the same, and the legacy ones
+(``tf_keras.optimizers.legacy``) the ``legacy_*`` kernels, which reproduce
+TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
+``line`` (``KerasLine``) where that Keras keeps the learning rate, the
+slots and the weight decay.
 """
 
 import platform
@@ -43,7 +51,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lossscale import _compat, _step
+from lossscale import _compat, _step, _which_keras
 from lossscale import ops as native_ops
 
 _GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
@@ -78,6 +86,7 @@ _NOT_FUSED = (
 # Keras' clip options, in the order its _clip_gradients tests them, with
 # the native op's name for each; a clip of 0 clips nothing, as in Keras.
 _CLIP_OPTIONS = (("clipnorm", "norm"), ("global_clipnorm", "global"), ("clipvalue", "value"))
+_CLIP_ATTRS = {mode: attr for attr, mode in _CLIP_OPTIONS}
 
 
 class Family:
@@ -107,12 +116,14 @@ class Family:
       scales_gradient: whether ``update_step`` multiplies the gradient by
         a scalar (SGD's ``g * lr``), a product TensorFlow's graph optimizer
         merges with the ``1 / steps`` of an accumulated average.
+      line: the ``KerasLine`` the class belongs to (Keras 3 by default).
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=(), unsupported=None, scales_gradient=True):
+                 state=None, supports=(), unsupported=None, scales_gradient=True, line=None):
         self.name = name
-        self.keras_class = keras_class
+        self._keras_class = keras_class
+        self.line = line or KERAS_3
         self.slots = slots
         self.numbers = tuple(numbers)
         self.hyper = hyper
@@ -122,9 +133,16 @@ class Family:
         self.unsupported = unsupported or (lambda inner: None)
         self.scales_gradient = scales_gradient
 
+    @property
+    def keras_class(self):
+        # A tf_keras family names its class by a function: tf_keras is
+        # imported only once one of its optimizers is seen.
+        cls = self._keras_class
+        return cls if isinstance(cls, type) else cls()
+
     def reproduces(self, inner):
         return (isinstance(inner, self.keras_class)
-                and _compat.same_update_as(inner, self.keras_class))
+                and self.line.same_update_as(inner, self.keras_class))
 
     def __repr__(self):
         return f"Family({self.name!r}, {self.keras_class.__name__})"
@@ -155,7 +173,7 @@ class Plan:
             return [_step.tf_variable(v).handle for v in variables]
 
         slots = [h for kind in self.family.slots(self.inner)
-                 for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
+                 for h in handles(self.family.line.slots(self.inner, kind, self.variables))]
         mode, value = self.clip or ("none", 0.0)
         library.loss_scale_apply_optimizer(
             should_apply, handles(self.variables), slots,
@@ -173,8 +191,9 @@ class Plan:
         checks that must pass before any state moves (``self.checks``); made
         before the loss scale moves."""
         inner = self.inner
-        name = inner.name
-        lr = tf.cast(inner.learning_rate, tf.float32)
+        line = self.family.line
+        name = line.name_of(inner)
+        lr = line.learning_rate(inner)
         self.checks = [
             tf.debugging.assert_all_finite(
                 lr, f"{name}: the learning rate is not finite; no variable was changed"),
@@ -182,11 +201,12 @@ class Plan:
                 lr, tf.constant(0.0, tf.float32),
                 message=f"{name}: the learning rate is negative; no variable was changed"),
         ]
-        wd = inner.weight_decay
+        wd = line.weight_decay(inner)
         self.learning_rate = lr
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
-        self.state = list(self.family.state(inner))
-        self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in self.state]))
+        state = list(self.family.state(inner))
+        self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
+        self.state = line.learning_rate_state(inner, lr) + state
         return self.checks
 
     def check_finite(self, scale, unscale):
@@ -211,6 +231,46 @@ class Plan:
         sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
         return tf.cond(sums_finite, lambda: tf.constant(True),
                        lambda: native_ops.all_finite_grouped(self.grads))
+
+
+class KerasLine:
+    """Where Keras 3's optimizers keep what a fused step reads; a ``tf_keras``
+    line (``tf_keras_families``) answers the same questions for its own."""
+
+    def same_update_as(self, inner, cls):
+        return _compat.same_update_as(inner, cls)
+
+    def slots(self, inner, kind, variables):
+        return _compat.optimizer_slots(inner, kind, variables)
+
+    def name_of(self, inner):
+        return inner.name
+
+    def learning_rate(self, inner):
+        """This step's learning rate, a float32 tensor, as the update reads it."""
+        return tf.cast(inner.learning_rate, tf.float32)
+
+    def learning_rate_state(self, inner, learning_rate):
+        """``[(variable, value)]``: where the optimizer records this step's
+        learning rate when the step applies."""
+        del inner, learning_rate
+        return []
+
+    def learning_rate_is_variable(self, inner):
+        """Whether the update reads its learning rate from a variable (not
+        by evaluating a schedule)."""
+        return _compat.optimizer_learning_rate_variable(inner) is not None
+
+    def weight_decay(self, inner):
+        return inner.weight_decay
+
+    def variables_reason(self, inner, variables):
+        """Why the optimizer cannot update ``variables`` itself, or None."""
+        del inner, variables
+        return None
+
+
+KERAS_3 = KerasLine()
 
 
 # ------------------------------------------------------------- families
@@ -273,8 +333,12 @@ def _push_down_form():
 
 
 def _rsqrt_reason(inner):
-    if not _rsqrt_form():
-        return None
+    del inner
+    return _tf_rsqrt_reason() if _rsqrt_form() else None
+
+
+def _tf_rsqrt_reason():
+    """Why TensorFlow's Rsqrt here is not the one the kernels reproduce, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "TensorFlow's graph-mode Rsqrt is reproduced on x86 only"
     if not _tf_rsqrt_reproduced():
@@ -394,13 +458,210 @@ FAMILIES = (
            numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE),
 )
 
+
+# ------------------------------------------------------ tf_keras families
+
+class _TfKerasLine(KerasLine):
+    """``tf_keras``' current optimizers (``tf_keras.optimizers``): slots in
+    lists indexed by the variable's key, a learning-rate schedule recorded
+    in ``_current_learning_rate`` by each applied step before the updates."""
+
+    def same_update_as(self, inner, cls):
+        return _compat.tf_keras_same_update_as(inner, cls)
+
+    def slots(self, inner, kind, variables):
+        return _compat.tf_keras_optimizer_slots(inner, kind, variables)
+
+    def learning_rate(self, inner):
+        schedule, _ = _compat.tf_keras_learning_rate_schedule(inner)
+        if schedule is None:
+            return tf.cast(inner.learning_rate, tf.float32)
+        return tf.cast(schedule(inner.iterations), tf.float32)
+
+    def learning_rate_state(self, inner, learning_rate):
+        _, recorded = _compat.tf_keras_learning_rate_schedule(inner)
+        return [] if recorded is None else [(recorded, learning_rate)]
+
+    def learning_rate_is_variable(self, inner):
+        # A schedule's value is read back from _current_learning_rate.
+        return True
+
+    def variables_reason(self, inner, variables):
+        unknown = _compat.tf_keras_unknown_variable(inner, variables)
+        return None if unknown is None else \
+            f"the inner optimizer was not built with {unknown.name}"
+
+
+class _TfKerasLegacyLine(KerasLine):
+    """``tf_keras``' legacy optimizers (``tf_keras.optimizers.legacy``):
+    slots by ``get_slot``, the learning rate of ``_decayed_lr``, every other
+    number read from its hyperparameter variable at every step (the
+    ``legacy_*`` kernels take them as scalars), no weight decay."""
+
+    def same_update_as(self, inner, cls):
+        return _compat.tf_keras_legacy_same_update_as(inner, cls)
+
+    def slots(self, inner, kind, variables):
+        return [inner.get_slot(v, kind) for v in variables]
+
+    def name_of(self, inner):
+        return type(inner).__name__
+
+    def learning_rate(self, inner):
+        return _compat.tf_keras_legacy_learning_rate(inner)
+
+    def weight_decay(self, inner):
+        return None
+
+
+TF_KERAS = _TfKerasLine()
+TF_KERAS_LEGACY = _TfKerasLegacyLine()
+
+
+def _tf_keras_optimizers(legacy=False):
+    import tf_keras  # pylint: disable=import-outside-toplevel
+
+    return tf_keras.optimizers.legacy if legacy else tf_keras.optimizers
+
+
+def _tf_keras_reason(inner):
+    if inner.jit_compile:
+        return "the inner optimizer compiles its update with XLA (jit_compile)"
+    if _compat.tf_keras_uses_dtensor(inner):
+        return "the inner optimizer runs under DTensor"
+    return None
+
+
+def _tf_keras_adam_reason(inner):
+    if getattr(inner, "adaptive_epsilon", False):
+        return "the inner optimizer sets adaptive_epsilon"
+    return _tf_keras_reason(inner)
+
+
+def _tf_keras_rmsprop_hyper(inner):
+    # tf_keras multiplies by tf.math.rsqrt eagerly too.
+    return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, 1.0,
+            _push_down_form()]
+
+
+def _tf_keras_rmsprop_reason(inner):
+    if _grappler_reassociates_products():
+        # lr * g * rsqrt(d) becomes g * (lr * rsqrt(d)), except for
+        # one-element variables: an order per variable, which the kernel
+        # does not take.
+        return ("tf_keras' RMSprop in a graph (TensorFlow's graph optimizer reorders "
+                "its lr * g * rsqrt(d))")
+    return _tf_keras_reason(inner) or _tf_rsqrt_reason()
+
+
+def _legacy_hyper(inner, name):
+    return _compat.tf_keras_legacy_hyper(inner, name)
+
+
+def _legacy_epsilon(inner):
+    return tf.convert_to_tensor(inner.epsilon, tf.float32)
+
+
+def _legacy_reason(inner):
+    if inner.gradient_transformers:
+        return "the inner optimizer has gradient_transformers"
+    return None
+
+
+def _legacy_momentum_flag(inner):
+    return 1.0 if _compat.tf_keras_legacy_has_momentum(inner) else 0.0
+
+
+def _legacy_adam_scalars(inner, lr):
+    # tf_keras' legacy Adam._prepare_local, then what ResourceApplyAdam
+    # computes from its inputs: 1 - beta in float32, alpha.
+    local_step = tf.cast(inner.iterations + 1, tf.float32)
+    beta_1_t = _legacy_hyper(inner, "beta_1")
+    beta_2_t = _legacy_hyper(inner, "beta_2")
+    beta_1_power = tf.pow(beta_1_t, local_step)
+    beta_2_power = tf.pow(beta_2_t, local_step)
+    alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    return [1 - beta_1_t, 1 - beta_2_t, _legacy_epsilon(inner), alpha]
+
+
+def _legacy_rmsprop_scalars(inner, lr):
+    rho = _legacy_hyper(inner, "rho")
+    return [rho, 1.0 - rho, _legacy_hyper(inner, "momentum"), _legacy_epsilon(inner)]
+
+
+def _legacy_family(name, cls, **kwargs):
+    return Family(name, lambda: getattr(_tf_keras_optimizers(legacy=True), cls), numbers=(),
+                  unsupported=_legacy_reason, line=TF_KERAS_LEGACY, **kwargs)
+
+
+def _tf_keras_family(name, cls, **kwargs):
+    kwargs.setdefault("unsupported", _tf_keras_reason)
+    return Family(name, lambda: getattr(_tf_keras_optimizers(), cls), line=TF_KERAS, **kwargs)
+
+
+_TF_KERAS_FAMILIES = []
+
+
+def tf_keras_families():
+    """The families of ``tf_keras``' optimizers, most derived class first
+    (made on first use: they name ``tf_keras`` classes).  The current ones
+    are Keras 3's kernels, the arithmetic being the same op for op, except
+    SGD: tf_keras keeps a momentum slot even without momentum and moves it
+    (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step."""
+    if not _TF_KERAS_FAMILIES:
+        _TF_KERAS_FAMILIES.extend([
+            _tf_keras_family("adam", "AdamW", **_ADAM),
+            _tf_keras_family("adam", "Adam", **dict(_ADAM, unsupported=_tf_keras_adam_reason)),
+            _tf_keras_family("legacy_sgd", "SGD", slots=lambda inner: ("momentum",),
+                             numbers=(), hyper=lambda inner: [1.0, 1.0 if inner.nesterov else 0.0],
+                             scalars=lambda inner, lr: [tf.cast(inner.momentum, tf.float32)]),
+            _tf_keras_family("rmsprop", "RMSprop", slots=_rmsprop_slots,
+                             numbers=("rho", "momentum", "epsilon"),
+                             hyper=_tf_keras_rmsprop_hyper,
+                             unsupported=_tf_keras_rmsprop_reason),
+            _legacy_family("legacy_sgd", "SGD",
+                           slots=lambda inner: ("momentum",) if _legacy_momentum_flag(inner)
+                           else (),
+                           hyper=lambda inner: [_legacy_momentum_flag(inner),
+                                                1.0 if inner.nesterov else 0.0],
+                           scalars=lambda inner, lr: [_legacy_hyper(inner, "momentum")]),
+            _legacy_family("legacy_adam", "Adam",
+                           slots=lambda inner: ("m", "v", "vhat") if inner.amsgrad else ("m", "v"),
+                           hyper=lambda inner: [1.0 if inner.amsgrad else 0.0],
+                           scalars=_legacy_adam_scalars),
+            _legacy_family("legacy_rmsprop", "RMSprop",
+                           slots=lambda inner: (("rms",)
+                                                + (("momentum",) if _legacy_momentum_flag(inner)
+                                                   else ())
+                                                + (("mg",) if inner.centered else ())),
+                           hyper=lambda inner: [_legacy_momentum_flag(inner),
+                                                1.0 if inner.centered else 0.0],
+                           scalars=_legacy_rmsprop_scalars),
+            _legacy_family("legacy_adagrad", "Adagrad", slots=lambda inner: ("accumulator",),
+                           hyper=lambda inner: [],
+                           scalars=lambda inner, lr: [_legacy_epsilon(inner)]),
+        ])
+    return _TF_KERAS_FAMILIES
+
+
 _CLASS_NAMES = sorted({f.keras_class.__name__ for f in FAMILIES}, key=str.lower)
 _FAMILY_NAMES = ", ".join(_CLASS_NAMES[:-1]) + " or " + _CLASS_NAMES[-1]
 
 
+def _families_for(inner):
+    """The family table of ``inner``'s Keras and, for the stock-path
+    reason, the names of its classes."""
+    if _which_keras.is_tf_keras_object(inner):
+        families = tf_keras_families()
+        names = sorted({f.keras_class.__name__ for f in families}, key=str.lower)
+        return families, "tf_keras " + ", ".join(names[:-1]) + " or " + names[-1]
+    return FAMILIES, _FAMILY_NAMES
+
+
 def family_of(inner):
     """The ``Family`` that reproduces ``inner``, or None."""
-    return next((f for f in FAMILIES if f.reproduces(inner)), None)
+    return next((f for f in _families_for(inner)[0] if f.reproduces(inner)), None)
 
 
 # -------------------------------------------------------------- decision
@@ -442,18 +703,22 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
             if isinstance(inner, getattr(keras.optimizers, name, ())):
                 return stock(reason)
         return stock(f"the inner optimizer ({type(inner).__name__}) is not a stock "
-                     f"{_FAMILY_NAMES}")
+                     f"{_families_for(inner)[1]}")
     for attr, reason, is_set in _OPTIONS:
         if attr not in family.supports and is_set(getattr(inner, attr, None)):
             return stock(reason)
     clip = clip_of(inner)
     if isinstance(clip, str):
         return stock(clip)
+    if clip is not None and family.line is not KERAS_3:
+        # tf_keras clips with its own ops, in its own order.
+        return stock(f"the inner optimizer sets {_CLIP_ATTRS[clip[0]]}")
     for attr in family.numbers:
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
             return stock(f"the inner optimizer's {attr} is not a number")
-    if (inner.weight_decay is not None and _compat.optimizer_learning_rate_variable(inner) is None
+    if (family.line.weight_decay(inner) is not None
+            and not family.line.learning_rate_is_variable(inner)
             and _grappler_reassociates_products()):
         # Each variable's decay evaluates the schedule anew, and the graph
         # optimizer merges that product into the decay's chain of multiplies,
@@ -481,8 +746,8 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
                      f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
         return Decision(inner)
-    reason = (family.unsupported(inner) or _step_reason(family, grads, variables)
-              or _clip_reason(clip, grads, unscale))
+    reason = (family.unsupported(inner) or family.line.variables_reason(inner, variables)
+              or _step_reason(family, grads, variables) or _clip_reason(clip, grads, unscale))
     if reason is None and tf.distribute.has_strategy() and (
             steps or getattr(inner, "use_ema", False)):
         # Keras' accumulation and EMA steps go through the strategy's merge
@@ -714,7 +979,8 @@ def _grappler_reassociates_products():
 
 def _decay_form(inner, variable, reassociated):
     """The core's ls_decay for ``variable``: 0 none, 1 op by op, 2 reordered."""
-    if inner.weight_decay is None or not _compat.uses_weight_decay(inner, variable):
+    if getattr(inner, "weight_decay", None) is None or not _compat.uses_weight_decay(inner,
+                                                                                  variable):
         return 0
     # A one-element variable has nothing to broadcast: the graph optimizer
     # leaves its product alone.
@@ -804,3 +1070,22 @@ def _moving_average_step(inner):
     if frequency:
         _step.cond((inner.iterations + 1) % frequency == 0,
                    lambda: _compat.overwrite_with_moving_averages(inner), lambda: None)
+
+
+def check_and_apply(plan, *, scale, advance, unscale, advance_iterations_always=False):
+    """The whole fused step of ``plan``: the step's scalars and checks, the
+    finite check of the gradients (``Plan.check_finite``: as they come, a
+    few small ones per op; with a norm to clip by, the norms),
+    ``advance(finite)`` (the loss-scale rule: returns should_apply, a bool
+    or a bool tensor), then ``apply``.  ``scale`` is the scale the
+    gradients were made with, read before the rule moves it."""
+    checks = plan.prepare_scalars()
+    finite = plan.check_finite(scale, unscale)
+    # A bad learning rate fails before the loss scale moves.
+    with tf.control_dependencies(checks):
+        finite = tf.identity(finite)
+    should_apply = advance(finite)
+    if isinstance(should_apply, bool):
+        should_apply = tf.constant(should_apply)
+    apply(plan, scale=scale, unscale=unscale, should_apply=should_apply,
+          advance_iterations_always=advance_iterations_always)

@@ -15,9 +15,11 @@ user hands them ``tf_keras`` objects:
   ``tf_keras.mixed_precision.LossScaleOptimizer``.  It *is* ``tf_keras``'s
   class (``LossScaleOptimizerV3``, or the legacy one for
   ``tf_keras.optimizers.legacy`` optimizers), so every rule of its
-  ``apply_gradients`` stays theirs; only the unscaling and the dynamic scale's
+  ``apply_gradients`` stays theirs; the unscaling and the dynamic scale's
   check and update run as the native ops, on TensorFlow 2.4's rule, which is
-  ``tf_keras``'s: the results are bit-identical;
+  ``tf_keras``'s, and for a stock SGD, Adam, AdamW, RMSprop or (legacy)
+  Adagrad the step itself is fused (``lossscale._fused``): the results are
+  bit-identical;
 * the compile hook: ``tf_keras``'s ``Model`` wraps a plain optimizer in its
   ``_get_optimizer``; ``GET_OPTIMIZER`` replaces that method, through
   ``lossscale._compile_hook`` (which also holds the rule it follows), once
@@ -32,7 +34,7 @@ Every private ``tf_keras`` name used here comes from ``lossscale._compat``.
 import tensorflow as tf
 import tf_keras
 
-from lossscale import _compat, _compile_hook
+from lossscale import _compat, _compile_hook, _fused
 from lossscale import ops
 from lossscale._policy_loss_scale import PolicyLossScale
 from lossscale._which_keras import KERAS_NAME
@@ -119,29 +121,148 @@ class _NativeDynamicLossScaleState(_compat.tf_keras_dynamic_loss_scale_state_cla
 class _NativeOps:
     """What ours changes in a ``tf_keras`` loss-scale optimizer: the unscaling
     (tf_keras multiplies by ``tf.cast(1 / scale, g.dtype)``, which is what
-    the native op computes) and the dynamic state's update."""
+    the native op computes), the dynamic state's update and, for a stock
+    inner optimizer ``lossscale._fused`` has a family for, the step itself:
+    ``apply_gradients`` (which takes unscaled gradients, as tf_keras') is
+    then the read-only finite check, the scale's update and one native op
+    that applies the inner optimizer's update to every variable and slot,
+    bit-identical to tf_keras' own step.  ``step_path`` says which path a
+    step took and why; ``fused=False`` turns it off."""
 
     def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
-                 dynamic_growth_steps=None):
+                 dynamic_growth_steps=None, *, fused=True):
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be True or False, got {fused!r}.")
         super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
         # The state tf_keras made (variables, tracking) stays; only its update changes.
         _compat.tf_keras_update_dynamic_state_with(self, _NativeDynamicLossScaleState)
+        self._fused = fused
+        self._step_path = None
+        # Set while minimize (fit's train step) runs, and then from its
+        # get_unscaled_gradients to its apply_gradients: the gradients are
+        # handed over still scaled, for the fused step to unscale on the fly.
+        self._minimizing = False
+        self._gradients_scaled = False
+
+    @property
+    def fused(self):
+        """Whether steps may take the fused native path (the ``fused`` argument)."""
+        return self._fused
+
+    @property
+    def step_path(self):
+        """Which path the optimizer step takes, and why: ``"fused (Adam)"``, or
+        ``"stock: <reason>"``.  Set by the last step traced or run; before
+        any step, what the configuration alone decides."""
+        if self._step_path is not None:
+            return self._step_path
+        return self._decide().path
+
+    def _decide(self, grads=None, variables=None):
+        decision = _fused.decide(self.inner_optimizer, enabled=self._fused,
+                                 grads=grads, variables=variables)
+        if grads is not None:
+            self._step_path = decision.path
+        return decision
 
     def get_unscaled_gradients(self, grads):
         _compat.tf_keras_note_gradients_unscaled(self)
+        if self._minimizing and self._fused and self.initial_scale >= 1:
+            # minimize's own gradients, on their way to its apply_gradients.
+            # A scale >= 1 (tf_keras' rule keeps it so) cannot overflow a
+            # finite gradient when unscaling, so checking the scaled ones
+            # gives tf_keras' verdict.
+            self._gradients_scaled = True
+            return list(grads)
         unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
         return unscaled
+
+    def minimize(self, *args, **kwargs):
+        """tf_keras' ``minimize`` (what ``fit``'s train step calls): on the
+        fused path the gradients reach the step scaled, and the one native
+        pass unscales them too."""
+        self._minimizing = True
+        try:
+            return super().minimize(*args, **kwargs)
+        finally:
+            self._minimizing = False
+            self._gradients_scaled = False
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        scaled, self._gradients_scaled = self._gradients_scaled, False
+        grads_and_vars = list(grads_and_vars)
+        plan = self._fused_plan(grads_and_vars)
+        if plan is not None:
+            return self._fused_apply(plan, unscale="multiply" if scaled else "none")
+        if scaled:
+            # What get_unscaled_gradients gives outside minimize.
+            unscaled, _ = ops.unscale_and_check([g for g, _ in grads_and_vars], self.loss_scale)
+            grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+    def _fused_plan(self, grads_and_vars):
+        """The fused ``Plan`` for these pairs, or None for tf_keras' own step."""
+        if (not grads_and_vars or tf.distribute.in_cross_replica_context()
+                or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in grads_and_vars)):
+            return None  # tf_keras' own step says what is wrong
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        self._build_before_deciding(variables)
+        plan = self._decide(grads, variables).plan
+        if plan is not None:
+            self._build_for_fused(plan.variables)
+        return plan
+
+    def _fused_apply(self, plan, unscale):
+        """The fused step over ``plan``: gradients unscaled already
+        (``"none"``) or still scaled (``"multiply"``, as tf_keras unscales)."""
+        _compat.tf_keras_warn_about_scaling(self)
+        state = self._loss_scale
+        if isinstance(state, _NativeDynamicLossScaleState):
+            def advance(finite):
+                return state._step(finite, state.current_loss_scale, state.counter)
+        else:
+            def advance(finite):
+                del finite
+                return True
+        # A skipped step advances iterations, as tf_keras'.
+        _fused.check_and_apply(plan, scale=self.loss_scale, advance=advance, unscale=unscale,
+                               advance_iterations_always=True)
+        return self.inner_optimizer.iterations
+
+    def get_config(self):
+        config = super().get_config()
+        if not self._fused:
+            config["fused"] = False
+        return config
 
 
 @tf_keras.saving.register_keras_serializable(package="lossscale")
 class LossScaleOptimizerV3(_NativeOps, _lso.LossScaleOptimizerV3):
     """``tf_keras``'s ``LossScaleOptimizerV3`` (for ``tf_keras.optimizers.*``) on the native ops."""
 
+    def _build_before_deciding(self, variables):
+        # As tf_keras' apply_gradients, before anything else.
+        with tf.init_scope():
+            self.build(variables)
+
+    def _build_for_fused(self, variables):
+        del variables
+
 
 @tf_keras.saving.register_keras_serializable(package="lossscale")
 class LegacyLossScaleOptimizer(_NativeOps, _lso.LossScaleOptimizer):
     """``tf_keras``'s legacy ``LossScaleOptimizer`` (for ``tf_keras.optimizers.legacy.*``)
     on the native ops."""
+
+    def _build_before_deciding(self, variables):
+        del variables
+
+    def _build_for_fused(self, variables):
+        # What the inner optimizer's apply_gradients creates first.  tf_keras
+        # creates it only in the applying branch: after a skipped first eager
+        # step its slots exist here (zeros) and not yet there.
+        _compat.tf_keras_legacy_create_weights(self.inner_optimizer, variables)
 
 
 class _Dispatch(type):

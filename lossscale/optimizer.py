@@ -323,18 +323,9 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
-        checks = plan.prepare_scalars()
-        unscale = unscale or self._rule.fused_unscale
-        finite = plan.check_finite(scale, unscale)
-        # A bad learning rate fails before the loss scale moves.
-        with tf.control_dependencies(checks):
-            finite = tf.identity(finite)
-        should_apply = self._rule.advance(finite)
-        if isinstance(should_apply, bool):
-            should_apply = tf.constant(should_apply)
-        _fused.apply(plan, scale=scale, unscale=unscale,
-                     should_apply=should_apply,
-                     advance_iterations_always=self._skipped_steps_advance_iterations)
+        _fused.check_and_apply(plan, scale=scale, advance=self._rule.advance,
+                               unscale=unscale or self._rule.fused_unscale,
+                               advance_iterations_always=self._skipped_steps_advance_iterations)
 
     # ------------------------------------------------------------------
     # The step

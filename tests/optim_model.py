@@ -67,6 +67,24 @@ CONFIGS = {
     "nadam_decay_odd": dict(opt="nadam", lr=0.004, beta_1=0.85, beta_2=0.99, epsilon=1e-4,
                             weight_decay=0.02, mask=True),
     "lion": dict(opt="lion", lr=0.001, beta_1=0.9, beta_2=0.99),
+    # tf_keras' legacy optimizers: TensorFlow's ResourceApply* kernels.
+    "legacy_sgd": dict(opt="legacy_sgd", lr=0.01, momentum=0.0, nesterov=False),
+    "legacy_sgd_momentum": dict(opt="legacy_sgd", lr=0.01, momentum=0.9, nesterov=False),
+    "legacy_sgd_nesterov": dict(opt="legacy_sgd", lr=0.03, momentum=0.7, nesterov=True),
+    "legacy_adam": dict(opt="legacy_adam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                        amsgrad=False),
+    "legacy_adam_amsgrad_odd": dict(opt="legacy_adam", lr=0.003, beta_1=0.8, beta_2=0.99,
+                                    epsilon=1e-3, amsgrad=True),
+    "legacy_rmsprop": dict(opt="legacy_rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
+                           centered=False),
+    "legacy_rmsprop_centered": dict(opt="legacy_rmsprop", lr=0.001, rho=0.9, momentum=0.0,
+                                    epsilon=1e-7, centered=True),
+    "legacy_rmsprop_momentum": dict(opt="legacy_rmsprop", lr=0.003, rho=0.8, momentum=0.5,
+                                    epsilon=1e-3, centered=False),
+    "legacy_rmsprop_centered_momentum": dict(opt="legacy_rmsprop", lr=0.001, rho=0.95,
+                                             momentum=0.9, epsilon=1e-6, centered=True),
+    "legacy_adagrad": dict(opt="legacy_adagrad", lr=0.01, initial_accumulator_value=0.1,
+                           epsilon=1e-7),
     "lion_decay_odd": dict(opt="lion", lr=0.003, beta_1=0.7, beta_2=0.95, weight_decay=0.1,
                            mask=True),
     # Keras' clipping (``clip``: the core's mode and value; ``clip_scalars``
@@ -345,6 +363,94 @@ def _lion_hyper(cfg, lr, t):
     return [float(beta_1), float(F32(1) - beta_1), float(beta_2), float(F32(1) - beta_2)]
 
 
+# tf_keras' legacy optimizers: TensorFlow's training_ops.cc functors (and,
+# for RMSprop without momentum, tf_keras' own ops), every number float32 as
+# the kernel gets it from tf_keras' hyperparameter variables.
+
+def _legacy_sgd_slots(cfg):
+    return ["momentum"] if cfg["momentum"] != 0 else []
+
+
+def _legacy_sgd_update(cfg, g, w, slots, lr, t, store):
+    if cfg["momentum"] == 0:
+        return w - g * lr  # ApplyGradientDescent
+    mu = F32(cfg["momentum"])
+    m = slots["momentum"] * mu - g * lr  # ApplyKerasMomentum
+    store("momentum", m)
+    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
+
+
+def _legacy_sgd_hyper(cfg, lr, t):
+    return [1.0 if cfg["momentum"] != 0 else 0.0, 1.0 if cfg["nesterov"] else 0.0,
+            cfg["momentum"]]
+
+
+def legacy_adam_scalars(cfg, lr, t):
+    """1 - beta_1, 1 - beta_2 (float32), epsilon and ApplyAdam's alpha."""
+    beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
+    return [F32(1) - beta_1, F32(1) - beta_2, F32(cfg["epsilon"]),
+            adam_alpha(lr, beta_1, beta_2, t)]
+
+
+def _legacy_adam_update(cfg, g, w, slots, lr, t, store):
+    c1, c2, eps, alpha = legacy_adam_scalars(cfg, lr, t)
+    m = slots["m"] + (g - slots["m"]) * c1
+    v = slots["v"] + (g * g - slots["v"]) * c2
+    store("m", m)
+    store("v", v)
+    if cfg["amsgrad"]:
+        # Eigen's vhat.cwiseMax(v): std::max, vhat unless v > vhat.
+        v = np.where(v > slots["v_hat"], v, slots["v_hat"])
+        store("v_hat", v)
+    return w - (m * alpha) / (np.sqrt(v) + eps)
+
+
+def _legacy_adam_hyper(cfg, lr, t):
+    return [1.0 if cfg["amsgrad"] else 0.0] + [float(x) for x in legacy_adam_scalars(cfg, lr, t)]
+
+
+def _legacy_rmsprop_slots(cfg):
+    return (["velocity"] + (["momentum"] if cfg["momentum"] > 0 else [])
+            + (["average_gradient"] if cfg["centered"] else []))
+
+
+def _legacy_rmsprop_update(cfg, g, w, slots, lr, t, store):
+    rho = F32(cfg["rho"])
+    c, eps = F32(1) - rho, F32(cfg["epsilon"])
+    if cfg["momentum"] > 0:  # ApplyRMSProp / ApplyCenteredRMSProp
+        ms = slots["velocity"] + (g * g - slots["velocity"]) * c
+        store("velocity", ms)
+        if cfg["centered"]:
+            mg = slots["average_gradient"] + (g - slots["average_gradient"]) * c
+            store("average_gradient", mg)
+            d = (ms - mg * mg) + eps
+        else:
+            d = ms + eps
+        mom = slots["momentum"] * F32(cfg["momentum"]) + (g * lr) / np.sqrt(d)
+        store("momentum", mom)
+        return w - mom
+    rms = rho * slots["velocity"] + c * (g * g)  # tf_keras' own ops
+    store("velocity", rms)
+    d = rms
+    if cfg["centered"]:
+        mg = rho * slots["average_gradient"] + c * g
+        store("average_gradient", mg)
+        d = rms - mg * mg
+    return w - (lr * g) / (np.sqrt(d) + eps)
+
+
+def _legacy_rmsprop_hyper(cfg, lr, t):
+    rho = F32(cfg["rho"])
+    return [1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0, float(rho),
+            float(F32(1) - rho), cfg["momentum"], cfg["epsilon"]]
+
+
+def _legacy_adagrad_update(cfg, g, w, slots, lr, t, store):
+    acc = slots["accumulator"] + g * g  # ApplyAdagradV2
+    store("accumulator", acc)
+    return w - (g * lr) / (np.sqrt(acc) + F32(cfg["epsilon"]))
+
+
 FAMILIES = {
     "sgd": dict(slots=_sgd_slots, update=_sgd_update, hyper=_sgd_hyper),
     "adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper, nonneg=("v",)),
@@ -357,6 +463,15 @@ FAMILIES = {
     "nadam": dict(slots=lambda cfg: ["m", "v"], update=_nadam_update, hyper=_nadam_hyper,
                   nonneg=("v",)),
     "lion": dict(slots=lambda cfg: ["m"], update=_lion_update, hyper=_lion_hyper),
+    "legacy_sgd": dict(slots=_legacy_sgd_slots, update=_legacy_sgd_update,
+                       hyper=_legacy_sgd_hyper),
+    "legacy_adam": dict(slots=_adam_slots, update=_legacy_adam_update, hyper=_legacy_adam_hyper,
+                        nonneg=("v",)),
+    "legacy_rmsprop": dict(slots=_legacy_rmsprop_slots, update=_legacy_rmsprop_update,
+                           hyper=_legacy_rmsprop_hyper, nonneg=("velocity",)),
+    "legacy_adagrad": dict(slots=lambda cfg: ["accumulator"], update=_legacy_adagrad_update,
+                           hyper=lambda cfg, lr, t: [cfg["epsilon"]], nonneg=("accumulator",),
+                           initial="accumulator"),
 }
 
 

@@ -206,7 +206,9 @@ def test_native_ops_do_the_work(monkeypatch):
         monkeypatch.setattr(ops, name, spy)
     x, y = _data()
     for kind in ("adam", "legacy_adam"):
-        opt = lossscale.LossScaleOptimizer(_inner(kind), dynamic_growth_steps=GROWTH)
+        # The stock path's ops (the fused step checks with all_finite_grouped).
+        opt = lossscale.LossScaleOptimizer(_inner(kind), dynamic_growth_steps=GROWTH,
+                                           fused=False)
         _custom_loop(opt, _model(), x, y, use_function=False)
     assert calls == dict.fromkeys(calls, 2 * STEPS)
 
@@ -402,3 +404,287 @@ def test_readme_keras_versions_example():
     model = namespace["model"]
     assert isinstance(model.optimizer, _tf_keras.LegacyLossScaleOptimizer)
     assert model.layers[0].compute_dtype == "float16"
+
+
+# ------------------------------------------------------- the fused step
+# Every optimizer the fused step serves, against tf_keras' own
+# LossScaleOptimizer around the same optimizer: every weight, slot and
+# hyperparameter variable, the loss scale, its counter and iterations after
+# every step, with overflow injected.
+
+
+def _schedule():
+    return tf_keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=3, decay_rate=0.9)
+
+
+FUSED = {
+    "legacy_sgd_momentum": (lambda: tf_keras.optimizers.legacy.SGD(1e-2, momentum=0.9), "SGD"),
+    "legacy_sgd_nesterov_schedule": (lambda: tf_keras.optimizers.legacy.SGD(
+        _schedule(), momentum=0.9, nesterov=True), "SGD"),
+    "legacy_sgd_decay": (lambda: tf_keras.optimizers.legacy.SGD(1e-2, decay=0.01), "SGD"),
+    "legacy_adam": (lambda: tf_keras.optimizers.legacy.Adam(1e-2), "Adam"),
+    "legacy_adam_amsgrad_schedule": (lambda: tf_keras.optimizers.legacy.Adam(
+        _schedule(), amsgrad=True), "Adam"),
+    "legacy_rmsprop_momentum": (lambda: tf_keras.optimizers.legacy.RMSprop(1e-3, momentum=0.5),
+                                "RMSprop"),
+    "legacy_rmsprop_centered": (lambda: tf_keras.optimizers.legacy.RMSprop(1e-3, centered=True),
+                                "RMSprop"),
+    "legacy_rmsprop_centered_momentum": (lambda: tf_keras.optimizers.legacy.RMSprop(
+        1e-3, momentum=0.5, centered=True), "RMSprop"),
+    "legacy_adagrad": (lambda: tf_keras.optimizers.legacy.Adagrad(1e-2), "Adagrad"),
+    "sgd": (lambda: tf_keras.optimizers.SGD(1e-2), "SGD"),
+    "sgd_nesterov_decay": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True,
+                                                           weight_decay=0.01), "SGD"),
+    "adam_schedule": (lambda: tf_keras.optimizers.Adam(_schedule()), "Adam"),
+    "adamw_amsgrad": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004, amsgrad=True),
+                      "AdamW"),
+    "adamw_schedule": (lambda: tf_keras.optimizers.AdamW(_schedule(), weight_decay=0.004),
+                       "AdamW"),
+    "rmsprop_centered_momentum": (lambda: tf_keras.optimizers.RMSprop(
+        1e-3, momentum=0.5, centered=True), "RMSprop"),
+    "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3), "RMSprop"),
+}
+# Long runs, in a tf.function.
+LONG = ("legacy_adam", "legacy_rmsprop_centered_momentum", "adamw_amsgrad")
+FUSED_STEPS = 40
+LONG_STEPS = 240
+
+
+def _fused_data(steps):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(steps * BATCH, 4)).astype("float32")
+    y = (rng.normal(size=(steps * BATCH, 1)) * 40).astype("float32")
+    # Every ninth batch overflows float16 at any scale the run reaches.
+    for i in range(4, steps, 9):
+        x[i * BATCH:(i + 1) * BATCH] *= 3e3
+    return x, y
+
+
+def _fused_model():
+    # Odd sizes (vector tails) and one-element variables.
+    tf_keras.utils.set_random_seed(5)
+    model = tf_keras.Sequential([
+        tf_keras.layers.Dense(37, activation="relu", dtype="mixed_float16"),
+        tf_keras.layers.Dense(1, dtype="float32")])
+    model.build((None, 4))
+    return model
+
+
+def _inner_variables(opt):
+    variables = opt.inner_optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _fused_state(model, opt):
+    return [np.asarray(v.numpy()) for v in
+            model.weights + _inner_variables(opt)
+            + [opt.loss_scale, opt.dynamic_counter, opt.iterations]]
+
+
+def _fused_loop(opt, model, x, y, use_function, steps):
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            scaled = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    if use_function:
+        step = tf.function(step)
+    states = []
+    for i in range(steps):
+        step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+        states.append(_fused_state(model, opt))
+    return states
+
+
+def _expected_path(kind, use_function):
+    name = FUSED[kind][1]
+    if kind.startswith("rmsprop") and use_function:
+        return "stock: tf_keras' RMSprop in a graph"
+    return f"fused ({name})"
+
+
+def _assert_moved(states):
+    scales = [float(s[-3]) for s in states]
+    assert any(b < a for a, b in zip(scales, scales[1:])), "the run never backed off"
+    assert any(b > a for a, b in zip(scales, scales[1:])), "the run never grew"
+    iterations = [int(s[-1]) for s in states]
+    assert iterations == list(range(1, len(states) + 1))
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_fused_custom_loop_bit_identical(kind, use_function):
+    steps = LONG_STEPS if use_function and kind in LONG else FUSED_STEPS
+    x, y = _fused_data(steps)
+    runs = []
+    for make in (lambda inner: STOCK(inner, initial_scale=2.0**10, dynamic_growth_steps=GROWTH),
+                 lambda inner: lossscale.LossScaleOptimizer(inner, initial_scale=2.0**10,
+                                                            dynamic_growth_steps=GROWTH)):
+        opt = make(FUSED[kind][0]())
+        runs.append(_fused_loop(opt, _fused_model(), x, y, use_function, steps))
+    assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
+    _assert_moved(runs[0])
+    _assert_same_states(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind", ["legacy_sgd_momentum", "legacy_adam_amsgrad_schedule",
+                                  "legacy_rmsprop_centered", "adamw_amsgrad", "rmsprop"])
+def test_fused_minimize_bit_identical(kind, use_function):
+    # TensorFlow 2.4's minimize(loss, var_list, tape=tape): the unscale
+    # fused into the step.
+    x, y = _fused_data(FUSED_STEPS)
+    runs = []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        opt = cls(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+        model = _fused_model()
+
+        def step(xb, yb, opt=opt, model=model):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            opt.minimize(loss, model.trainable_variables, tape=tape)
+
+        if use_function:
+            step = tf.function(step)
+        states = []
+        for i in range(FUSED_STEPS):
+            step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+            states.append(_fused_state(model, opt))
+        runs.append(states)
+    assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
+    _assert_moved(runs[0])
+    _assert_same_states(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("kind", ["legacy_adam_amsgrad_schedule", "legacy_rmsprop_centered",
+                                  "sgd_nesterov_decay", "adamw_schedule"])
+def test_fused_experimental_optimizer_bit_identical(kind):
+    # TensorFlow 2.4's LossScaleOptimizer(opt, "dynamic") around a tf_keras
+    # optimizer is tf_keras' drop-in, on the fused step.
+    x, y = _fused_data(FUSED_STEPS)
+    want = _fused_loop(STOCK(FUSED[kind][0]()), _fused_model(), x, y, True, FUSED_STEPS)
+    opt = mixed_precision.LossScaleOptimizer(FUSED[kind][0](), loss_scale="dynamic")
+    got = _fused_loop(opt, _fused_model(), x, y, True, FUSED_STEPS)
+    assert opt.step_path == _expected_path(kind, True)
+    _assert_same_states(got, want)
+
+
+@pytest.mark.parametrize("kind", ["legacy_sgd_nesterov_schedule", "legacy_adam",
+                                  "legacy_rmsprop_centered_momentum", "legacy_adagrad", "sgd",
+                                  "adam_schedule", "adamw_amsgrad"])
+def test_fused_fit_bit_identical(kind, monkeypatch):
+    from lossscale import ops  # pylint: disable=import-outside-toplevel
+
+    # fit's gradients reach the fused step scaled: no separate unscale op.
+    unscale_calls = []
+    monkeypatch.setattr(ops, "unscale_and_check",
+                        lambda *a, _original=ops.unscale_and_check, **k: (
+                            unscale_calls.append(1), _original(*a, **k))[1])
+    x, y = _fused_data(FUSED_STEPS)
+    states = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        model = _fused_model()
+        model.compile(make(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH),
+                      "mse")
+        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        states.append(recorder.states)
+    assert model.optimizer.step_path == _expected_path(kind, True)
+    assert not unscale_calls
+    _assert_moved(states[0])
+    _assert_same_states(states[1], states[0])
+
+
+def test_fused_step_paths():
+    var = tf.Variable(tf.zeros([3]))
+    grads = [(tf.ones([3]), var)]
+    cases = [
+        (tf_keras.optimizers.legacy.Adam(clipnorm=1.0), "stock: the inner optimizer sets clipnorm"),
+        (tf_keras.optimizers.Adam(global_clipnorm=1.0),
+         "stock: the inner optimizer sets global_clipnorm"),
+        (tf_keras.optimizers.Adam(use_ema=True), "stock: the inner optimizer uses EMA"),
+        (tf_keras.optimizers.legacy.Adamax(), "stock: the inner optimizer (Adamax) is not a "
+         "stock tf_keras Adagrad, Adam, AdamW, RMSprop or SGD"),
+    ]
+    for inner, path in cases:
+        opt = lossscale.LossScaleOptimizer(inner)
+        opt.apply_gradients(grads)
+        assert opt.step_path == path
+    opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.legacy.SGD(), fused=False)
+    assert opt.step_path == "stock: fused=False"
+    opt.apply_gradients(grads)
+    assert opt.step_path == "stock: fused=False"
+    assert opt.get_config()["fused"] is False
+
+    class Custom(tf_keras.optimizers.legacy.SGD):
+        def _resource_apply_dense(self, grad, var, apply_state=None):
+            return super()._resource_apply_dense(grad, var, apply_state)
+
+    opt = lossscale.LossScaleOptimizer(Custom())
+    assert opt.step_path.startswith("stock: the inner optimizer (Custom) is not a stock")
+    opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.legacy.SGD())
+    sparse = tf.IndexedSlices(tf.ones([1]), tf.constant([0]), tf.constant([3]))
+    opt.apply_gradients([(sparse, var)])
+    assert opt.step_path == f"stock: the gradient of {var.name} is sparse (IndexedSlices)"
+
+
+def test_fused_skipped_step_leaves_every_variable():
+    for make in (lambda: tf_keras.optimizers.legacy.Adam(), lambda: tf_keras.optimizers.AdamW()):
+        var = tf.Variable(np.arange(5, dtype=np.float32))
+        opt = lossscale.LossScaleOptimizer(make())
+        opt.apply_gradients([(tf.ones([5]), var)])
+        before = [v.numpy().copy() for v in [var] + _inner_variables(opt)]
+        opt.apply_gradients([(tf.constant([1.0, np.inf, 1.0, 1.0, 1.0]), var)])
+        assert opt.step_path.startswith("fused")
+        after = [v.numpy() for v in [var] + _inner_variables(opt)]
+        # iterations advances on a skipped step, as in tf_keras; nothing else moves.
+        assert int(opt.iterations.numpy()) == 2
+        for b, a in zip(before[:1] + before[2:], after[:1] + after[2:]):
+            assert_same_bits(a, b, "a skipped step moved a variable")
+
+
+def test_fused_compat_names():
+    # Each private tf_keras name the fused step reaches through _compat is
+    # still there and means what it meant.
+    var = tf.Variable(tf.ones([3]))
+    other = tf.Variable(tf.ones([2]))
+    adam = tf_keras.optimizers.Adam(_schedule(), amsgrad=True)
+    adam.build([var])
+    before = [s.numpy().copy() for s in _compat.tf_keras_optimizer_slots(adam, "m", [var])]
+    adam.apply_gradients([(tf.ones([3]), var)])
+    for kind in ("m", "v", "v_hat"):
+        (slot,) = _compat.tf_keras_optimizer_slots(adam, kind, [var])
+        assert slot.shape == var.shape and slot.name.startswith(kind.replace("_", ""))
+    assert not np.array_equal(before[0], _compat.tf_keras_optimizer_slots(adam, "m", [var])[0])
+    assert _compat.tf_keras_unknown_variable(adam, [var]) is None
+    assert _compat.tf_keras_unknown_variable(adam, [var, other]) is other
+    schedule, recorded = _compat.tf_keras_learning_rate_schedule(adam)
+    assert schedule is adam._learning_rate and recorded is adam.learning_rate
+    assert _compat.tf_keras_learning_rate_schedule(tf_keras.optimizers.SGD(0.1)) == (None, None)
+    assert not _compat.tf_keras_uses_dtensor(adam)
+    assert _compat.tf_keras_same_update_as(adam, tf_keras.optimizers.Adam)
+    assert not _compat.tf_keras_same_update_as(adam, tf_keras.optimizers.AdamW)
+
+    legacy = tf_keras.optimizers.legacy.SGD(0.5, momentum=0.25, decay=0.5)
+    _compat.tf_keras_legacy_create_weights(legacy, [var])
+    assert legacy.get_slot(var, "momentum").shape == var.shape
+    legacy.iterations.assign(2)
+    assert float(_compat.tf_keras_legacy_learning_rate(legacy)) == np.float32(0.5) / np.float32(2)
+    assert float(_compat.tf_keras_legacy_hyper(legacy, "momentum")) == np.float32(0.25)
+    assert _compat.tf_keras_legacy_has_momentum(legacy)
+    assert not _compat.tf_keras_legacy_has_momentum(tf_keras.optimizers.legacy.SGD())
+    assert _compat.tf_keras_legacy_same_update_as(legacy, tf_keras.optimizers.legacy.SGD)
+    # tf_keras' warning when a loop neither scaled nor unscaled.
+    opt = STOCK(tf_keras.optimizers.legacy.SGD())
+    warned = []
+    logger = tf.get_logger()
+    original = logger.warning
+    logger.warning = lambda msg, *a, **k: warned.append(msg)
+    try:
+        _compat.tf_keras_warn_about_scaling(opt)
+    finally:
+        logger.warning = original
+    assert warned and "get_scaled_loss" in warned[0]

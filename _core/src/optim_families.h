@@ -14,5 +14,10 @@
 #include "family_adamax.h"
 #include "family_nadam.h"
 #include "family_lion.h"
+#include "family_legacy_sgd.h"
+#include "family_legacy_adam.h"
+#include "family_legacy_rmsprop.h"
+#include "family_legacy_adagrad.h"
 
-#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion)
+#define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion) \
+    X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) X(legacy_adagrad)
