@@ -22,8 +22,22 @@ does not declare (clipping, EMA, gradient accumulation, an inner
 ``loss_scale_factor``), sparse gradients, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
-several replicas, and any place the native op cannot run (library missing,
-not on the CPU, XLA).
+a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
+(or one with a cross-device op of its own), and any place the native op
+cannot run (library missing, not on the CPU, XLA).
+
+Under ``MirroredStrategy`` and ``MultiWorkerMirroredStrategy`` with several
+replicas the step keeps stock Keras' order: each replica unscales its own
+gradients (as stock divides them, in the same dtype), the strategy's own
+all-reduce sums them (the same call on the same list, so the same sums),
+and the fused op applies the sums on each replica's device, to that
+device's copies.  The finite check reads the sums: every replica holds the
+same ones, so every replica takes the same decision without a collective
+of its own, and a non-finite gradient on any replica makes its sum
+non-finite, so every replica skips.  (Stock checks each replica's scaled
+gradients and trusts the first replica's flag.)  Where every replica's
+gradients are finite but their sum is not (beyond float32's range), stock
+applies it and the step here is skipped.
 """
 
 import platform
@@ -73,7 +87,7 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      supports: the ``_OPTIONS`` (and ``"sparse"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
     """
@@ -100,7 +114,9 @@ class Family:
 
 class Plan:
     """One fused step: the family, the gradients (dense, None dropped) with
-    their variables, and the native form of each variable's weight decay."""
+    their variables, the native form of each variable's weight decay, and
+    whether several replicas take it (``replicated``: their gradients are
+    summed by ``all_reduce`` first)."""
 
     def __init__(self, family, inner, grads, variables):
         self.family = family
@@ -109,14 +125,24 @@ class Plan:
         self.variables = variables
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
+        self.replicated = _replicas() > 1
         self.scalars = None
         self.state = []
 
+    def all_reduce(self):
+        """The gradients summed over the replicas, as stock Keras sums them
+        before its update (``_all_reduce_sum_gradients``): one all-reduce of
+        the whole list, by the strategy's own cross-device op, so the same
+        packing and the same order of additions give the same sums."""
+        context = tf.distribute.get_replica_context()
+        self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
+
     def run(self, library, should_apply, scale, unscale):
         """The family's native op over the plan (``prepare_scalars`` first),
-        then the family's own state, when ``should_apply``."""
+        then the family's own state, when ``should_apply``.  Under a
+        strategy it runs on this replica's device, over the copies there."""
         def handles(variables):
-            return [_step.tf_variable(v).handle for v in variables]
+            return [local_copy(v).handle for v in variables]
 
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
@@ -126,7 +152,7 @@ class Plan:
             hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
             unscale=unscale)
         for variable, value in self.state:
-            variable = _step.tf_variable(variable)
+            variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
 
     def prepare_scalars(self):
@@ -350,8 +376,17 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
     ``enabled`` is the optimizer's ``fused`` switch; ``rule_reason`` what
     its loss-scale rule says against fusing (None: nothing).  Without
     ``grads`` it answers for the configuration alone (``step_path`` before
-    any step) and never holds a plan.
+    any step) and never holds a plan.  Under several replicas of one
+    process, every replica's decision is the same one (``_agreed``).
     """
+    decision = _decide_alone(inner, enabled, rule_reason, grads, variables)
+    if grads is None:
+        return decision
+    return _agreed(inner, decision, grads, variables)
+
+
+def _decide_alone(inner, enabled, rule_reason, grads, variables):
+    """``decide`` for this replica on its own."""
     def stock(reason):
         return Decision(inner, reason=reason)
 
@@ -391,15 +426,17 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
 
 def _step_reason(family, grads, variables):
     """Why these gradients and variables cannot take ``family``'s fused step."""
-    replica_context = tf.distribute.get_replica_context()
-    if "replicas" not in family.supports and tf.distribute.has_strategy() and (
-            replica_context is None or replica_context.num_replicas_in_sync > 1):
-        return "a tf.distribute strategy with several replicas"
+    reason = _strategy_reason()
+    if reason is not None:
+        return reason
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if not pairs:
         return "no gradients"
+    replicated = _replicas() > 1
     devices = []
     for g, v in pairs:
+        if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
+            return f"{v.name} is not mirrored (made outside the strategy's scope)"
         if isinstance(g, tf.IndexedSlices) and "sparse" not in family.supports:
             return f"the gradient of {v.name} is sparse (IndexedSlices)"
         if getattr(v, "overwrite_with_gradient", False):
@@ -420,7 +457,114 @@ def _step_reason(family, grads, variables):
     return None
 
 
+# ------------------------------------------------------------ replicas
+
+def _replicas():
+    """How many replicas take this step together (1 outside a strategy)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def _strategy_reason():
+    """Why the strategy the step runs under cannot have it fused, or None.
+
+    Mirrored and MultiWorkerMirrored strategies keep a copy of every
+    variable on every replica's device, which the fused op updates there;
+    and their cross-device ops, TensorFlow's own, hand every replica the
+    same sums, on which the finite check relies.  A cross-device op of
+    the user's own promises neither.
+    """
+    if _replicas() == 1:
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy)):
+        return (f"a {type(strategy).__name__} with several replicas (the fused step serves "
+                "MirroredStrategy and MultiWorkerMirroredStrategy)")
+    cross_device_ops = _compat.strategy_cross_device_ops(strategy)
+    if type(cross_device_ops) not in _compat.tensorflow_cross_device_ops_classes():
+        return (f"a cross-device op of its own ({type(cross_device_ops).__name__}): the fused "
+                "step checks the all-reduced sums, which only TensorFlow's own cross-device "
+                "ops give every replica alike")
+    return None
+
+
+class _Signature:
+    """What one replica's step is: its path and, per gradient, the variable,
+    None or not, dtype and shape.  A leaf for ``merge_call``, which would
+    otherwise take lists of different lengths apart."""
+
+    def __init__(self, path, grads, variables):
+        self.path = path
+        self.variables = list(variables)
+        self.grads = [None if g is None else (tf.as_dtype(g.dtype).name,
+                                              tf.TensorShape(g.shape).as_list()
+                                              if tf.TensorShape(g.shape).rank is not None
+                                              else None)
+                      for g in grads]
+
+    def difference(self, other):
+        """What differs from ``other``'s step, in words, or None."""
+        if len(self.variables) != len(other.variables):
+            return f"{len(self.variables)} variables, against {len(other.variables)}"
+        for i, (v, w) in enumerate(zip(self.variables, other.variables)):
+            if v is not w:
+                return f"variable {i} {v.name!r}, against {w.name!r}"
+        for i, (g, h) in enumerate(zip(self.grads, other.grads)):
+            if g != h:
+                def say(x):
+                    return "None" if x is None else f"a {x[0]} gradient of shape {x[1]}"
+                return f"for {self.variables[i].name!r} {say(g)}, against {say(h)}"
+        return None
+
+
+def _agreed(inner, decision, grads, variables):
+    """``decision``, once every replica of this process has made the same
+    one for the same variables (MirroredStrategy runs its replicas as
+    threads, each deciding for itself): a replica that would take the stock
+    path sends them all there, and replicas that pass different variables,
+    None gradients in other places, or gradients of other dtypes or shapes,
+    raise a ValueError before anything moves.  Checked once, at trace time,
+    in ``merge_call``; MultiWorkerMirroredStrategy's workers each run their
+    own program and are not compared."""
+    strategy = tf.distribute.get_strategy()
+    if _replicas() == 1 or len(strategy.extended.worker_devices) == 1:
+        return decision
+
+    def agree(distribution, signature):
+        signatures = distribution.experimental_local_results(signature)
+        for r, other in enumerate(signatures[1:], 1):
+            difference = other.difference(signatures[0])
+            if difference is not None:
+                raise ValueError(
+                    f"The replicas' steps differ: replica {r} applies {difference} on "
+                    "replica 0.  Every replica "
+                    "must pass the same variables, in the same order, with gradients of the "
+                    "same dtype and shape and None in the same places; nothing was changed.")
+        for r, other in enumerate(signatures):
+            if other.path.startswith("stock: "):
+                return other.path if r == 0 else f"stock: on replica {r}, {other.path[7:]}"
+        return signatures[0].path
+
+    path = tf.distribute.get_replica_context().merge_call(
+        agree, args=(_Signature(decision.path, grads, variables),))
+    if path == decision.path:
+        return decision
+    return Decision(inner, reason=path[len("stock: "):])
+
+
 # ------------------------------------------------------------------ run
+
+def local_copy(variable):
+    """The ``tf.Variable`` a step on this replica updates: the copy on its
+    device of a mirrored variable, else the variable itself."""
+    variable = _step.tf_variable(variable)
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return _compat.on_device_or_primary(variable)
+    return variable
+
 
 def _grappler_reassociates_products():
     """Whether the stock step built here will have ``var * wd * lr``
@@ -456,7 +600,7 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     ``iterations`` too, as TensorFlow 2.4's optimizer did."""
     scale = tf.convert_to_tensor(scale, tf.float32)
     plan.run(native_ops.native_library_for([]), should_apply, scale, unscale)
-    iterations = _compat.optimizer_iterations(plan.inner)
+    iterations = local_copy(_compat.optimizer_iterations(plan.inner))
     if advance_iterations_always:
         iterations.assign_add(1)
     else:

@@ -21,7 +21,8 @@ variable.  Its arithmetic is Keras' float32 op by op, in Keras' order, so
 variables and slots come out bit-identical.  ``step_path`` says which path a
 step took and why; ``fused=False`` turns it off.  Anything the fused path
 does not do (clipping, EMA, gradient accumulation, constraints, sparse
-gradients, several replicas, a non-CPU device, XLA...) takes the path
+gradients, a strategy other than Mirrored or MultiWorkerMirrored, a non-CPU
+device, XLA...) takes the path
 below: the finite check and the unscale of the whole gradient list are one
 native op, and the scale update is another, instead of three ops per
 gradient and a graph of ``cond``s; then the inner optimizer's own step.
@@ -39,9 +40,11 @@ Exactness notes, each checked against the stock optimizer in the tests:
   same op, so the graph has no ``cond`` between the two.  Gradients are
   promoted to the stock result dtype first.
 * Under ``MirroredStrategy`` the stock optimizer trusts the first replica's
-  finite flag; here the flags of all replicas are combined, so an overflow on
-  any replica skips the step everywhere (the stock one then applies the
-  non-finite gradients).  Where all replicas agree both give the same bits.
+  finite flag; here an overflow on any replica skips the step everywhere
+  (the stock one then applies the non-finite gradients).  Where all
+  replicas agree both give the same bits.  The fused step checks the
+  all-reduced sums (no collective of its own), so it also skips where every
+  replica's gradients are finite and their sum is not, which stock applies.
 
 With ``loss_scale=`` a ``LossScale`` (``FixedLossScale``, ``DynamicLossScale``
 with its extensions) the optimizer follows that object instead: its
@@ -235,12 +238,22 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         """The step on the fused path: the read-only check of the gradients
         (as they come, inside the graph that makes them, a few small ones
         per op), the rule, then one native pass that unscales and updates
-        every variable and slot."""
+        every variable and slot.  Under several replicas, each replica's
+        gradients are unscaled and all-reduced first, as stock does, and
+        the check and the pass read the sums."""
         # Mistakes fail before any state moves, with the stock step's message.
         _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
         checks = plan.prepare_scalars()
+        unscale = unscale or self._rule.fused_unscale
+        if plan.replicated:
+            # Stock's order: each replica's gradients unscaled, then summed.
+            # The check reads the sums, the same on every replica.
+            if unscale != "none":
+                plan.grads, _ = self._rule.unscale_and_check(plan.grads, scale)
+                unscale = "none"
+            plan.all_reduce()
         finite = native_ops.all_finite_grouped(plan.grads)
         # A bad learning rate fails before the loss scale moves.
         with tf.control_dependencies(checks):
@@ -248,8 +261,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         should_apply = self._rule.advance(finite)
         if isinstance(should_apply, bool):
             should_apply = tf.constant(should_apply)
-        _fused.apply(plan, scale=scale, unscale=unscale or self._rule.fused_unscale,
-                     should_apply=should_apply,
+        _fused.apply(plan, scale=scale, unscale=unscale, should_apply=should_apply,
                      advance_iterations_always=self._skipped_steps_advance_iterations)
 
     # ------------------------------------------------------------------
