@@ -511,13 +511,18 @@ class _Signature:
             return f"{len(self.variables)} variables, against {len(other.variables)}"
         for i, (v, w) in enumerate(zip(self.variables, other.variables)):
             if v is not w:
-                return f"variable {i} {v.name!r}, against {w.name!r}"
+                return f"variable {i} {_name(v)!r}, against {_name(w)!r}"
         for i, (g, h) in enumerate(zip(self.grads, other.grads)):
             if g != h:
                 def say(x):
                     return "None" if x is None else f"a {x[0]} gradient of shape {x[1]}"
-                return f"for {self.variables[i].name!r} {say(g)}, against {say(h)}"
+                return f"for {_name(self.variables[i])!r} {say(g)}, against {say(h)}"
         return None
+
+
+def _name(variable):
+    # A Keras variable's path says which layer it is in; its name does not.
+    return getattr(variable, "path", None) or variable.name
 
 
 def _agreed(inner, decision, grads, variables):
