@@ -451,6 +451,7 @@ def run_resume(directory, steps, kill_at, every):
         restored = {"step": int(step_variable.numpy()),
                     "scale": float(tf.convert_to_tensor(opt.dynamic_scale).numpy()),
                     "counter": int(tf.convert_to_tensor(opt.step_counter).numpy())}
+    trace = {}
     for step in range(int(step_variable.numpy()), steps):
         if step == kill_at and worker == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -458,10 +459,13 @@ def run_resume(directory, steps, kill_at, every):
         function(tf.constant(x), tf.constant(y),
                  tf.constant(factor(step, worker, one_sided=True)), [tf.zeros(())])
         step_variable.assign(step + 1)
+        trace[step + 1] = {"step": step + 1,
+                           "scale": float(tf.convert_to_tensor(opt.dynamic_scale).numpy()),
+                           "counter": int(tf.convert_to_tensor(opt.step_counter).numpy())}
         if (step + 1) % every == 0:
             manager.save()
         print(json.dumps({"progress": step}), flush=True)
-    return {"worker": worker, "restored": restored, "path": opt.step_path,
+    return {"worker": worker, "restored": restored, "path": opt.step_path, "trace": trace,
             "state": digest(state(model, opt)),
             "scale": float(tf.convert_to_tensor(opt.dynamic_scale).numpy()),
             "counter": int(tf.convert_to_tensor(opt.step_counter).numpy()),
@@ -607,8 +611,7 @@ def test_worker_killed_and_restarted_ends_as_uninterrupted(tmp_path):
     for report in uninterrupted + restarted:
         assert {k: report[k] for k in want} == want, report["worker"]
     for report in restarted:
-        assert report["restored"]["step"] == last_saved
-    assert restarted[0]["restored"] == restarted[1]["restored"]
+        assert report["restored"] == uninterrupted[0]["trace"][str(last_saved)], report["worker"]
 
 
 if __name__ == "__main__":
