@@ -105,7 +105,8 @@ def test_mirrored_two_replicas():
     for peer in ("ours", "stock"):
         s = report["seconds"][peer]
         s["all_reduce_share"] = s["all_reduce"] / s["step"]
-    report["ours_vs_stock"] = report["seconds"]["stock"]["step"] / report["seconds"]["ours"]["step"]
+    seconds = report["seconds"]
+    report["ours_vs_stock"] = seconds["stock"]["step"] / seconds["ours"]["step"]
     harness.RECORDS.setdefault("distributed", {})["mirrored"] = report
 
 

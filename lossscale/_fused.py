@@ -359,6 +359,9 @@ def family_of(inner):
 
 # -------------------------------------------------------------- decision
 
+_STOCK = "stock: "
+
+
 class Decision:
     """``plan`` (a ``Plan``, or None for the stock path) and ``path``, what
     ``step_path`` reports: ``"fused (Adam)"`` or ``"stock: <reason>"``."""
@@ -367,7 +370,7 @@ class Decision:
 
     def __init__(self, inner, plan=None, reason=None):
         self.plan = plan
-        self.path = f"stock: {reason}" if reason else f"fused ({type(inner).__name__})"
+        self.path = f"{_STOCK}{reason}" if reason else f"fused ({type(inner).__name__})"
 
 
 def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None):
@@ -467,6 +470,9 @@ def _replicas():
     return 1 if context is None else context.num_replicas_in_sync
 
 
+_SERVED_STRATEGIES = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
 def _strategy_reason():
     """Why the strategy the step runs under cannot have it fused, or None.
 
@@ -479,8 +485,7 @@ def _strategy_reason():
     if _replicas() == 1:
         return None
     strategy = tf.distribute.get_strategy()
-    if not isinstance(strategy, (tf.distribute.MirroredStrategy,
-                                 tf.distribute.MultiWorkerMirroredStrategy)):
+    if not isinstance(strategy, _SERVED_STRATEGIES):
         return (f"a {type(strategy).__name__} with several replicas (the fused step serves "
                 "MirroredStrategy and MultiWorkerMirroredStrategy)")
     cross_device_ops = _compat.strategy_cross_device_ops(strategy)
@@ -497,13 +502,13 @@ class _Signature:
     otherwise take lists of different lengths apart."""
 
     def __init__(self, path, grads, variables):
+        def kind(g):
+            shape = tf.TensorShape(g.shape)
+            return tf.as_dtype(g.dtype).name, shape.as_list() if shape.rank is not None else None
+
         self.path = path
         self.variables = list(variables)
-        self.grads = [None if g is None else (tf.as_dtype(g.dtype).name,
-                                              tf.TensorShape(g.shape).as_list()
-                                              if tf.TensorShape(g.shape).rank is not None
-                                              else None)
-                      for g in grads]
+        self.grads = [None if g is None else kind(g) for g in grads]
 
     def difference(self, other):
         """What differs from ``other``'s step, in words, or None."""
@@ -535,7 +540,8 @@ def _agreed(inner, decision, grads, variables):
     in ``merge_call``; MultiWorkerMirroredStrategy's workers each run their
     own program and are not compared."""
     strategy = tf.distribute.get_strategy()
-    if _replicas() == 1 or len(strategy.extended.worker_devices) == 1:
+    if (_replicas() == 1 or not isinstance(strategy, _SERVED_STRATEGIES)
+            or len(strategy.extended.worker_devices) == 1):
         return decision
 
     def agree(distribution, signature):
@@ -545,19 +551,20 @@ def _agreed(inner, decision, grads, variables):
             if difference is not None:
                 raise ValueError(
                     f"The replicas' steps differ: replica {r} applies {difference} on "
-                    "replica 0.  Every replica "
-                    "must pass the same variables, in the same order, with gradients of the "
-                    "same dtype and shape and None in the same places; nothing was changed.")
+                    "replica 0.  Every replica must pass the same variables, in the same "
+                    "order, with gradients of the same dtype and shape and None in the same "
+                    "places; nothing was changed.")
         for r, other in enumerate(signatures):
-            if other.path.startswith("stock: "):
-                return other.path if r == 0 else f"stock: on replica {r}, {other.path[7:]}"
+            if other.path.startswith(_STOCK):
+                return other.path if r == 0 else \
+                    f"{_STOCK}on replica {r}, {other.path[len(_STOCK):]}"
         return signatures[0].path
 
     path = tf.distribute.get_replica_context().merge_call(
         agree, args=(_Signature(decision.path, grads, variables),))
     if path == decision.path:
         return decision
-    return Decision(inner, reason=path[len("stock: "):])
+    return Decision(inner, reason=path[len(_STOCK):])
 
 
 # ------------------------------------------------------------------ run

@@ -171,7 +171,8 @@ def make_case(strategy, name, cases, cls_of_model):
     initial = extra if isinstance(extra, float) else INITIAL_SCALE
     made = {}
     for model_name, cls in cls_of_model.items():
-        cls = keras.optimizers.LossScaleOptimizer if cls == "stock" else lossscale.LossScaleOptimizer
+        cls = (keras.optimizers.LossScaleOptimizer if cls == "stock"
+               else lossscale.LossScaleOptimizer)
         with strategy.scope():
             model = build_model(policy)
             opt = cls(inner_optimizer(inner), initial_scale=initial,
@@ -523,7 +524,8 @@ def mirrored(tmp_path_factory):
 
 def check_case(report, steps, name):
     where = name
-    assert report["mismatch"] == [], f"{where}: differs from stock after steps {report['mismatch']}"
+    assert report["mismatch"] == [], \
+        f"{where}: differs from stock after steps {report['mismatch']}"
     assert report["copies_disagree"] == [], where
     assert report["wrong_moves"] == [], f"{where}: weights moved or kept wrongly at steps " \
                                         f"{report['wrong_moves']}"
