@@ -116,7 +116,7 @@ class Plan:
     """One fused step: the family, the gradients (dense, None dropped) with
     their variables, the native form of each variable's weight decay, and
     whether several replicas take it (``replicated``: their gradients are
-    summed by ``all_reduce`` first)."""
+    summed by ``sum_replicas`` first)."""
 
     def __init__(self, family, inner, grads, variables):
         self.family = family
@@ -129,13 +129,22 @@ class Plan:
         self.scalars = None
         self.state = []
 
-    def all_reduce(self):
-        """The gradients summed over the replicas, as stock Keras sums them
-        before its update (``_all_reduce_sum_gradients``): one all-reduce of
-        the whole list, by the strategy's own cross-device op, so the same
-        packing and the same order of additions give the same sums."""
+    def sum_replicas(self, rule, scale, unscale):
+        """Under several replicas, stock's order before its update: this
+        replica's gradients unscaled by ``rule`` (a ``_step`` rule) as stock
+        unscales them, unless ``unscale`` is ``"none"`` (they came
+        unscaled), then summed over the replicas as stock sums them
+        (``_all_reduce_sum_gradients``: one all-reduce of the whole list by
+        the strategy's own cross-device op, so the same packing and order of
+        additions give the same sums).  Returns the unscale the fused pass
+        then applies: ``"none"``, or ``unscale`` without replicas."""
+        if not self.replicated:
+            return unscale
+        if unscale != "none":
+            self.grads, _ = rule.unscale_and_check(self.grads, scale)
         context = tf.distribute.get_replica_context()
         self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
+        return "none"
 
     def run(self, library, should_apply, scale, unscale):
         """The family's native op over the plan (``prepare_scalars`` first),

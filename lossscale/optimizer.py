@@ -246,14 +246,9 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
         checks = plan.prepare_scalars()
-        unscale = unscale or self._rule.fused_unscale
-        if plan.replicated:
-            # Stock's order: each replica's gradients unscaled, then summed.
-            # The check reads the sums, the same on every replica.
-            if unscale != "none":
-                plan.grads, _ = self._rule.unscale_and_check(plan.grads, scale)
-                unscale = "none"
-            plan.all_reduce()
+        # Under several replicas the check reads the sums, the same on every
+        # replica.
+        unscale = plan.sum_replicas(self._rule, scale, unscale or self._rule.fused_unscale)
         finite = native_ops.all_finite_grouped(plan.grads)
         # A bad learning rate fails before the loss scale moves.
         with tf.control_dependencies(checks):
