@@ -28,9 +28,11 @@ Beside them: what the fused step leaves to stock (a cross-device op of the
 user's own, ``CentralStorageStrategy``), replicas that pass different
 variables (a ValueError before anything moves), the one documented
 difference (replicas' finite gradients whose sum overflows: stock applies
-it, the fused step skips), and a two-worker job whose worker is killed by
+it, the fused step skips), a two-worker job whose worker is killed by
 SIGKILL mid-run and restarted from its ``tf.train.CheckpointManager``
-checkpoint, which must end bit for bit where an uninterrupted job ends.
+checkpoint, and a ``Model.fit`` under MirroredStrategy killed the same way
+and restarted by ``keras.callbacks.BackupAndRestore``: each must end bit
+for bit where an uninterrupted run ends.
 """
 
 import json
@@ -473,6 +475,51 @@ def run_resume(directory, steps, kill_at, every):
             "iterations": int(opt.iterations.numpy())}
 
 
+FIT_EPOCHS, FIT_BATCHES, FIT_KILL = 3, 8, (1, 5)  # killed before epoch 1's batch 5
+
+
+def run_fit_resume(directory, kill):
+    """``Model.fit`` under MirroredStrategy with
+    ``keras.callbacks.BackupAndRestore`` (a backup after every epoch) into
+    ``directory``, restoring from it when there is one; with ``kill`` the
+    process kills itself with SIGKILL at ``FIT_KILL`` (epoch, batch).
+    Global batches of 8 from the spoiled steps' schedule, one replica's
+    half spoiled."""
+    import keras
+
+    from helpers import two_cpu_replicas
+
+    strategy = two_cpu_replicas()
+    made = make_case(strategy, "adam", MIRRORED_CASES, {"ours": "ours"})
+    model, opt = made["ours"]
+    with strategy.scope():
+        model.compile(optimizer=opt, loss="mse")
+    x, y = (np.concatenate(p) for p in zip(*(batch(300 + i, 0, 8) for i in range(FIT_BATCHES))))
+    for b in range(FIT_BATCHES):
+        if spoil(b) is not None:
+            who, value = spoil(b)
+            x[8 * b + 4 * (0 if who == "all" else who), 1] = value
+
+    class Kill(keras.callbacks.Callback):
+        epochs = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            self.epochs.append(epoch)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if kill and (self.epoch, batch) == FIT_KILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    backup = keras.callbacks.BackupAndRestore(directory, save_freq="epoch",
+                                              delete_checkpoint=False)
+    model.fit(x, y, batch_size=8, epochs=FIT_EPOCHS, shuffle=False, verbose=0,
+              callbacks=[backup, Kill()])
+    return {"path": opt.step_path, "state": digest(state(model, opt)),
+            "copies_agree": all(len(set(c)) == 1 for c in state(model, opt)),
+            "iterations": int(opt.iterations.numpy()), "epochs_run": Kill.epochs}
+
+
 # ------------------------------------------------------------- the test side
 
 def cluster_run(tmp, name, workers, mode, args=(), expect_kill=None):
@@ -616,10 +663,33 @@ def test_worker_killed_and_restarted_ends_as_uninterrupted(tmp_path):
         assert report["restored"] == uninterrupted[0]["trace"][str(last_saved)], report["worker"]
 
 
+def test_mirrored_fit_killed_and_restored_ends_as_uninterrupted(tmp_path):
+    """BackupAndRestore under MirroredStrategy (fit does not run under
+    MultiWorkerMirroredStrategy with several workers in this Keras)."""
+    (uninterrupted,) = collect([Child("fit_resume", tmp_path, "fit-whole", script=__file__,
+                                      args=(tmp_path / "whole", 0))], TIMEOUT)
+    killed = Child("fit_resume", tmp_path, "fit-killed", script=__file__,
+                   args=(tmp_path / "backup", 1))
+    killed.proc.wait(timeout=TIMEOUT)
+    assert killed.proc.returncode == -signal.SIGKILL, killed.tail()
+    (restored,) = collect([Child("fit_resume", tmp_path, "fit-restored", script=__file__,
+                                 args=(tmp_path / "backup", 0))], TIMEOUT)
+    assert uninterrupted["path"] == restored["path"] == "fused (Adam)"
+    assert uninterrupted["copies_agree"] and restored["copies_agree"]
+    skipped = sum(spoil(b) is not None for b in range(FIT_BATCHES))
+    assert uninterrupted["iterations"] == FIT_EPOCHS * (FIT_BATCHES - skipped)
+    # The restarted fit resumed at the killed epoch, from the backup of the one before.
+    assert uninterrupted.pop("epochs_run") == list(range(FIT_EPOCHS))
+    assert restored.pop("epochs_run") == list(range(FIT_KILL[0], FIT_EPOCHS))
+    assert restored == uninterrupted
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "mirrored":
         result = run_mirrored()
+    elif mode == "fit_resume":
+        result = run_fit_resume(args[0], bool(int(args[1])))
     elif mode == "worker":
         result = run_worker(int(args[0]))
     else:
