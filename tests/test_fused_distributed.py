@@ -44,10 +44,7 @@ import time
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from test_multiworker import Child, ChildFailed, collect, free_ports, port_collision  # noqa: E402
+from test_multiworker import Child, ChildFailed, collect, free_ports, port_collision
 
 TIMEOUT = 400  # seconds for one child run, TensorFlow's start-up included
 GROWTH = 3
