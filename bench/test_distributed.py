@@ -16,9 +16,8 @@ cluster when it starts):
 
 Stored in the raw JSON (``lossscale.records.distributed``), seconds per
 step; before timing, fresh models trained with ours and with stock must
-end bit-identical.  The quick run takes a 256-wide MLP, one sample, and
-starts every cluster at once (it shows that the benchmark works; its
-times are not to be read).
+end bit-identical.  The quick run takes a 256-wide MLP and one sample (it
+shows that the benchmark works; its times are not to be read).
 """
 
 import json
@@ -111,13 +110,7 @@ def test_mirrored_two_replicas():
 
 
 def test_multi_worker():
-    # The quick run, which only shows that the benchmark works, starts every
-    # cluster at once: most of its time is each process importing TensorFlow.
-    if harness.Settings.quick:
-        started = {n: _start("worker", _cluster(n)) for n in WORKERS}
-        runs = {n: _collect(children) for n, children in started.items()}
-    else:
-        runs = {n: _collect(_start("worker", _cluster(n))) for n in WORKERS}
+    runs = {n: _collect(_start("worker", _cluster(n))) for n in WORKERS}
     out = {}
     for n, reports in runs.items():
         for r in reports:
