@@ -22,7 +22,8 @@ import tensorflow as tf
 __all__ = [
     "Trackable", "trainer_class", "no_automatic_dependency_tracking", "register_serialized_name",
     "caller_is_keras", "graph_key", "in_xla_context", "strategy_supports_no_merge_call",
-    "on_device_or_primary", "wrapped_tf_variable", "tensorflow_loss_scale_module",
+    "on_device_or_primary", "strategy_cross_device_ops", "tensorflow_cross_device_ops_classes",
+    "wrapped_tf_variable", "tensorflow_loss_scale_module",
     "tensorflow_dynamic_loss_scale_state", "optimizer_trainable_variables",
     "overwrites_with_gradient", "optimizer_iterations", "optimizer_slots",
     "uses_weight_decay", "check_variables_are_known",
@@ -72,6 +73,24 @@ def on_device_or_primary(variable):
     """The copy of a mirrored variable for the current replica's device, as
     a replica sees it (public only through a read, not as a variable)."""
     return variable._get_on_device_or_primary()  # pylint: disable=protected-access
+
+
+def strategy_cross_device_ops(strategy):
+    """The cross-device op a ``MirroredStrategy`` or
+    ``MultiWorkerMirroredStrategy`` all-reduces floating-point values with
+    (its ``_cross_device_ops``: the one given to its constructor, or the one
+    it picked); no public API names it."""
+    return strategy.extended._cross_device_ops  # pylint: disable=protected-access
+
+
+def tensorflow_cross_device_ops_classes():
+    """TensorFlow's own cross-device ops: the public ones and
+    ``CollectiveAllReduce`` (what ``MultiWorkerMirroredStrategy``, and
+    ``MirroredStrategy`` by default, all-reduce with), which is not exported."""
+    from tensorflow.python.distribute import cross_device_ops
+
+    return (tf.distribute.ReductionToOneDevice, tf.distribute.HierarchicalCopyAllReduce,
+            tf.distribute.NcclAllReduce, cross_device_ops.CollectiveAllReduce)
 
 
 def tensorflow_loss_scale_module():

@@ -33,9 +33,22 @@ does not declare (an inner ``loss_scale_factor``), clipping together with
 gradient accumulation, sparse gradients, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
-several replicas, and any place the native op cannot run (library missing,
-not on the CPU, XLA).
+a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
+(or one with a cross-device op of its own), and any place the native op
+cannot run (library missing, not on the CPU, XLA).
 
+Under ``MirroredStrategy`` and ``MultiWorkerMirroredStrategy`` with several
+replicas the step keeps stock Keras' order: each replica unscales its own
+gradients (as stock divides them, in the same dtype), the strategy's own
+all-reduce sums them (the same call on the same list, so the same sums),
+and the fused op applies the sums on each replica's device, to that
+device's copies.  The finite check reads the sums: every replica holds the
+same ones, so every replica takes the same decision without a collective
+of its own, and a non-finite gradient on any replica makes its sum
+non-finite, so every replica skips.  (Stock checks each replica's scaled
+gradients and trusts the first replica's flag.)  Where every replica's
+gradients are finite but their sum is not (beyond float32's range), stock
+applies it and the step here is skipped.
 ``tf_keras`` (Keras 2) optimizers have families of their own
 (``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
 Keras 3's kernels where their arithmetic is the same, and the legacy ones
@@ -110,7 +123,7 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      supports: the ``_OPTIONS`` (and ``"sparse"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
       scales_gradient: whether ``update_step`` multiplies the gradient by
@@ -151,7 +164,9 @@ class Family:
 class Plan:
     """One fused step: the family, the gradients (dense, None dropped) with
     their variables, the native form of each variable's weight decay, and
-    the inner optimizer's clip (``clip_of``)."""
+    the inner optimizer's clip (``clip_of``), and whether several replicas
+    take it (``replicated``: their gradients are summed by ``sum_replicas``
+    first)."""
 
     def __init__(self, family, inner, grads, variables, clip=None):
         self.family = family
@@ -162,15 +177,34 @@ class Plan:
                       for v in variables]
         self.clip = clip
         self.clip_scalars = []
+        self.replicated = _replicas() > 1
         self.scalars = None
         self.state = []
+
+    def sum_replicas(self, rule, scale, unscale):
+        """Under several replicas, stock's order before its update: this
+        replica's gradients unscaled by ``rule`` (a ``_step`` rule) as stock
+        unscales them, unless ``unscale`` is ``"none"`` (they came
+        unscaled), then summed over the replicas as stock sums them
+        (``_all_reduce_sum_gradients``: one all-reduce of the whole list by
+        the strategy's own cross-device op, so the same packing and order of
+        additions give the same sums).  Returns the unscale the fused pass
+        then applies: ``"none"``, or ``unscale`` without replicas."""
+        if not self.replicated:
+            return unscale
+        if unscale != "none":
+            self.grads, _ = rule.unscale_and_check(self.grads, scale)
+        context = tf.distribute.get_replica_context()
+        self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
+        return "none"
 
     def run(self, library, should_apply, scale, unscale, grads=None):
         """The family's native op over the plan (``prepare_scalars`` first)
         on its gradients (or ``grads``, in their place), then the family's
-        own state, when ``should_apply``."""
+        own state, when ``should_apply``.  Under a strategy it runs on this
+        replica's device, over the copies there."""
         def handles(variables):
-            return [_step.tf_variable(v).handle for v in variables]
+            return [local_copy(v).handle for v in variables]
 
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(self.family.line.slots(self.inner, kind, self.variables))]
@@ -183,7 +217,7 @@ class Plan:
             decay=self.decay, unscale=unscale, clip=mode,
             clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
         for variable, value in self.state:
-            variable = _step.tf_variable(variable)
+            variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
 
     def prepare_scalars(self):
@@ -666,6 +700,9 @@ def family_of(inner):
 
 # -------------------------------------------------------------- decision
 
+_STOCK = "stock: "
+
+
 class Decision:
     """``plan`` (a ``Plan``, or None for the stock path) and ``path``, what
     ``step_path`` reports: ``"fused (Adam)"`` or ``"stock: <reason>"``."""
@@ -674,7 +711,7 @@ class Decision:
 
     def __init__(self, inner, plan=None, reason=None):
         self.plan = plan
-        self.path = f"stock: {reason}" if reason else f"fused ({type(inner).__name__})"
+        self.path = f"{_STOCK}{reason}" if reason else f"fused ({type(inner).__name__})"
 
 
 def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
@@ -688,8 +725,17 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     before any step) and never holds a plan.  Gradients the inner
     optimizer cannot accumulate, and a clip option that is set but not a
     positive finite number (``clip_of``), raise a ValueError before
-    anything moves.
+    anything moves.  Under several replicas of one process, every
+    replica's decision is the same one (``_agreed``).
     """
+    decision = _decide_alone(inner, enabled, rule_reason, grads, variables)
+    if grads is None:
+        return decision
+    return _agreed(inner, decision, grads, variables)
+
+
+def _decide_alone(inner, enabled, rule_reason, grads, variables):
+    """``decide`` for this replica on its own."""
     def stock(reason):
         return Decision(inner, reason=reason)
 
@@ -748,6 +794,14 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
         return Decision(inner)
     reason = (family.unsupported(inner) or family.line.variables_reason(inner, variables)
               or _step_reason(family, grads, variables) or _clip_reason(clip, grads, unscale))
+    if reason is None and _replicas() > 1:
+        if family.line is not KERAS_3:
+            reason = "a tf_keras optimizer under several replicas"
+        elif clip is not None:
+            # Keras clips in _backend_apply_gradients, each replica its own
+            # gradients; the all-reduce comes after, in _backend_update_step.
+            reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
+                      "replica's gradients before their all-reduce)")
     if reason is None and tf.distribute.has_strategy() and (
             steps or getattr(inner, "use_ema", False)):
         # Keras' accumulation and EMA steps go through the strategy's merge
@@ -780,15 +834,17 @@ def _check_accumulable(pairs):
 
 def _step_reason(family, grads, variables):
     """Why these gradients and variables cannot take ``family``'s fused step."""
-    replica_context = tf.distribute.get_replica_context()
-    if "replicas" not in family.supports and tf.distribute.has_strategy() and (
-            replica_context is None or replica_context.num_replicas_in_sync > 1):
-        return "a tf.distribute strategy with several replicas"
+    reason = _strategy_reason()
+    if reason is not None:
+        return reason
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if not pairs:
         return "no gradients"
+    replicated = _replicas() > 1
     devices = []
     for g, v in pairs:
+        if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
+            return f"{v.name} is not mirrored (made outside the strategy's scope)"
         if isinstance(g, tf.IndexedSlices) and "sparse" not in family.supports:
             return f"the gradient of {v.name} is sparse (IndexedSlices)"
         if getattr(v, "overwrite_with_gradient", False):
@@ -952,6 +1008,113 @@ def _global_clip_factor(sums, clip_norm):
     return scale_for_finite + (use_norm - use_norm)
 
 
+# ------------------------------------------------------------ replicas
+
+def _replicas():
+    """How many replicas take this step together (1 outside a strategy)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+_SERVED_STRATEGIES = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def _strategy_reason():
+    """Why the strategy the step runs under cannot have it fused, or None.
+
+    Mirrored and MultiWorkerMirrored strategies keep a copy of every
+    variable on every replica's device, which the fused op updates there;
+    and their cross-device ops, TensorFlow's own, hand every replica the
+    same sums, on which the finite check relies.  A cross-device op of
+    the user's own promises neither.
+    """
+    if _replicas() == 1:
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, _SERVED_STRATEGIES):
+        return (f"a {type(strategy).__name__} with several replicas (the fused step serves "
+                "MirroredStrategy and MultiWorkerMirroredStrategy)")
+    cross_device_ops = _compat.strategy_cross_device_ops(strategy)
+    if type(cross_device_ops) not in _compat.tensorflow_cross_device_ops_classes():
+        return (f"a cross-device op of its own ({type(cross_device_ops).__name__}): the fused "
+                "step checks the all-reduced sums, which only TensorFlow's own cross-device "
+                "ops give every replica alike")
+    return None
+
+
+class _Signature:
+    """What one replica's step is: its path and, per gradient, the variable,
+    None or not, dtype and shape.  A leaf for ``merge_call``, which would
+    otherwise take lists of different lengths apart."""
+
+    def __init__(self, path, grads, variables):
+        def kind(g):
+            shape = tf.TensorShape(g.shape)
+            return tf.as_dtype(g.dtype).name, shape.as_list() if shape.rank is not None else None
+
+        self.path = path
+        self.variables = list(variables)
+        self.grads = [None if g is None else kind(g) for g in grads]
+
+    def difference(self, other):
+        """What differs from ``other``'s step, in words, or None."""
+        if len(self.variables) != len(other.variables):
+            return f"{len(self.variables)} variables, against {len(other.variables)}"
+        for i, (v, w) in enumerate(zip(self.variables, other.variables)):
+            if v is not w:
+                return f"variable {i} {_name(v)!r}, against {_name(w)!r}"
+        for i, (g, h) in enumerate(zip(self.grads, other.grads)):
+            if g != h:
+                def say(x):
+                    return "None" if x is None else f"a {x[0]} gradient of shape {x[1]}"
+                return f"for {_name(self.variables[i])!r} {say(g)}, against {say(h)}"
+        return None
+
+
+def _name(variable):
+    # A Keras variable's path says which layer it is in; its name does not.
+    return getattr(variable, "path", None) or variable.name
+
+
+def _agreed(inner, decision, grads, variables):
+    """``decision``, once every replica of this process has made the same
+    one for the same variables (MirroredStrategy runs its replicas as
+    threads, each deciding for itself): a replica that would take the stock
+    path sends them all there, and replicas that pass different variables,
+    None gradients in other places, or gradients of other dtypes or shapes,
+    raise a ValueError before anything moves.  Checked once, at trace time,
+    in ``merge_call``; MultiWorkerMirroredStrategy's workers each run their
+    own program and are not compared."""
+    strategy = tf.distribute.get_strategy()
+    if (_replicas() == 1 or not isinstance(strategy, _SERVED_STRATEGIES)
+            or len(strategy.extended.worker_devices) == 1):
+        return decision
+
+    def agree(distribution, signature):
+        signatures = distribution.experimental_local_results(signature)
+        for r, other in enumerate(signatures[1:], 1):
+            difference = other.difference(signatures[0])
+            if difference is not None:
+                raise ValueError(
+                    f"The replicas' steps differ: replica {r} applies {difference} on "
+                    "replica 0.  Every replica must pass the same variables, in the same "
+                    "order, with gradients of the same dtype and shape and None in the same "
+                    "places; nothing was changed.")
+        for r, other in enumerate(signatures):
+            if other.path.startswith(_STOCK):
+                return other.path if r == 0 else \
+                    f"{_STOCK}on replica {r}, {other.path[len(_STOCK):]}"
+        return signatures[0].path
+
+    path = tf.distribute.get_replica_context().merge_call(
+        agree, args=(_Signature(decision.path, grads, variables),))
+    if path == decision.path:
+        return decision
+    return Decision(inner, reason=path[len(_STOCK):])
+
+
 # ------------------------------------------------------------------ run
 
 def _grappler_folds_constants():
@@ -963,6 +1126,15 @@ def _grappler_folds_constants():
     options = tf.config.optimizer.get_experimental_options()
     return (not options.get("disable_meta_optimizer", False)
             and options.get("constant_folding", True))
+
+
+def local_copy(variable):
+    """The ``tf.Variable`` a step on this replica updates: the copy on its
+    device of a mirrored variable, else the variable itself."""
+    variable = _step.tf_variable(variable)
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return _compat.on_device_or_primary(variable)
+    return variable
 
 
 def _grappler_reassociates_products():
@@ -1015,7 +1187,7 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
         plan.run(library, should_apply, scale, unscale)
     if getattr(inner, "use_ema", False):
         _step.cond(should_apply, lambda: _moving_average_step(inner), lambda: None)
-    iterations = _compat.optimizer_iterations(plan.inner)
+    iterations = local_copy(_compat.optimizer_iterations(plan.inner))
     if advance_iterations_always:
         iterations.assign_add(1)
     else:

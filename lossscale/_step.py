@@ -75,8 +75,9 @@ def update_copies(step, finite, variables):
     if not isinstance(first, tf.distribute.DistributedValues):
         return step(finite, *variables)
     if not tf.distribute.in_cross_replica_context():
-        # A strategy without merge calls: every replica steps its own copy,
-        # all from the same combined flag.
+        # In a replica context (a strategy without merge calls, or the
+        # fused step): every replica steps its own copy, all from the same
+        # combined flag.
         return step(finite, *[None if v is None else _compat.on_device_or_primary(v)
                               for v in variables])
 
@@ -117,9 +118,11 @@ class _Rule:
         """``loss`` times the scale, as ``LossScaleOptimizer.scale_loss``."""
         raise NotImplementedError
 
-    def unscale_and_check(self, grads):
-        """``(unscaled, finite)`` for a list of gradients (no None), one native op."""
-        return native_ops.unscale_and_check([self.prepare(g) for g in grads], self.scale(),
+    def unscale_and_check(self, grads, scale=None):
+        """``(unscaled, finite)`` for a list of gradients (no None), one native
+        op; by ``scale`` when given (the scale already read), else ``scale()``."""
+        return native_ops.unscale_and_check([self.prepare(g) for g in grads],
+                                            self.scale() if scale is None else scale,
                                             check_inputs=self.check_scaled, divide=self.divide)
 
     def scale_config(self):

@@ -23,8 +23,8 @@ variables and slots come out bit-identical.  An inner optimizer's clipping
 its EMA and gradient accumulation run around that op with Keras' own ops,
 on Keras' schedule.  ``step_path`` says which path a step took and why;
 ``fused=False`` turns it off.  Anything the fused path does not do
-(constraints, sparse gradients, several replicas, a non-CPU device,
-XLA...) takes the path
+(constraints, sparse gradients, a strategy other than Mirrored or
+MultiWorkerMirrored, a non-CPU device, XLA...) takes the path
 below: the finite check and the unscale of the whole gradient list are one
 native op, and the scale update is another, instead of three ops per
 gradient and a graph of ``cond``s; then the inner optimizer's own step.
@@ -42,9 +42,11 @@ Exactness notes, each checked against the stock optimizer in the tests:
   same op, so the graph has no ``cond`` between the two.  Gradients are
   promoted to the stock result dtype first.
 * Under ``MirroredStrategy`` the stock optimizer trusts the first replica's
-  finite flag; here the flags of all replicas are combined, so an overflow on
-  any replica skips the step everywhere (the stock one then applies the
-  non-finite gradients).  Where all replicas agree both give the same bits.
+  finite flag; here an overflow on any replica skips the step everywhere
+  (the stock one then applies the non-finite gradients).  Where all
+  replicas agree both give the same bits.  The fused step checks the
+  all-reduced sums (no collective of its own), so it also skips where every
+  replica's gradients are finite and their sum is not, which stock applies.
 
 With ``loss_scale=`` a ``LossScale`` (``FixedLossScale``, ``DynamicLossScale``
 with its extensions) the optimizer follows that object instead: its
@@ -318,13 +320,17 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         (as they come, inside the graph that makes them, a few small ones
         per op; with a norm to clip by, the norms), the rule, then one
         native pass that unscales, clips and updates every variable and
-        slot."""
+        slot.  Under several replicas, each replica's gradients are
+        unscaled and all-reduced first, as stock does, and the check and
+        the pass read the sums."""
         # Mistakes fail before any state moves, with the stock step's message.
         _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
         scale = tf.convert_to_tensor(self._rule.scale(), tf.float32)
-        _fused.check_and_apply(plan, scale=scale, advance=self._rule.advance,
-                               unscale=unscale or self._rule.fused_unscale,
+        # Under several replicas the check reads the sums, the same on every
+        # replica.
+        unscale = plan.sum_replicas(self._rule, scale, unscale or self._rule.fused_unscale)
+        _fused.check_and_apply(plan, scale=scale, advance=self._rule.advance, unscale=unscale,
                                advance_iterations_always=self._skipped_steps_advance_iterations)
 
     # ------------------------------------------------------------------

@@ -70,6 +70,22 @@ def test_on_device_or_primary():
     assert float(strategy.run(replica_fn)) == 3.0
 
 
+def test_strategy_cross_device_ops():
+    given = tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"], cross_device_ops=given)
+    assert _compat.strategy_cross_device_ops(strategy) is given, (
+        "strategy_cross_device_ops: MirroredExtended._cross_device_ops is no longer the "
+        "cross-device op a MirroredStrategy was given")
+    picked = _compat.strategy_cross_device_ops(tf.distribute.MirroredStrategy(["/cpu:0"]))
+    assert type(picked) in _compat.tensorflow_cross_device_ops_classes(), (
+        "strategy_cross_device_ops: the op MirroredStrategy picks by default "
+        f"({type(picked).__name__}) is not one of TensorFlow's own the fused step knows")
+    assert all(issubclass(c, tf.distribute.CrossDeviceOps)
+               for c in _compat.tensorflow_cross_device_ops_classes()), (
+        "tensorflow_cross_device_ops_classes: tensorflow.python.distribute.cross_device_ops."
+        "CollectiveAllReduce is no longer a CrossDeviceOps")
+
+
 def test_tensorflow_loss_scale_module_and_state():
     module = _compat.tensorflow_loss_scale_module()
     assert module is not None, (

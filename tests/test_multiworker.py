@@ -380,12 +380,14 @@ def free_ports(n):
 
 
 class Child:
-    """A child process with its stdout and stderr in files."""
+    """A child process with its stdout and stderr in files: ``script`` (this
+    file by default) run with the arguments ``mode`` and ``args``."""
 
-    def __init__(self, mode, directory, name, tf_config=None):
+    def __init__(self, mode, directory, name, tf_config=None, script=__file__, args=()):
         self.out, self.log = directory / f"{name}.out", directory / f"{name}.log"
         with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode],
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), mode,
+                                          *map(str, args)],
                                          cwd=ROOT, env=worker_env(tf_config), stdout=stdout,
                                          stderr=stderr)
 
