@@ -728,13 +728,13 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None,
     anything moves.  Under several replicas of one process, every
     replica's decision is the same one (``_agreed``).
     """
-    decision = _decide_alone(inner, enabled, rule_reason, grads, variables)
+    decision = _decide_alone(inner, enabled, rule_reason, grads, variables, unscale)
     if grads is None:
         return decision
     return _agreed(inner, decision, grads, variables)
 
 
-def _decide_alone(inner, enabled, rule_reason, grads, variables):
+def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     """``decide`` for this replica on its own."""
     def stock(reason):
         return Decision(inner, reason=reason)
