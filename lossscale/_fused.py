@@ -17,9 +17,18 @@ derives from ``iterations`` (the learning rate of a schedule, Adam's
 ``alpha``) are computed here with the same TensorFlow ops, in the same
 order, as Keras computes them.
 
+A sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) takes the
+fused step where its family declares how (``Family.sparse``): its values
+are unscaled as the stock step unscales them, the per-slice terms Keras'
+``update_step`` densifies are summed per row by TensorFlow's own
+conversion (``unsorted_segment_sum``, so duplicate indices add up in
+stock's order), and the kernel runs on those dense terms with no further
+unscale, in a second native op beside the dense variables' one.
+
 What a family does not support is left to the stock path: an option it
 does not declare (clipping, EMA, gradient accumulation, an inner
-``loss_scale_factor``), sparse gradients, variable constraints or
+``loss_scale_factor``), a sparse gradient it has no form for, variable
+constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 several replicas, and any place the native op cannot run (library missing,
@@ -73,13 +82,16 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``, ``"replicas"``) it takes.
+      supports: the ``_OPTIONS`` (and ``"replicas"``) it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
+      sparse: ``sparse(inner, variable)`` -> a ``SparseForm`` (how the kernel
+        takes a ``tf.IndexedSlices`` gradient of ``variable``) or a string,
+        why it cannot.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=(), unsupported=None):
+                 state=None, supports=(), unsupported=None, sparse=None):
         self.name = name
         self.keras_class = keras_class
         self.slots = slots
@@ -89,6 +101,7 @@ class Family:
         self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
+        self.sparse = sparse
 
     def reproduces(self, inner):
         return (isinstance(inner, self.keras_class)
@@ -98,36 +111,75 @@ class Family:
         return f"Family({self.name!r}, {self.keras_class.__name__})"
 
 
-class Plan:
-    """One fused step: the family, the gradients (dense, None dropped) with
-    their variables, and the native form of each variable's weight decay."""
+class SparseForm:
+    """How a family's kernel takes a sparse gradient, as Keras' ``update_step``
+    treats a ``tf.IndexedSlices``: ``terms(unscaled, lr)`` -> ``(grad,
+    squares)``, the dense float32 tensors the kernel reads as the gradient
+    and in place of its squares (None: g * g), made from the gradient with
+    its values unscaled; ``learning_rate(lr)``, the learning rate the kernel
+    then takes."""
 
-    def __init__(self, family, inner, grads, variables):
+    def __init__(self, terms, learning_rate=None):
+        self.terms = terms
+        self.learning_rate = learning_rate or (lambda lr: lr)
+
+
+class Plan:
+    """One fused step: the family, the gradients (None dropped; dense ones as
+    tensors, sparse ones as ``tf.IndexedSlices``) with their variables, the
+    ``SparseForm`` of each sparse one (None for a dense one), and the native
+    form of each variable's weight decay."""
+
+    def __init__(self, family, inner, grads, variables, forms):
         self.family = family
         self.inner = inner
-        self.grads = [tf.convert_to_tensor(g) for g in grads]
+        self.grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
+                      for g in grads]
         self.variables = variables
+        self.forms = forms
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
         self.scalars = None
         self.state = []
 
     def run(self, library, should_apply, scale, unscale):
-        """The family's native op over the plan (``prepare_scalars`` first),
-        then the family's own state, when ``should_apply``."""
-        def handles(variables):
-            return [_step.tf_variable(v).handle for v in variables]
-
-        slots = [h for kind in self.family.slots(self.inner)
-                 for h in handles(_compat.optimizer_slots(self.inner, kind, self.variables))]
-        library.loss_scale_apply_optimizer(
-            should_apply, handles(self.variables), slots, self.grads, scale,
-            self.learning_rate, self.weight_decay, self.scalars, family=self.family.name,
-            hyper=[float(h) for h in self.family.hyper(self.inner)], decay=self.decay,
-            unscale=unscale)
+        """The family's native op over the plan (``prepare_scalars`` first):
+        one over the dense gradients, unscaled by the op, one over the
+        sparse ones' dense terms; then the family's own state, when
+        ``should_apply``."""
+        dense = [i for i, form in enumerate(self.forms) if form is None]
+        sparse = [i for i, form in enumerate(self.forms) if form is not None]
+        if dense:
+            self._launch(library, should_apply, dense, [self.grads[i] for i in dense], [],
+                         scale, self.learning_rate, unscale)
+        if sparse:
+            form = self.forms[sparse[0]]
+            grads, squares = [], []
+            for i in sparse:
+                grad, sq = form.terms(_unscaled_slices(self.grads[i], self.variables[i],
+                                                       scale, unscale), self.learning_rate)
+                grads.append(grad)
+                if sq is not None:
+                    squares.append(sq)
+            self._launch(library, should_apply, sparse, grads, squares, scale,
+                         form.learning_rate(self.learning_rate), "none")
         for variable, value in self.state:
             variable = _step.tf_variable(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def _launch(self, library, should_apply, which, grads, squares, scale, learning_rate,
+                unscale):
+        def handles(variables):
+            return [_step.tf_variable(v).handle for v in variables]
+
+        variables = [self.variables[i] for i in which]
+        slots = [h for kind in self.family.slots(self.inner)
+                 for h in handles(_compat.optimizer_slots(self.inner, kind, variables))]
+        library.loss_scale_apply_optimizer(
+            should_apply, handles(variables), slots, grads, scale, learning_rate,
+            self.weight_decay, self.scalars, squares, family=self.family.name,
+            hyper=[float(h) for h in self.family.hyper(self.inner)],
+            decay=[self.decay[i] for i in which], unscale=unscale)
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -143,12 +195,70 @@ class Plan:
                 lr, tf.constant(0.0, tf.float32),
                 message=f"{name}: the learning rate is negative; no variable was changed"),
         ]
+        for g, v in zip(self.grads, self.variables):
+            if isinstance(g, tf.IndexedSlices):
+                self.checks.extend(_slices_checks(name, g, v))
         wd = inner.weight_decay
         self.learning_rate = lr
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
         self.state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in self.state]))
         return self.checks
+
+
+def _slices_checks(name, grad, variable):
+    """The run-time checks of a sparse gradient against its variable: every
+    index a row of it, one slice per index, each slice a row's shape.  (A
+    static mismatch fails before, in ``_step.check_gradients``.)"""
+    where = f"{name}: the gradient of {variable.name}"
+    after = "; no variable was changed"
+    var = _step.tf_variable(variable)
+    var_shape = tf.shape(var, out_type=tf.int64)
+    values_shape = tf.shape(grad.values, out_type=tf.int64)
+    indices = tf.cast(grad.indices, tf.int64)
+    return [
+        tf.debugging.assert_equal(
+            tf.rank(grad.values), tf.rank(var),
+            message=f"{where} has slices of another rank than its rows{after}"),
+        tf.debugging.assert_equal(
+            values_shape[1:], var_shape[1:],
+            message=f"{where} has slices of another shape than its rows{after}"),
+        tf.debugging.assert_equal(
+            tf.size(indices, out_type=tf.int64), values_shape[0],
+            message=f"{where} has not one index per slice{after}"),
+        tf.debugging.assert_non_negative(
+            indices, message=f"{where} has a negative index{after}"),
+        tf.debugging.assert_less(
+            indices, var_shape[0],
+            message=f"{where} has an index past the variable's rows{after}"),
+    ]
+
+
+def _unscaled_slices(grad, variable, scale, unscale):
+    """``grad`` (a ``tf.IndexedSlices``) with its values unscaled as the
+    stock step unscales them -- ``"divide"``: ``g / scale`` in float32 (Keras
+    3's ``ops.divide``), ``"multiply"``: times ``1 / scale`` in their own
+    dtype (TensorFlow 2.4), ``"none"``: as they are -- then float32, as the
+    inner ``update_step`` casts them."""
+    values = grad.values
+    if unscale == "divide":
+        values = tf.cast(values, tf.float32) / scale
+    elif unscale == "multiply":
+        values = values * tf.cast(1.0 / scale, values.dtype)
+    dense_shape = grad.dense_shape
+    if dense_shape is None:
+        dense_shape = tf.shape(_step.tf_variable(variable))
+    return tf.IndexedSlices(tf.cast(values, tf.float32), grad.indices, dense_shape)
+
+
+def _densify(slices):
+    """``slices`` dense, by TensorFlow's own conversion, as Keras' sparse ops
+    densify: ``unsorted_segment_sum``, the slices of a row added in order."""
+    return tf.convert_to_tensor(slices)
+
+
+def _map_values(fn, slices):
+    return tf.IndexedSlices(fn(slices.values), slices.indices, slices.dense_shape)
 
 
 # ------------------------------------------------------------- families
@@ -160,6 +270,21 @@ def _sgd_slots(inner):
 
 def _sgd_hyper(inner):
     return [inner.momentum, 1.0 if inner.nesterov else 0.0]
+
+
+def _sgd_sparse(inner, variable):
+    # Keras' SGD.update_step on an IndexedSlices, with momentum:
+    # ops.subtract(m * momentum, ops.multiply(g, lr)) densifies the
+    # products (each slice times lr, then a row's slices summed): the
+    # kernel takes those sums as its gradient, at a learning rate of 1
+    # (x * 1 is x).  Without momentum Keras subtracts slice by slice.
+    if float(inner.momentum) == 0:
+        return ("Keras' SGD without momentum applies a sparse gradient slice by slice "
+                f"(scatter_sub) to {variable.name}")
+    if _decay_form(inner, variable, False):
+        return f"SGD's weight decay of {variable.name}, whose gradient is sparse"
+    return SparseForm(lambda g, lr: (_densify(_map_values(lambda x: x * lr, g)), None),
+                      learning_rate=lambda lr: tf.constant(1.0, tf.float32))
 
 
 def _adam_slots(inner):
@@ -179,8 +304,15 @@ def _adam_scalars(inner, lr):
     return [lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)]
 
 
+def _adam_sparse(inner, variable):
+    # Keras' Adam.update_step on an IndexedSlices: ops.subtract(g, m)
+    # densifies the gradient, ops.subtract(ops.square(g), v) its squares
+    # (each slice squared, then a row's slices summed); the rest is dense.
+    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.square, g))))
+
+
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
-             scalars=_adam_scalars)
+             scalars=_adam_scalars, sparse=_adam_sparse)
 
 
 def _rsqrt_form():
@@ -306,20 +438,35 @@ FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           hyper=_sgd_hyper),
+           hyper=_sgd_hyper, sparse=_sgd_sparse),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
-           unsupported=_rsqrt_reason),
+           unsupported=_rsqrt_reason,
+           sparse=lambda inner, v: (
+               "Keras' RMSprop divides each slice of a sparse gradient by its row's "
+               "denominator (taking in the rows where that is 0 or NaN)")),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
-           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason),
+           numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason,
+           sparse=lambda inner, v: (
+               "Keras' Adagrad applies a sparse gradient slice by slice (scatter_add, "
+               "scatter_sub) to the rows it indexes")),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
-           scalars=_adamax_scalars),
+           scalars=_adamax_scalars,
+           sparse=lambda inner, v: (
+               "Keras' Adamax takes a row's sum of |slice| for a sparse gradient, a term "
+               "the fused kernel does not take")),
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
-           scalars=_nadam_scalars, state=_nadam_state),
+           scalars=_nadam_scalars, state=_nadam_state,
+           sparse=lambda inner, v: (
+               "Keras' Nadam takes a row's sum of ((1 - u_t) * slice) / (1 - u_product) "
+               "for a sparse gradient, a term the fused kernel does not take")),
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
-           numbers=("beta_1", "beta_2"), hyper=_lion_hyper),
+           numbers=("beta_1", "beta_2"), hyper=_lion_hyper,
+           sparse=lambda inner, v: (
+               "Keras' Lion takes a row's sums of slice * (1 - beta_1) and slice * "
+               "(1 - beta_2) for a sparse gradient, terms the fused kernel does not take")),
 )
 
 _CLASS_NAMES = sorted({f.keras_class.__name__ for f in FAMILIES}, key=str.lower)
@@ -381,15 +528,17 @@ def decide(inner, *, enabled=True, rule_reason=None, grads=None, variables=None)
                      "(TensorFlow's graph optimizer reorders its products)")
     if grads is None:
         return Decision(inner)
-    reason = family.unsupported(inner) or _step_reason(family, grads, variables)
+    reason = family.unsupported(inner) or _step_reason(family, inner, grads, variables)
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    forms = [family.sparse(inner, v) if isinstance(g, tf.IndexedSlices) else None
+             for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
-                                     [v for _, v in pairs]))
+                                     [v for _, v in pairs], forms))
 
 
-def _step_reason(family, grads, variables):
+def _step_reason(family, inner, grads, variables):
     """Why these gradients and variables cannot take ``family``'s fused step."""
     replica_context = tf.distribute.get_replica_context()
     if "replicas" not in family.supports and tf.distribute.has_strategy() and (
@@ -400,8 +549,10 @@ def _step_reason(family, grads, variables):
         return "no gradients"
     devices = []
     for g, v in pairs:
-        if isinstance(g, tf.IndexedSlices) and "sparse" not in family.supports:
-            return f"the gradient of {v.name} is sparse (IndexedSlices)"
+        if isinstance(g, tf.IndexedSlices):
+            form = family.sparse(inner, v) if family.sparse else None
+            if not isinstance(form, SparseForm):
+                return form or f"the gradient of {v.name} is sparse (IndexedSlices)"
         if getattr(v, "overwrite_with_gradient", False):
             return f"{v.name} is overwritten with its gradient"
         if getattr(v, "constraint", None) is not None:

@@ -80,6 +80,7 @@ cdef extern from "lossscale.h" nogil:
         size_t length
         ls_dtype grad_dtype
         int decay
+        const float *grad_sq
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -97,6 +98,7 @@ cdef extern from "lossscale.h" nogil:
     const char *ls_optim_family_name(int family)
     int ls_optim_family_count()
     int ls_optim_hyper_count(int family)
+    int ls_optim_takes_squares(int family)
     int ls_optim_slot_count(const ls_optim_config *config)
 
     enum:
@@ -429,14 +431,14 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
-                    ls_optim_config *config, unsigned flags) except -10:
+                    ls_optim_config *config, unsigned flags, list squares=None) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(((2 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((3 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot, sq
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -467,6 +469,23 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].slot[0] = NULL
             params[i].slot[1] = NULL
             params[i].slot[2] = NULL
+            params[i].grad_sq = NULL
+            if squares is not None:
+                sq = <cnp.ndarray>squares[i]
+                if sq.dtype != np.float32 or not cnp.PyArray_ISNOTSWAPPED(sq):
+                    raise TypeError(f"{what}: squares[{i}] must be float32 (native byte "
+                                    f"order), got {sq.dtype}")
+                if (<object>sq).shape != (<object>var).shape:
+                    raise ValueError(f"{what}: squares[{i}] has shape {(<object>sq).shape}, "
+                                     f"its variable has shape {(<object>var).shape}")
+                if not cnp.PyArray_IS_C_CONTIGUOUS(sq) or (<size_t>cnp.PyArray_DATA(sq)) % 4:
+                    raise ValueError(f"{what}: squares[{i}] is not C-contiguous and aligned "
+                                     f"to 4 bytes")
+                params[i].grad_sq = <const float *>cnp.PyArray_DATA(sq)
+                bufs[nb].src = params[i].grad_sq
+                bufs[nb].dtype = LS_FLOAT32
+                bufs[nb].length = params[i].length
+                nb += 1
             bufs[nb].src = params[i].var
             bufs[nb].dtype = LS_FLOAT32
             bufs[nb].length = params[i].length
@@ -596,10 +615,12 @@ def optimizer_families():
 
 def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
-                    bint flush_denormals=False):
+                    squares=None, bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
-    ``lossscale.core``."""
+    ``lossscale.core``.  ``squares``: per variable, the float32 squares the
+    family uses in place of g * g (a sparse gradient's, summed per row);
+    only for a family that takes them, with no unscale (``scale=None``)."""
     cdef ls_optim_config c
     cdef int f, i, want
     memset(&c, 0, sizeof(c))
@@ -624,5 +645,12 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                          f"slots must be a list of {want} lists, got {slots!r}")
     slot_lists = [(f"slots[{k}]", _param_list(slots[k], what, f"slots[{k}]", len(variables)))
                   for k in range(want)]
+    if squares is not None:
+        if not ls_optim_takes_squares(c.family):
+            raise ValueError(f"{what}: {family} takes no squares")
+        if scale is not None:
+            raise ValueError(f"{what}: squares are of gradients already unscaled; "
+                             f"scale must be None")
+        squares = _param_list(squares, what, "squares", len(variables))
     return bool(_optim_run(what, variables, grads, slot_lists, decay, &c,
-                           LS_FLUSH_DENORMALS if flush_denormals else 0))
+                           LS_FLUSH_DENORMALS if flush_denormals else 0, squares))

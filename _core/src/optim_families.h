@@ -16,3 +16,8 @@
 #include "family_lion.h"
 
 #define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion)
+
+/* The families whose reference reads a gradient's squares from
+ * ls_param.grad_sq when given (a sparse gradient's, summed per row as
+ * Keras sums them), in place of g * g. */
+#define LS_OPTIM_SQUARES_FAMILIES(X) X(adam)
