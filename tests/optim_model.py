@@ -105,10 +105,12 @@ def unscaled(grad, scale, mode):
     return (grad * reciprocal).astype(grad.dtype).astype(F32)
 
 
-def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"):
+def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
+               squares=None):
     """Keras' step on copies: ``(variables, slots)`` after it.  ``slots`` is a
     dict name -> list of arrays; ``lr`` the float32 learning rate of this
-    step, ``t`` Adam's ``iterations + 1``."""
+    step, ``t`` Adam's ``iterations + 1``; ``squares``, per variable, what
+    Adam takes in place of g * g (a sparse gradient's squares summed per row)."""
     lr = F32(lr)
     out_vars = [v.copy() for v in variables]
     out_slots = {k: [a.copy() for a in arrays] for k, arrays in slots.items()}
@@ -123,7 +125,8 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
             g = unscaled(grad, scale, mode)
             out_vars[i] = FAMILIES[cfg["opt"]]["update"](
                 cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
-                lambda name, value, i=i: out_slots[name].__setitem__(i, value))
+                lambda name, value, i=i: out_slots[name].__setitem__(i, value),
+                **({} if squares is None else {"squares": squares[i]}))
     return out_vars, out_slots
 
 
@@ -154,10 +157,11 @@ def _adam_slots(cfg):
     return ["m", "v", "v_hat"] if cfg["amsgrad"] else ["m", "v"]
 
 
-def _adam_update(cfg, g, w, slots, lr, t, store):
+def _adam_update(cfg, g, w, slots, lr, t, store, squares=None):
     alpha = adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)
     m = slots["m"] + (g - slots["m"]) * F32(1 - cfg["beta_1"])
-    v = slots["v"] + (g * g - slots["v"]) * F32(1 - cfg["beta_2"])
+    gg = g * g if squares is None else squares
+    v = slots["v"] + (gg - slots["v"]) * F32(1 - cfg["beta_2"])
     store("m", m)
     store("v", v)
     if cfg["amsgrad"]:
@@ -316,13 +320,18 @@ FAMILIES = {
 
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
-              flush_denormals=False):
+              flush_denormals=False, squares=None):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
-    other family."""
+    other family and for ``squares``."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
+    if squares is not None:
+        return core.optimizer_step_(cfg["opt"], variables, grads,
+                                    [slots[k] for k in slot_names(cfg)],
+                                    hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t),
+                                    squares=squares, **common)
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
                               momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)
@@ -408,6 +417,31 @@ def simd_cases():
                     seed += 1
                     yield (f"{name}/{dtype}/{mode}-{scale}/flush={flush}", cfg, dtype, scale,
                            mode, flush, seed)
+
+
+def make_squares(rng, shapes):
+    """What a sparse gradient's squares summed per row may be: non-negative,
+    zeros, subnormals and huge values (up to inf) among them."""
+    out = []
+    for shape in shapes:
+        a = np.abs(random_values(rng, shape, scale=1e-3, special=True))
+        a.reshape(-1)[rng.integers(0, a.size, max(1, a.size // 50))] = np.inf
+        out.append(a)
+    return out
+
+
+# The families whose kernel takes a sparse gradient's summed squares.
+SQUARES_CONFIGS = [name for name, cfg in CONFIGS.items() if cfg["opt"] == "adam"]
+
+
+def simd_square_cases():
+    """``(key, cfg, grad dtype, flush_denormals, seed)``: each family that
+    takes squares, given them, on already unscaled float32 gradients."""
+    seed = 10_000
+    for name in SQUARES_CONFIGS:
+        for flush in (False, True):
+            seed += 1
+            yield f"{name}/squares/flush={flush}", CONFIGS[name], "float32", flush, seed
 
 
 def flat_bits(variables, slots):
