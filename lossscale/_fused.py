@@ -156,8 +156,12 @@ class Plan:
             form = self.forms[sparse[0]]
             grads, squares = [], []
             for i in sparse:
-                grad, sq = form.terms(_unscaled_slices(self.grads[i], self.variables[i],
-                                                       scale, unscale), self.learning_rate)
+                # The checks of the indices first: a bad index fails there,
+                # with the variable's name, not in the densifying op.
+                with tf.control_dependencies(self.checks):
+                    unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale,
+                                                unscale)
+                grad, sq = form.terms(unscaled, self.learning_rate)
                 grads.append(grad)
                 if sq is not None:
                     squares.append(sq)
@@ -230,7 +234,7 @@ def _slices_checks(name, grad, variable):
             indices, message=f"{where} has a negative index{after}"),
         tf.debugging.assert_less(
             indices, var_shape[0],
-            message=f"{where} has an index past the variable's rows{after}"),
+            message=f"{where} has an index past its last row{after}"),
     ]
 
 
@@ -248,7 +252,8 @@ def _unscaled_slices(grad, variable, scale, unscale):
     dense_shape = grad.dense_shape
     if dense_shape is None:
         dense_shape = tf.shape(_step.tf_variable(variable))
-    return tf.IndexedSlices(tf.cast(values, tf.float32), grad.indices, dense_shape)
+    return tf.IndexedSlices(tf.cast(values, tf.float32), tf.identity(grad.indices),
+                            dense_shape)
 
 
 def _densify(slices):
