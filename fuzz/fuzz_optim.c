@@ -3,7 +3,7 @@
  *
  * One input describes a list of variables (gradient dtype, weight-decay
  * form, length, raw bytes of the variable, gradient, slots and, for some,
- * the gradient's squares: ls_param.grad_sq) and a whole
+ * a gradient term: ls_param.grad_term) and a whole
  * configuration (optimizer, unscale mode, scale and every hyperparameter as
  * raw bits, so non-finite and out-of-range values come up).  Checked:
  *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
@@ -31,7 +31,7 @@
  *   66     cut: where the range run splits, byte * total / 255
  *   then per variable 4 bytes: gradient dtype (byte % 4: float16,
  *          bfloat16, float32, float64 — refused; bit 2: the gradient's
- *          squares are given, refused but for a family that takes them
+ *          term is given, refused but for a family that takes one
  *          under LS_UNSCALE_NONE), decay (byte % 4; 3 is refused),
  *          length (u16 % 1500)
  *   then the content, handed out to the buffers in order and repeated.
@@ -52,7 +52,7 @@
 #define HAVE_MXCSR 1
 #endif
 
-enum { MAX_VARS = 3, NBUF = 6, SQUARES = 5, GUARD = 0xA5, PAD = 64 };
+enum { MAX_VARS = 3, NBUF = 6, TERM = 5, GUARD = 0xA5, PAD = 64 };
 
 typedef struct fuzz_input {
     const uint8_t *data;
@@ -70,10 +70,10 @@ static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
 /* One list of buffers with guard bytes around each. */
 typedef struct arena {
     ls_param params[MAX_VARS];
-    /* var, grad, 3 slots, squares: PAD guard + data + PAD guard */
+    /* var, grad, 3 slots, term: PAD guard + data + PAD guard */
     uint8_t *blocks[MAX_VARS][NBUF];
     size_t bytes[MAX_VARS][NBUF];
-    int squares[MAX_VARS];
+    int terms[MAX_VARS];
     size_t count;
 } arena;
 
@@ -109,7 +109,7 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
         p->grad = a->blocks[i][1] + PAD;
         for (int s = 0; s < 3; s++)
             p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
-        p->grad_sq = a->squares[i] ? (const float *)(void *)(a->blocks[i][SQUARES] + PAD) : NULL;
+        p->grad_term = a->terms[i] ? (const float *)(void *)(a->blocks[i][TERM] + PAD) : NULL;
     }
 }
 
@@ -138,7 +138,7 @@ static int same_results(const arena *x, const arena *y)
             const uint8_t *p = x->blocks[i][b], *q = y->blocks[i][b];
             if (memcmp(p, q, x->bytes[i][b] + 2 * PAD) == 0)
                 continue;
-            if (b == 1 || b == SQUARES) /* only read */
+            if (b == 1 || b == TERM) /* only read */
                 return 0;
             for (size_t k = 0; k < x->bytes[i][b]; k += 4) {
                 float u = ls_load_f32(p + PAD + k), v = ls_load_f32(q + PAD + k);
@@ -226,7 +226,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (size_t i = 0; i < layout.count; i++, at += 4) {
         ls_param *p = &layout.params[i];
         p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
-        layout.squares[i] = (byte_at(&in, at) >> 2) & 1;
+        layout.terms[i] = (byte_at(&in, at) >> 2) & 1;
         p->decay = byte_at(&in, at + 1) % 4;
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
         total += p->length;
@@ -234,7 +234,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
-        layout.bytes[i][SQUARES] = layout.squares[i] ? p->length * 4 : 0;
+        layout.bytes[i][TERM] = layout.terms[i] ? p->length * 4 : 0;
     }
     const size_t cut = byte_at(&in, 66) * total / 255;
 

@@ -114,14 +114,16 @@ class Family:
 class SparseForm:
     """How a family's kernel takes a sparse gradient, as Keras' ``update_step``
     treats a ``tf.IndexedSlices``: ``terms(unscaled, lr)`` -> ``(grad,
-    squares)``, the dense float32 tensors the kernel reads as the gradient
-    and in place of its squares (None: g * g), made from the gradient with
-    its values unscaled; ``learning_rate(lr)``, the learning rate the kernel
-    then takes."""
+    term)``, the dense float32 tensors the kernel reads as the gradient and
+    in place of the one function of it its family_<name>.h names (None: the
+    kernel computes it), made from the gradient with its values unscaled;
+    ``learning_rate(lr)`` and ``hyper(inner)``, the learning rate and the
+    constants the kernel then takes."""
 
-    def __init__(self, terms, learning_rate=None):
+    def __init__(self, terms, learning_rate=None, hyper=None):
         self.terms = terms
         self.learning_rate = learning_rate or (lambda lr: lr)
+        self.hyper = hyper
 
 
 class Plan:
@@ -154,25 +156,25 @@ class Plan:
                          scale, self.learning_rate, unscale)
         if sparse:
             form = self.forms[sparse[0]]
-            grads, squares = [], []
+            grads, terms = [], []
             for i in sparse:
                 # The checks of the indices first: a bad index fails there,
                 # with the variable's name, not in the densifying op.
                 with tf.control_dependencies(self.checks):
                     unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale,
                                                 unscale)
-                grad, sq = form.terms(unscaled, self.learning_rate)
+                grad, term = form.terms(unscaled, self.learning_rate)
                 grads.append(grad)
-                if sq is not None:
-                    squares.append(sq)
-            self._launch(library, should_apply, sparse, grads, squares, scale,
-                         form.learning_rate(self.learning_rate), "none")
+                if term is not None:
+                    terms.append(term)
+            self._launch(library, should_apply, sparse, grads, terms, scale,
+                         form.learning_rate(self.learning_rate), "none", form.hyper)
         for variable, value in self.state:
             variable = _step.tf_variable(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
 
-    def _launch(self, library, should_apply, which, grads, squares, scale, learning_rate,
-                unscale):
+    def _launch(self, library, should_apply, which, grads, terms, scale, learning_rate,
+                unscale, hyper=None):
         def handles(variables):
             return [_step.tf_variable(v).handle for v in variables]
 
@@ -181,8 +183,8 @@ class Plan:
                  for h in handles(_compat.optimizer_slots(self.inner, kind, variables))]
         library.loss_scale_apply_optimizer(
             should_apply, handles(variables), slots, grads, scale, learning_rate,
-            self.weight_decay, self.scalars, squares, family=self.family.name,
-            hyper=[float(h) for h in self.family.hyper(self.inner)],
+            self.weight_decay, self.scalars, terms, family=self.family.name,
+            hyper=[float(h) for h in (hyper or self.family.hyper)(self.inner)],
             decay=[self.decay[i] for i in which], unscale=unscale)
 
     def prepare_scalars(self):
@@ -401,6 +403,13 @@ def _adamax_scalars(inner, lr):
     return [1 - beta_1_power]
 
 
+def _adamax_sparse(inner, variable):
+    # Keras' Adamax.update_step on an IndexedSlices: ops.subtract(g, m)
+    # densifies the gradient, ops.maximum(beta_2 * u, ops.abs(g)) the
+    # magnitudes (each slice's, then a row's slices summed).
+    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.abs, g))))
+
+
 def _float32_complement(x):
     # Keras' ``1 - cast(x, float32)``: a float32 subtraction.
     return float(np.float32(1) - np.float32(x))
@@ -438,6 +447,26 @@ def _lion_hyper(inner):
     return [inner.beta_1, _float32_complement(inner.beta_1), inner.beta_2,
             _float32_complement(inner.beta_2)]
 
+
+def _lion_sparse(inner, variable):
+    # Keras' Lion.update_step on an IndexedSlices: ops.add(m * beta_1,
+    # ops.multiply(g, 1 - beta_1)) densifies the products (each slice's,
+    # then a row's summed), and so does the moment's g * (1 - beta_2): the
+    # first sums are the kernel's gradient, at a (1 - beta_1) of 1 (x * 1
+    # is x), the second its term.
+    def terms(g, lr):
+        beta_1 = tf.cast(inner.beta_1, tf.float32)
+        beta_2 = tf.cast(inner.beta_2, tf.float32)
+        return (_densify(_map_values(lambda x: x * (1.0 - beta_1), g)),
+                _densify(_map_values(lambda x: x * (1.0 - beta_2), g)))
+
+    def hyper(inner):
+        h = _lion_hyper(inner)
+        h[1] = 1.0
+        return h
+
+    return SparseForm(terms, hyper=hyper)
+
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
@@ -457,10 +486,7 @@ FAMILIES = (
                "scatter_sub) to the rows it indexes")),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
-           scalars=_adamax_scalars,
-           sparse=lambda inner, v: (
-               "Keras' Adamax takes a row's sum of |slice| for a sparse gradient, a term "
-               "the fused kernel does not take")),
+           scalars=_adamax_scalars, sparse=_adamax_sparse),
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
            scalars=_nadam_scalars, state=_nadam_state,
@@ -468,10 +494,7 @@ FAMILIES = (
                "Keras' Nadam takes a row's sum of ((1 - u_t) * slice) / (1 - u_product) "
                "for a sparse gradient, a term the fused kernel does not take")),
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
-           numbers=("beta_1", "beta_2"), hyper=_lion_hyper,
-           sparse=lambda inner, v: (
-               "Keras' Lion takes a row's sums of slice * (1 - beta_1) and slice * "
-               "(1 - beta_2) for a sparse gradient, terms the fused kernel does not take")),
+           numbers=("beta_1", "beta_2"), hyper=_lion_hyper, sparse=_lion_sparse),
 )
 
 _CLASS_NAMES = sorted({f.keras_class.__name__ for f in FAMILIES}, key=str.lower)

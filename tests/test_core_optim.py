@@ -19,8 +19,8 @@ import pytest
 
 from lossscale import core
 from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS,
-                         SQUARES_CONFIGS, core_step, flat_bits, keras_step, make_grads,
-                         make_squares, make_state, simd_cases, simd_square_cases)
+                         TERM_CONFIGS, core_step, flat_bits, keras_step, make_grads,
+                         make_terms, make_state, simd_cases, simd_term_cases)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -120,10 +120,11 @@ def test_subnormal_and_huge_values_match_keras(name, dtype):
                 assert_same_bits(slots[k][i], ref_slots[k][i], f"{scale} {mode}: {k}[{i}]")
 
 
-@pytest.mark.parametrize("name", SQUARES_CONFIGS)
-def test_squares_match_keras_bit_for_bit(name):
-    """A sparse gradient's squares, summed per row, given in place of g * g
-    (the gradient already unscaled): Keras' model on the same numbers."""
+@pytest.mark.parametrize("name", TERM_CONFIGS)
+def test_terms_match_keras_bit_for_bit(name):
+    """A sparse gradient's term, summed per row, given in place of the
+    function of g its family names (the gradient already unscaled): Keras'
+    model on the same numbers."""
     cfg = CONFIGS[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     variables, slots = make_state(rng, cfg, SHAPES)
@@ -131,13 +132,11 @@ def test_squares_match_keras_bit_for_bit(name):
                                                             for k, v in slots.items()}
     for step in range(1, STEPS + 1):
         grads = make_grads(rng, SHAPES, F32, None)
-        # As a row's sum over duplicate indices makes them: not g * g.
-        squares = [(g * g + np.abs(make_grads(rng, [g.shape], F32, None)[0])).astype(F32)
-                   for g in grads]
+        terms = make_terms(rng, cfg, SHAPES)
         want_vars, want_slots = keras_step(cfg, want_vars, grads, want_slots, lr=cfg["lr"],
-                                           t=step, squares=squares)
+                                           t=step, terms=terms)
         assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step,
-                         squares=squares) is True
+                         terms=terms) is True
         for i, (got, want) in enumerate(zip(variables, want_vars)):
             assert_same_bits(got, want, f"{name} step {step} variable {i}")
         for k in want_slots:
@@ -145,32 +144,32 @@ def test_squares_match_keras_bit_for_bit(name):
                 assert_same_bits(got, want, f"{name} step {step} {k}[{i}]")
 
 
-def test_squares_refused_where_they_do_not_apply():
-    """Squares for a family that takes none, with an unscale (they are of
+def test_terms_refused_where_they_do_not_apply():
+    """A term for a family that takes none, with an unscale (they are of
     unscaled gradients), of another shape or dtype, or sharing a slot's
     memory: a clear error, nothing written."""
     rng = np.random.default_rng(5)
     cfg = CONFIGS["adam"]
     variables, slots = make_state(rng, cfg, [(8,)])
     grads = make_grads(rng, [(8,)], F32, None)
-    squares = [np.ones(8, F32)]
-    before = snapshot(variables, grads, slots, squares)
+    terms = [np.ones(8, F32)]
+    before = snapshot(variables, grads, slots, terms)
     sgd = CONFIGS["sgd_momentum"]
     sgd_vars, sgd_slots = make_state(rng, sgd, [(8,)])
-    with pytest.raises(ValueError, match="sgd takes no squares"):
-        core_step(core, sgd, sgd_vars, grads, sgd_slots, lr=0.1, t=1, squares=squares)
+    with pytest.raises(ValueError, match="sgd takes no gradient term"):
+        core_step(core, sgd, sgd_vars, grads, sgd_slots, lr=0.1, t=1, terms=terms)
     with pytest.raises(ValueError, match="scale must be None"):
         core_step(core, cfg, variables, grads, slots, lr=0.1, t=1, scale=2.0,
-                  squares=squares)
-    with pytest.raises(ValueError, match=r"squares\[0\] has shape \(7,\)"):
+                  terms=terms)
+    with pytest.raises(ValueError, match=r"terms\[0\] has shape \(7,\)"):
         core_step(core, cfg, variables, grads, slots, lr=0.1, t=1,
-                  squares=[np.ones(7, F32)])
-    with pytest.raises(TypeError, match=r"squares\[0\] must be float32"):
+                  terms=[np.ones(7, F32)])
+    with pytest.raises(TypeError, match=r"terms\[0\] must be float32"):
         core_step(core, cfg, variables, grads, slots, lr=0.1, t=1,
-                  squares=[np.ones(8, np.float64)])
+                  terms=[np.ones(8, np.float64)])
     with pytest.raises(ValueError, match="share memory"):
-        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1, squares=[slots["v"][0]])
-    assert_unchanged(before, variables, grads, slots, squares)
+        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1, terms=[slots["v"][0]])
+    assert_unchanged(before, variables, grads, slots, terms)
 
 
 def test_zero_learning_rate_and_empty_list():
@@ -242,8 +241,8 @@ WORKER = textwrap.dedent(r'''
     sys.path.insert(0, sys.argv[2])
     from lossscale import core
     from optim_model import (CONFIGS, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS, core_step,
-                             flat_bits, make_grads, make_squares, make_state, simd_cases,
-                             simd_square_cases)
+                             flat_bits, make_grads, make_terms, make_state, simd_cases,
+                             simd_term_cases)
 
     res = {"level": np.array(core.simd_level())}
     for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
@@ -254,14 +253,14 @@ WORKER = textwrap.dedent(r'''
             assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
                              scale=scale, mode=mode, flush_denormals=flush) is True, key
         res[key] = flat_bits(variables, slots)
-    for key, cfg, dtype, flush, seed in simd_square_cases():
+    for key, cfg, dtype, flush, seed in simd_term_cases():
         rng = np.random.default_rng(seed)
         variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
         for step in range(SIMD_STEPS):
             grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
-            squares = make_squares(rng, SIMD_SHAPES)
+            terms = make_terms(rng, cfg, SIMD_SHAPES)
             assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
-                             flush_denormals=flush, squares=squares) is True, key
+                             flush_denormals=flush, terms=terms) is True, key
         res[key] = flat_bits(variables, slots)
     for name, cfg in CONFIGS.items():
         # A long list, spread over the library's threads.
@@ -328,16 +327,16 @@ def test_scalar_level_matches_keras_model(level_results):
             raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
                                  f"Keras model {want[i]:#010x}")
         checked += 1
-    for key, cfg, dtype, flush, seed in simd_square_cases():
+    for key, cfg, dtype, flush, seed in simd_term_cases():
         if flush:
             continue
         rng = np.random.default_rng(seed)
         variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
         for step in range(SIMD_STEPS):
             grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
-            squares = make_squares(rng, SIMD_SHAPES)
+            terms = make_terms(rng, cfg, SIMD_SHAPES)
             variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
-                                          t=step + 1, squares=squares)
+                                          t=step + 1, terms=terms)
         want = flat_bits(variables, slots)
         if not np.array_equal(ref[key], want):
             i = int(np.flatnonzero(ref[key] != want)[0])

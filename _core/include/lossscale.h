@@ -282,8 +282,8 @@ int ls_optim_family(const char *name);
 const char *ls_optim_family_name(int family);
 int ls_optim_family_count(void);
 int ls_optim_hyper_count(int family);
-/* 1 when `family` takes the gradient's squares (ls_param.grad_sq), else 0. */
-int ls_optim_takes_squares(int family);
+/* 1 when `family` takes a gradient term (ls_param.grad_term), else 0. */
+int ls_optim_takes_term(int family);
 
 /* Keras applies weight decay as `var - var * wd * lr`.  Run op by op (eager)
  * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
@@ -312,12 +312,13 @@ typedef enum ls_unscale_mode {
  * float32 buffers of `length` elements, updated in place; `grad` is
  * float16, bfloat16 or float32 and only read.  The family says which slots
  * a configuration uses, in order (ls_optim_slot_count); unused slots are
- * NULL.  `grad_sq`, when not NULL, is a float32 buffer of `length`, only
- * read: the gradient's squares as the family is to use them in place of
- * g * g (a sparse gradient's, each slice squared, then the slices of a row
- * summed, as Keras densifies them); only the families that
- * ls_optim_takes_squares names accept one, and then the gradient is taken
- * as it is (LS_UNSCALE_NONE).  No two buffers may overlap. */
+ * NULL.  `grad_term`, when not NULL, is a float32 buffer of `length`, only
+ * read: what the family takes in place of one function of the gradient
+ * (family_<name>.h says which: Adam's g * g, Adamax's |g|, Lion's
+ * g * (1 - beta_2)), for a sparse gradient whose slices Keras maps, then
+ * sums per row; only the families that ls_optim_takes_term names accept
+ * one, and then the gradient is taken as it is (LS_UNSCALE_NONE).  No two
+ * buffers may overlap. */
 typedef struct ls_param {
     float *var;
     const void *grad;
@@ -325,7 +326,7 @@ typedef struct ls_param {
     size_t length;
     ls_dtype grad_dtype;
     int decay; /* ls_decay: whether and how weight decay applies */
-    const float *grad_sq;
+    const float *grad_term;
 } ls_param;
 
 typedef struct ls_optim_config {

@@ -17,7 +17,8 @@
 
 #define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion)
 
-/* The families whose reference reads a gradient's squares from
- * ls_param.grad_sq when given (a sparse gradient's, summed per row as
- * Keras sums them), in place of g * g. */
-#define LS_OPTIM_SQUARES_FAMILIES(X) X(adam)
+/* The families whose reference, given ls_param.grad_term, reads it in
+ * place of one function of the gradient (a sparse gradient's slices mapped,
+ * then summed per row, as Keras densifies them; each family_<name>.h says
+ * which function). */
+#define LS_OPTIM_TERM_FAMILIES(X) X(adam) X(adamax) X(lion)

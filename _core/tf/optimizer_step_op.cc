@@ -55,14 +55,14 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("learning_rate: float")
     .Input("weight_decay: float")
     .Input("scalars: num_scalars * float")
-    .Input("squares: num_squares * float")
+    .Input("terms: num_terms * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
     .Attr("num_variables: int >= 1")
     .Attr("num_slots: int >= 0")
     .Attr("num_scalars: int >= 0")
-    .Attr("num_squares: int >= 0 = 0")
+    .Attr("num_terms: int >= 0 = 0")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
     .SetIsStateful()
@@ -76,9 +76,10 @@ slot by slot (slot s of variable i at s * num_variables + i); the family's
 numbers are `hyper` followed by `scalars` (the ones Keras derives from its
 step counter), in the family's order; weight decay as `decay` says for each
 variable (0 none, 1 var - (var * wd) * lr, 2 var - var * (wd * lr)).
-`squares`, none or one per variable (then with unscale 'none', for a family
-that takes them): the gradient's squares the family uses in place of g * g,
-as Keras sums a sparse gradient's per row.
+`terms`, none or one per variable (then with unscale 'none', for a family
+that takes one): what the family takes in place of one function of the
+gradient (Adam's g * g, Adamax's |g|, Lion's g * (1 - beta_2)), a sparse
+gradient's slices mapped, then summed per row, as Keras densifies them.
 )doc");
 
 int UnscaleMode(const std::string& name) {
@@ -101,7 +102,7 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_scalars", &num_scalars_));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_squares", &num_squares_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_terms", &num_terms_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("family", &family));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("hyper", &hyper));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
@@ -122,15 +123,15 @@ class FusedStepOp : public tf::OpKernel {
                         num_scalars_, " scalars"));
         std::copy(hyper.begin(), hyper.end(), config_.hyper);
         config_.unscale = UnscaleMode(unscale);
-        OP_REQUIRES(ctx, num_squares_ == 0 ||
-                             (num_squares_ == num_variables_ &&
-                              ls_optim_takes_squares(config_.family) &&
+        OP_REQUIRES(ctx, num_terms_ == 0 ||
+                             (num_terms_ == num_variables_ &&
+                              ls_optim_takes_term(config_.family) &&
                               config_.unscale == LS_UNSCALE_NONE),
                     tf::errors::InvalidArgument(
-                        "LossScaleApplyOptimizer: squares are one per variable, for a "
-                        "family that takes them ('", family, "': ",
-                        ls_optim_takes_squares(config_.family) ? "yes" : "no",
-                        "), with unscale 'none'; got ", num_squares_, " for ",
+                        "LossScaleApplyOptimizer: terms are one per variable, for a "
+                        "family that takes one ('", family, "': ",
+                        ls_optim_takes_term(config_.family) ? "yes" : "no",
+                        "), with unscale 'none'; got ", num_terms_, " for ",
                         num_variables_, " variables, unscale '", unscale, "'"));
         // The slot count follows from the constant numbers alone.
         const int slots = ls_optim_slot_count(&config_);
@@ -157,7 +158,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_variables_ = 0;
     int num_slots_ = 0;
     int num_scalars_ = 0;
-    int num_squares_ = 0;
+    int num_terms_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     ls_optim_config config_;
 
@@ -216,14 +217,14 @@ class FusedStepOp : public tf::OpKernel {
             params[i].grad_dtype = dt;
             params[i].length = static_cast<size_t>(g.NumElements());
             params[i].decay = decay_[i];
-            if (num_squares_ > 0) {
-                const tf::Tensor& sq = ctx->input(first_scalar + 3 + num_scalars_ + i);
-                OP_REQUIRES(ctx, sq.shape() == g.shape(),
+            if (num_terms_ > 0) {
+                const tf::Tensor& term = ctx->input(first_scalar + 3 + num_scalars_ + i);
+                OP_REQUIRES(ctx, term.shape() == g.shape(),
                             tf::errors::InvalidArgument(
-                                type_string(), ": the squares of ", NameOf(ctx, 1 + i),
-                                " have shape ", sq.shape().DebugString(),
+                                type_string(), ": the gradient term of ", NameOf(ctx, 1 + i),
+                                " has shape ", term.shape().DebugString(),
                                 ", its gradient has shape ", g.shape().DebugString()));
-                params[i].grad_sq = sq.flat<float>().data();
+                params[i].grad_term = term.flat<float>().data();
             }
         }
         const char* why = nullptr;
