@@ -121,7 +121,7 @@ RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", Fa
 @pytest.mark.parametrize("policy,eager", RUNS,
                          ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
 def test_embedding_model_bit_identical_to_stock_every_step(policy, eager, name):
-    steps = 24 if eager else 160
+    steps = 24 if eager else 96
     models, opts = embedding_lockstep(name, policy, eager, steps)
     assert_step_path(opts[1], name)
     # Steps were skipped (the forced overflows, and any the scale's growth
@@ -214,7 +214,7 @@ def test_hand_made_slices_bit_identical_to_stock(name, dtype, eager):
 
     np_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                 "float32": np.float32}[dtype]
-    steps = 20 if eager else 64
+    steps = 20 if eager else 48
     twins, opts = slices_lockstep(name, np_dtype, eager, steps)
     assert_step_path(opts[1], name)
     skipped = sum(i in OVERFLOWS for i in range(steps))
@@ -308,8 +308,13 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference():
     def reference_step(values, indices):
         g = sparse(values, indices)
         _, should_apply = reference_scale.update([g])
-        tf.cond(should_apply, lambda: reference.apply([g], [ref_table]),
-                lambda: reference.iterations.assign_add(1))
+        def apply():
+            reference.apply([g], [ref_table])
+
+        def skip():
+            reference.iterations.assign_add(1)
+
+        tf.cond(should_apply, apply, skip)
 
     step = tf.function(lambda v, i: opt.apply_gradients([(sparse(v, i), table)]))
     for k in range(40):
@@ -412,7 +417,7 @@ def test_op_refuses_a_term_where_it_does_not_apply():
         call([tf.ones(4)], family="sgd", hyper=[0.9, 0.0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="unscale 'divide'"):
         call([tf.ones(4)], unscale="divide")
-    with pytest.raises(tf.errors.InvalidArgumentError, match="gradient term of variable 'w'"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="gradient term of variable 'w"):
         call([tf.ones(5)])
     assert [bits(x.numpy()) for x in (w, m, v)] == before
     call([tf.fill([4], 4.0)])
