@@ -30,7 +30,7 @@ from test_fused_step import INNERS, OVERFLOWS, assert_same_state, factor
 
 Stock = keras.optimizers.LossScaleOptimizer
 Ours = lossscale.LossScaleOptimizer
-INF, NAN = float("inf"), float("nan")
+INF = float("inf")
 
 # The configurations whose sparse step is fused, and what each other one's
 # step_path says instead.
