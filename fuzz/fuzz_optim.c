@@ -2,7 +2,8 @@
  * Coverage-guided fuzz target over the fused optimizer step.
  *
  * One input describes a list of variables (gradient dtype, weight-decay
- * form, length, raw bytes of the variable, gradient and slots) and a whole
+ * form, length, raw bytes of the variable, gradient, slots and, for some,
+ * a gradient term: ls_param.grad_term) and a whole
  * configuration (optimizer, unscale mode, scale and every hyperparameter as
  * raw bits, so non-finite and out-of-range values come up).  Checked:
  *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
@@ -35,8 +36,10 @@
  *   67     clip mode (byte % 5: ls_clip_mode; 4 is refused)
  *   68..71 clip value (float)
  *   then per variable 8 bytes: gradient dtype (byte % 4: float16,
- *          bfloat16, float32, float64 — refused), decay (byte % 4; 3 is
- *          refused), length (u16 % 1500), clip scalar (float)
+ *          bfloat16, float32, float64 — refused; bit 2: the gradient's
+ *          term is given, refused but for a family that takes one
+ *          under LS_UNSCALE_NONE), decay (byte % 4; 3 is refused),
+ *          length (u16 % 1500), clip scalar (float)
  *   then the content, handed out to the buffers in order and repeated.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -55,7 +58,7 @@
 #define HAVE_MXCSR 1
 #endif
 
-enum { MAX_VARS = 3, GUARD = 0xA5, PAD = 64 };
+enum { MAX_VARS = 3, NBUF = 6, TERM = 5, GUARD = 0xA5, PAD = 64 };
 
 typedef struct fuzz_input {
     const uint8_t *data;
@@ -73,8 +76,10 @@ static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
 /* One list of buffers with guard bytes around each. */
 typedef struct arena {
     ls_param params[MAX_VARS];
-    uint8_t *blocks[MAX_VARS][5]; /* var, grad, 3 slots: PAD guard + data + PAD guard */
-    size_t bytes[MAX_VARS][5];
+    /* var, grad, 3 slots, term: PAD guard + data + PAD guard */
+    uint8_t *blocks[MAX_VARS][NBUF];
+    size_t bytes[MAX_VARS][NBUF];
+    int terms[MAX_VARS];
     size_t count;
 } arena;
 
@@ -92,7 +97,7 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
     *a = *layout;
     size_t pos = content;
     for (size_t i = 0; i < a->count; i++) {
-        for (int b = 0; b < 5; b++) {
+        for (int b = 0; b < NBUF; b++) {
             size_t n = a->bytes[i][b];
             uint8_t *block = malloc(n + 2 * PAD);
             if (block == NULL)
@@ -110,20 +115,21 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
         p->grad = a->blocks[i][1] + PAD;
         for (int s = 0; s < 3; s++)
             p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
+        p->grad_term = a->terms[i] ? (const float *)(void *)(a->blocks[i][TERM] + PAD) : NULL;
     }
 }
 
 static void arena_free(arena *a)
 {
     for (size_t i = 0; i < a->count; i++)
-        for (int b = 0; b < 5; b++)
+        for (int b = 0; b < NBUF; b++)
             free(a->blocks[i][b]);
 }
 
 static void check_guards(const arena *a)
 {
     for (size_t i = 0; i < a->count; i++)
-        for (int b = 0; b < 5; b++)
+        for (int b = 0; b < NBUF; b++)
             for (size_t k = 0; k < PAD; k++)
                 if (a->blocks[i][b][k] != GUARD || a->blocks[i][b][PAD + a->bytes[i][b] + k] != GUARD)
                     fail("a byte outside a buffer was written");
@@ -134,11 +140,11 @@ static void check_guards(const arena *a)
 static int same_results(const arena *x, const arena *y)
 {
     for (size_t i = 0; i < x->count; i++)
-        for (int b = 0; b < 5; b++) {
+        for (int b = 0; b < NBUF; b++) {
             const uint8_t *p = x->blocks[i][b], *q = y->blocks[i][b];
             if (memcmp(p, q, x->bytes[i][b] + 2 * PAD) == 0)
                 continue;
-            if (b == 1)
+            if (b == 1 || b == TERM) /* only read */
                 return 0;
             for (size_t k = 0; k < x->bytes[i][b]; k += 4) {
                 float u = ls_load_f32(p + PAD + k), v = ls_load_f32(q + PAD + k);
@@ -156,7 +162,7 @@ static int same_results(const arena *x, const arena *y)
 static int identical(const arena *x, const arena *y)
 {
     for (size_t i = 0; i < x->count; i++)
-        for (int b = 0; b < 5; b++)
+        for (int b = 0; b < NBUF; b++)
             if (memcmp(x->blocks[i][b], y->blocks[i][b], x->bytes[i][b] + 2 * PAD) != 0)
                 return 0;
     return 1;
@@ -228,6 +234,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (size_t i = 0; i < layout.count; i++, at += 8) {
         ls_param *p = &layout.params[i];
         p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
+        layout.terms[i] = (byte_at(&in, at) >> 2) & 1;
         p->decay = byte_at(&in, at + 1) % 4;
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
         read_bytes(&in, at + 4, &p->clip_scalar, 4);
@@ -236,6 +243,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
+        layout.bytes[i][TERM] = layout.terms[i] ? p->length * 4 : 0;
     }
     const size_t cut = byte_at(&in, 66) * total / 255;
 

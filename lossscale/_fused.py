@@ -28,9 +28,18 @@ is every family's: the native op clips each unscaled gradient in its one
 gradient load, with the factors ``Plan.check_finite`` computes (the
 section "clipping" below says how, and what it costs).
 
+A sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) takes the
+fused step where its family declares how (``Family.sparse``): its values
+are unscaled as the stock step unscales them, the per-slice terms Keras'
+``update_step`` densifies are summed per row by TensorFlow's own
+conversion (``unsorted_segment_sum``, so duplicate indices add up in
+stock's order), and the kernel runs on those dense terms with no further
+unscale, in a second native op beside the dense variables' one.
+
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
-gradient accumulation, sparse gradients, variable constraints or
+gradient accumulation, a sparse gradient with clipping, accumulation or
+several replicas or one its family has no form for, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
@@ -123,17 +132,21 @@ class Family:
         before the per-variable updates (Nadam's ``_u_product``), the new
         values computed as Keras computes them; assigned only when the step
         applies.
-      supports: the ``_OPTIONS`` (and ``"sparse"``) it takes.
+      supports: the ``_OPTIONS`` it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
       scales_gradient: whether ``update_step`` multiplies the gradient by
         a scalar (SGD's ``g * lr``), a product TensorFlow's graph optimizer
         merges with the ``1 / steps`` of an accumulated average.
       line: the ``KerasLine`` the class belongs to (Keras 3 by default).
+      sparse: ``sparse(inner, variable)`` -> a ``SparseForm`` (how the kernel
+        takes a ``tf.IndexedSlices`` gradient of ``variable``) or a string,
+        why it cannot.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
-                 state=None, supports=(), unsupported=None, scales_gradient=True, line=None):
+                 state=None, supports=(), unsupported=None, scales_gradient=True, line=None,
+                 sparse=None):
         self.name = name
         self._keras_class = keras_class
         self.line = line or KERAS_3
@@ -145,6 +158,7 @@ class Family:
         self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
         self.scales_gradient = scales_gradient
+        self.sparse = sparse
 
     @property
     def keras_class(self):
@@ -161,18 +175,36 @@ class Family:
         return f"Family({self.name!r}, {self.keras_class.__name__})"
 
 
-class Plan:
-    """One fused step: the family, the gradients (dense, None dropped) with
-    their variables, the native form of each variable's weight decay, and
-    the inner optimizer's clip (``clip_of``), and whether several replicas
-    take it (``replicated``: their gradients are summed by ``sum_replicas``
-    first)."""
+class SparseForm:
+    """How a family's kernel takes a sparse gradient, as Keras' ``update_step``
+    treats a ``tf.IndexedSlices``: ``terms(unscaled, lr)`` -> ``(grad,
+    term)``, the dense float32 tensors the kernel reads as the gradient and
+    in place of the one function of it its family_<name>.h names (None: the
+    kernel computes it), made from the gradient with its values unscaled;
+    ``learning_rate(lr)`` and ``hyper(inner)``, the learning rate and the
+    constants the kernel then takes."""
 
-    def __init__(self, family, inner, grads, variables, clip=None):
+    def __init__(self, terms, learning_rate=None, hyper=None):
+        self.terms = terms
+        self.learning_rate = learning_rate or (lambda lr: lr)
+        self.hyper = hyper
+
+
+class Plan:
+    """One fused step: the family, the gradients (None dropped; dense ones as
+    tensors, sparse ones as ``tf.IndexedSlices``) with their variables, the
+    ``SparseForm`` of each sparse one (None for a dense one), the native
+    form of each variable's weight decay, the inner optimizer's clip
+    (``clip_of``), and whether several replicas take it (``replicated``:
+    their gradients are summed by ``sum_replicas`` first)."""
+
+    def __init__(self, family, inner, grads, variables, forms, clip=None):
         self.family = family
         self.inner = inner
-        self.grads = [tf.convert_to_tensor(g) for g in grads]
+        self.grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
+                      for g in grads]
         self.variables = variables
+        self.forms = forms
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
         self.clip = clip
@@ -199,26 +231,55 @@ class Plan:
         return "none"
 
     def run(self, library, should_apply, scale, unscale, grads=None):
-        """The family's native op over the plan (``prepare_scalars`` first)
-        on its gradients (or ``grads``, in their place), then the family's
-        own state, when ``should_apply``.  Under a strategy it runs on this
-        replica's device, over the copies there."""
-        def handles(variables):
-            return [local_copy(v).handle for v in variables]
-
-        slots = [h for kind in self.family.slots(self.inner)
-                 for h in handles(self.family.line.slots(self.inner, kind, self.variables))]
-        mode, value = self.clip or ("none", 0.0)
-        library.loss_scale_apply_optimizer(
-            should_apply, handles(self.variables), slots,
-            self.grads if grads is None else grads, scale,
-            self.learning_rate, self.weight_decay, self.scalars, self.clip_scalars,
-            family=self.family.name, hyper=[float(h) for h in self.family.hyper(self.inner)],
-            decay=self.decay, unscale=unscale, clip=mode,
-            clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
+        """The family's native op over the plan (``prepare_scalars`` first):
+        one over the dense gradients (or ``grads``, in their place),
+        unscaled and clipped by the op, one over the sparse ones' dense
+        terms; then the family's own state, when ``should_apply``.  Under a
+        strategy it runs on this replica's device, over the copies there."""
+        dense = [i for i, form in enumerate(self.forms) if form is None]
+        sparse = [i for i, form in enumerate(self.forms) if form is not None]
+        if dense:
+            given = self.grads if grads is None else grads
+            self._launch(library, should_apply, dense, [given[i] for i in dense], [],
+                         scale, self.learning_rate, unscale, clip=self.clip)
+        if sparse:
+            form = self.forms[sparse[0]]
+            grads, terms = [], []
+            for i in sparse:
+                # The checks of the indices first: a bad index fails there,
+                # with the variable's name, not in the densifying op.
+                with tf.control_dependencies(self.checks):
+                    unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale,
+                                                unscale)
+                grad, term = form.terms(unscaled, self.learning_rate)
+                grads.append(grad)
+                if term is not None:
+                    terms.append(term)
+            self._launch(library, should_apply, sparse, grads, terms, scale,
+                         form.learning_rate(self.learning_rate), "none", form.hyper)
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def _launch(self, library, should_apply, which, grads, terms, scale, learning_rate,
+                unscale, hyper=None, clip=None):
+        """One native op over the variables ``which`` (positions in the plan),
+        their ``grads`` and ``terms``, clipped as ``clip`` says."""
+        def handles(variables):
+            return [local_copy(v).handle for v in variables]
+
+        variables = [self.variables[i] for i in which]
+        slots = [h for kind in self.family.slots(self.inner)
+                 for h in handles(self.family.line.slots(self.inner, kind, variables))]
+        mode, value = clip or ("none", 0.0)
+        clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
+                        else self.clip_scalars if mode == "global" else [])
+        library.loss_scale_apply_optimizer(
+            should_apply, handles(variables), slots, grads, scale, learning_rate,
+            self.weight_decay, self.scalars, clip_scalars, terms, family=self.family.name,
+            hyper=[float(h) for h in (hyper or self.family.hyper)(self.inner)],
+            decay=[self.decay[i] for i in which], unscale=unscale, clip=mode,
+            clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -235,6 +296,9 @@ class Plan:
                 lr, tf.constant(0.0, tf.float32),
                 message=f"{name}: the learning rate is negative; no variable was changed"),
         ]
+        for g, v in zip(self.grads, self.variables):
+            if isinstance(g, tf.IndexedSlices):
+                self.checks.extend(_slices_checks(name, g, v))
         wd = line.weight_decay(inner)
         self.learning_rate = lr
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
@@ -307,6 +371,62 @@ class KerasLine:
 KERAS_3 = KerasLine()
 
 
+def _slices_checks(name, grad, variable):
+    """The run-time checks of a sparse gradient against its variable: every
+    index a row of it, one slice per index, each slice a row's shape.  (A
+    static mismatch fails before, in ``_step.check_gradients``.)"""
+    where = f"{name}: the gradient of {variable.name}"
+    after = "; no variable was changed"
+    var = _step.tf_variable(variable)
+    var_shape = tf.shape(var, out_type=tf.int64)
+    values_shape = tf.shape(grad.values, out_type=tf.int64)
+    indices = tf.cast(grad.indices, tf.int64)
+    return [
+        tf.debugging.assert_equal(
+            tf.rank(grad.values), tf.rank(var),
+            message=f"{where} has slices of another rank than its rows{after}"),
+        tf.debugging.assert_equal(
+            values_shape[1:], var_shape[1:],
+            message=f"{where} has slices of another shape than its rows{after}"),
+        tf.debugging.assert_equal(
+            tf.size(indices, out_type=tf.int64), values_shape[0],
+            message=f"{where} has not one index per slice{after}"),
+        tf.debugging.assert_non_negative(
+            indices, message=f"{where} has a negative index{after}"),
+        tf.debugging.assert_less(
+            indices, var_shape[0],
+            message=f"{where} has an index past its last row{after}"),
+    ]
+
+
+def _unscaled_slices(grad, variable, scale, unscale):
+    """``grad`` (a ``tf.IndexedSlices``) with its values unscaled as the
+    stock step unscales them -- ``"divide"``: ``g / scale`` in float32 (Keras
+    3's ``ops.divide``), ``"multiply"``: times ``1 / scale`` in their own
+    dtype (TensorFlow 2.4), ``"none"``: as they are -- then float32, as the
+    inner ``update_step`` casts them."""
+    values = grad.values
+    if unscale == "divide":
+        values = tf.cast(values, tf.float32) / scale
+    elif unscale == "multiply":
+        values = values * tf.cast(1.0 / scale, values.dtype)
+    dense_shape = grad.dense_shape
+    if dense_shape is None:
+        dense_shape = tf.shape(_step.tf_variable(variable))
+    return tf.IndexedSlices(tf.cast(values, tf.float32), tf.identity(grad.indices),
+                            dense_shape)
+
+
+def _densify(slices):
+    """``slices`` dense, by TensorFlow's own conversion, as Keras' sparse ops
+    densify: ``unsorted_segment_sum``, the slices of a row added in order."""
+    return tf.convert_to_tensor(slices)
+
+
+def _map_values(fn, slices):
+    return tf.IndexedSlices(fn(slices.values), slices.indices, slices.dense_shape)
+
+
 # ------------------------------------------------------------- families
 # Each family's numbers in the order of its family_<name>.h.
 
@@ -331,6 +451,21 @@ def _sgd_reason(inner):
     return None
 
 
+def _sgd_sparse(inner, variable):
+    # Keras' SGD.update_step on an IndexedSlices, with momentum:
+    # ops.subtract(m * momentum, ops.multiply(g, lr)) densifies the
+    # products (each slice times lr, then a row's slices summed): the
+    # kernel takes those sums as its gradient, at a learning rate of 1
+    # (x * 1 is x).  Without momentum Keras subtracts slice by slice.
+    if float(inner.momentum) == 0:
+        return ("Keras' SGD without momentum applies a sparse gradient slice by slice "
+                f"(scatter_sub) to {variable.name}")
+    if _decay_form(inner, variable, False):
+        return f"SGD's weight decay of {variable.name}, whose gradient is sparse"
+    return SparseForm(lambda g, lr: (_densify(_map_values(lambda x: x * lr, g)), None),
+                      learning_rate=lambda lr: tf.constant(1.0, tf.float32))
+
+
 def _adam_slots(inner):
     return ("m", "v", "v_hat") if inner.amsgrad else ("m", "v")
 
@@ -348,8 +483,16 @@ def _adam_scalars(inner, lr):
     return [lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)]
 
 
+def _adam_sparse(inner, variable):
+    # Keras' Adam.update_step on an IndexedSlices: ops.subtract(g, m)
+    # densifies the gradient, ops.subtract(ops.square(g), v) its squares
+    # (each slice squared, then a row's slices summed); the rest is dense.
+    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.square, g))))
+
+
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
-             scalars=_adam_scalars, supports=_AROUND_UPDATE, scales_gradient=False)
+             scalars=_adam_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
+             sparse=_adam_sparse)
 
 
 def _rsqrt_form():
@@ -433,6 +576,13 @@ def _adamax_scalars(inner, lr):
     return [1 - beta_1_power]
 
 
+def _adamax_sparse(inner, variable):
+    # Keras' Adamax.update_step on an IndexedSlices: ops.subtract(g, m)
+    # densifies the gradient, ops.maximum(beta_2 * u, ops.abs(g)) the
+    # magnitudes (each slice's, then a row's slices summed).
+    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.abs, g))))
+
+
 def _float32_complement(x):
     # Keras' ``1 - cast(x, float32)``: a float32 subtraction.
     return float(np.float32(1) - np.float32(x))
@@ -470,26 +620,58 @@ def _lion_hyper(inner):
     return [inner.beta_1, _float32_complement(inner.beta_1), inner.beta_2,
             _float32_complement(inner.beta_2)]
 
+
+def _lion_sparse(inner, variable):
+    # Keras' Lion.update_step on an IndexedSlices: ops.add(m * beta_1,
+    # ops.multiply(g, 1 - beta_1)) densifies the products (each slice's,
+    # then a row's summed), and so does the moment's g * (1 - beta_2): the
+    # first sums are the kernel's gradient, at a (1 - beta_1) of 1 (x * 1
+    # is x), the second its term.
+    def terms(g, lr):
+        beta_1 = tf.cast(inner.beta_1, tf.float32)
+        beta_2 = tf.cast(inner.beta_2, tf.float32)
+        return (_densify(_map_values(lambda x: x * (1.0 - beta_1), g)),
+                _densify(_map_values(lambda x: x * (1.0 - beta_2), g)))
+
+    def hyper(inner):
+        h = _lion_hyper(inner)
+        h[1] = 1.0
+        return h
+
+    return SparseForm(terms, hyper=hyper)
+
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
-           hyper=_sgd_hyper, unsupported=_sgd_reason, supports=_AROUND_UPDATE),
+           hyper=_sgd_hyper, unsupported=_sgd_reason, supports=_AROUND_UPDATE,
+           sparse=_sgd_sparse),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
-           unsupported=_rsqrt_reason, supports=_AROUND_UPDATE),
+           unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
+           sparse=lambda inner, v: (
+               "Keras' RMSprop divides each slice of a sparse gradient by its row's "
+               "denominator (taking in the rows where that is 0 or NaN)")),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
            numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason,
-           supports=_AROUND_UPDATE),
+           supports=_AROUND_UPDATE,
+           sparse=lambda inner, v: (
+               "Keras' Adagrad applies a sparse gradient slice by slice (scatter_add, "
+               "scatter_sub) to the rows it indexes")),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
-           scalars=_adamax_scalars, supports=_AROUND_UPDATE, scales_gradient=False),
+           scalars=_adamax_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
+           sparse=_adamax_sparse),
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
-           scalars=_nadam_scalars, state=_nadam_state, supports=_AROUND_UPDATE),
+           scalars=_nadam_scalars, state=_nadam_state, supports=_AROUND_UPDATE,
+           sparse=lambda inner, v: (
+               "Keras' Nadam takes a row's sum of ((1 - u_t) * slice) / (1 - u_product) "
+               "for a sparse gradient, a term the fused kernel does not take")),
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
-           numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE),
+           numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE,
+           sparse=_lion_sparse),
 )
 
 
@@ -793,7 +975,17 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     if grads is None:
         return Decision(inner)
     reason = (family.unsupported(inner) or family.line.variables_reason(inner, variables)
-              or _step_reason(family, grads, variables) or _clip_reason(clip, grads, unscale))
+              or _step_reason(family, inner, grads, variables)
+              or _clip_reason(clip, grads, unscale))
+    if reason is None and any(isinstance(g, tf.IndexedSlices) for g in grads):
+        # A sparse gradient's terms are made per row from the slices, the
+        # way Keras' update_step densifies them; what Keras does before that
+        # (clip, accumulate, all-reduce the slices) is not reproduced here.
+        sparse_with = ("clipping" if clip is not None
+                       else "gradient_accumulation_steps" if steps
+                       else "several replicas" if _replicas() > 1 else None)
+        if sparse_with:
+            reason = f"a sparse (IndexedSlices) gradient with {sparse_with}"
     if reason is None and _replicas() > 1:
         if family.line is not KERAS_3:
             reason = "a tf_keras optimizer under several replicas"
@@ -813,8 +1005,10 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
+    forms = [family.sparse(inner, v) if isinstance(g, tf.IndexedSlices) else None
+             for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
-                                     [v for _, v in pairs], clip=clip))
+                                     [v for _, v in pairs], forms, clip=clip))
 
 
 def _check_accumulable(pairs):
@@ -832,7 +1026,7 @@ def _check_accumulable(pairs):
                 "gradients to float32 first.  No variable was changed.")
 
 
-def _step_reason(family, grads, variables):
+def _step_reason(family, inner, grads, variables):
     """Why these gradients and variables cannot take ``family``'s fused step."""
     reason = _strategy_reason()
     if reason is not None:
@@ -845,8 +1039,10 @@ def _step_reason(family, grads, variables):
     for g, v in pairs:
         if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
             return f"{v.name} is not mirrored (made outside the strategy's scope)"
-        if isinstance(g, tf.IndexedSlices) and "sparse" not in family.supports:
-            return f"the gradient of {v.name} is sparse (IndexedSlices)"
+        if isinstance(g, tf.IndexedSlices):
+            form = family.sparse(inner, v) if family.sparse else None
+            if not isinstance(form, SparseForm):
+                return form or f"the gradient of {v.name} is sparse (IndexedSlices)"
         if getattr(v, "overwrite_with_gradient", False):
             return f"{v.name} is overwritten with its gradient"
         if getattr(v, "constraint", None) is not None:

@@ -81,6 +81,7 @@ cdef extern from "lossscale.h" nogil:
         ls_dtype grad_dtype
         int decay
         float clip_scalar
+        const float *grad_term
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -100,6 +101,7 @@ cdef extern from "lossscale.h" nogil:
     const char *ls_optim_family_name(int family)
     int ls_optim_family_count()
     int ls_optim_hyper_count(int family)
+    int ls_optim_takes_term(int family)
     int ls_optim_slot_count(const ls_optim_config *config)
 
     enum:
@@ -440,14 +442,15 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
-                    list clip_scalars, ls_optim_config *config, unsigned flags) except -10:
+                    list clip_scalars, ls_optim_config *config, unsigned flags,
+                    list terms=None) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(((2 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((3 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot, term
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -479,6 +482,23 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].slot[0] = NULL
             params[i].slot[1] = NULL
             params[i].slot[2] = NULL
+            params[i].grad_term = NULL
+            if terms is not None:
+                term = <cnp.ndarray>terms[i]
+                if term.dtype != np.float32 or not cnp.PyArray_ISNOTSWAPPED(term):
+                    raise TypeError(f"{what}: terms[{i}] must be float32 (native byte "
+                                    f"order), got {term.dtype}")
+                if (<object>term).shape != (<object>var).shape:
+                    raise ValueError(f"{what}: terms[{i}] has shape {(<object>term).shape}, "
+                                     f"its variable has shape {(<object>var).shape}")
+                if not cnp.PyArray_IS_C_CONTIGUOUS(term) or (<size_t>cnp.PyArray_DATA(term)) % 4:
+                    raise ValueError(f"{what}: terms[{i}] is not C-contiguous and aligned "
+                                     f"to 4 bytes")
+                params[i].grad_term = <const float *>cnp.PyArray_DATA(term)
+                bufs[nb].src = params[i].grad_term
+                bufs[nb].dtype = LS_FLOAT32
+                bufs[nb].length = params[i].length
+                nb += 1
             bufs[nb].src = params[i].var
             bufs[nb].dtype = LS_FLOAT32
             bufs[nb].length = params[i].length
@@ -650,7 +670,7 @@ def optimizer_families():
 
 def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
-                    clip=None, clip_value=None, clip_scalars=None,
+                    clip=None, clip_value=None, clip_scalars=None, terms=None,
                     bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
@@ -658,7 +678,11 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     unscaled gradient as Keras does: ``"value"`` to [-clip_value,
     clip_value]; ``"norm"`` ``(g * clip_value) / clip_scalars[i]`` (the
     divisor ``max(l2norm, clipnorm)`` of each variable); ``"global"``
-    ``g * clip_scalars`` (the one factor)."""
+    ``g * clip_scalars`` (the one factor).  ``terms``: per variable, the
+    float32 term the family takes in place of one function of the gradient
+    (Adam's g * g, Adamax's |g|, Lion's g * (1 - beta_2): a sparse
+    gradient's, summed per row); only for a family that takes one, with no
+    unscale (``scale=None``)."""
     cdef ls_optim_config c
     cdef int f, i, want
     memset(&c, 0, sizeof(c))
@@ -684,5 +708,12 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                          f"slots must be a list of {want} lists, got {slots!r}")
     slot_lists = [(f"slots[{k}]", _param_list(slots[k], what, f"slots[{k}]", len(variables)))
                   for k in range(want)]
+    if terms is not None:
+        if not ls_optim_takes_term(c.family):
+            raise ValueError(f"{what}: {family} takes no gradient term")
+        if scale is not None:
+            raise ValueError(f"{what}: terms are of gradients already unscaled; "
+                             f"scale must be None")
+        terms = _param_list(terms, what, "terms", len(variables))
     return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
-                           LS_FLUSH_DENORMALS if flush_denormals else 0))
+                           LS_FLUSH_DENORMALS if flush_denormals else 0, terms))

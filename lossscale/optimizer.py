@@ -21,10 +21,14 @@ variable.  Its arithmetic is Keras' float32 op by op, in Keras' order, so
 variables and slots come out bit-identical.  An inner optimizer's clipping
 (``clipnorm``, ``clipvalue``, ``global_clipnorm``) happens in that same pass;
 its EMA and gradient accumulation run around that op with Keras' own ops,
-on Keras' schedule.  ``step_path`` says which path a step took and why;
-``fused=False`` turns it off.  Anything the fused path does not do
-(constraints, sparse gradients, a strategy other than Mirrored or
-MultiWorkerMirrored, a non-CPU device, XLA...) takes the path
+on Keras' schedule.  A sparse gradient (an ``Embedding``'s
+``IndexedSlices``) fuses for Adam, AdamW, Adamax, Lion and SGD with
+momentum: its values are unscaled, the terms Keras densifies are summed per
+row by TensorFlow's own conversion, and a second native op applies them.
+``step_path`` says which path a step took and why; ``fused=False`` turns it
+off.  Anything the fused path does not do (constraints, sparse gradients of
+the other families, a strategy other than Mirrored or MultiWorkerMirrored, a
+non-CPU device, XLA...) takes the path
 below: the finite check and the unscale of the whole gradient list are one
 native op, and the scale update is another, instead of three ops per
 gradient and a graph of ``cond``s; then the inner optimizer's own step.
@@ -41,6 +45,11 @@ Exactness notes, each checked against the stock optimizer in the tests:
   grown past 2**126, one assigned by hand) gets TensorFlow's division in the
   same op, so the graph has no ``cond`` between the two.  Gradients are
   promoted to the stock result dtype first.
+* Stock Keras checks a sparse gradient by densifying its finite flags with
+  ``tensor_scatter_nd_update``, which keeps only the last slice's flag of a
+  row indexed twice: a NaN slice followed by a finite one of the same row
+  passes and stock applies the NaN.  Here every slice is checked (on the
+  fused path as on the stock one), so that step is skipped.
 * Under ``MirroredStrategy`` the stock optimizer trusts the first replica's
   finite flag; here an overflow on any replica skips the step everywhere
   (the stock one then applies the non-finite gradients).  Where all

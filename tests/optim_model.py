@@ -168,10 +168,13 @@ def clipped(cfg, g, i, n):
     return (g * F32(value)) / scalar if mode == "norm" else g * scalar
 
 
-def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"):
+def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
+               terms=None):
     """Keras' step on copies: ``(variables, slots)`` after it.  ``slots`` is a
     dict name -> list of arrays; ``lr`` the float32 learning rate of this
-    step, ``t`` Adam's ``iterations + 1``."""
+    step, ``t`` Adam's ``iterations + 1``; ``terms``, per variable, what
+    the family takes in place of one function of g (Adam's g * g, Adamax's
+    |g|, Lion's g * (1 - beta_2): a sparse gradient's, summed per row)."""
     lr = F32(lr)
     out_vars = [v.copy() for v in variables]
     out_slots = {k: [a.copy() for a in arrays] for k, arrays in slots.items()}
@@ -186,7 +189,8 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
             g = clipped(cfg, unscaled(grad, scale, mode), i, len(grads))
             out_vars[i] = FAMILIES[cfg["opt"]]["update"](
                 cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
-                lambda name, value, i=i: out_slots[name].__setitem__(i, value))
+                lambda name, value, i=i: out_slots[name].__setitem__(i, value),
+                **({} if terms is None else {"terms": terms[i]}))
     return out_vars, out_slots
 
 
@@ -217,10 +221,11 @@ def _adam_slots(cfg):
     return ["m", "v", "v_hat"] if cfg["amsgrad"] else ["m", "v"]
 
 
-def _adam_update(cfg, g, w, slots, lr, t, store):
+def _adam_update(cfg, g, w, slots, lr, t, store, terms=None):
     alpha = adam_alpha(lr, cfg["beta_1"], cfg["beta_2"], t)
     m = slots["m"] + (g - slots["m"]) * F32(1 - cfg["beta_1"])
-    v = slots["v"] + (g * g - slots["v"]) * F32(1 - cfg["beta_2"])
+    gg = g * g if terms is None else terms
+    v = slots["v"] + (gg - slots["v"]) * F32(1 - cfg["beta_2"])
     store("m", m)
     store("v", v)
     if cfg["amsgrad"]:
@@ -304,9 +309,9 @@ def tf_sign(a):
     return np.where(F32(0) < m, np.copysign(F32(1), a), m)
 
 
-def _adamax_update(cfg, g, w, slots, lr, t, store):
+def _adamax_update(cfg, g, w, slots, lr, t, store, terms=None):
     m = slots["m"] + (g - slots["m"]) * F32(1 - cfg["beta_1"])
-    u = tf_maximum(F32(cfg["beta_2"]) * slots["u"], np.abs(g))
+    u = tf_maximum(F32(cfg["beta_2"]) * slots["u"], np.abs(g) if terms is None else terms)
     store("m", m)
     store("u", u)
     c1_t = F32(1) - np.power(F32(cfg["beta_1"]), F32(t))
@@ -350,11 +355,11 @@ def _nadam_hyper(cfg, lr, t):
             cfg["epsilon"]] + [float(x) for x in nadam_scalars(cfg, t)]
 
 
-def _lion_update(cfg, g, w, slots, lr, t, store):
+def _lion_update(cfg, g, w, slots, lr, t, store, terms=None):
     beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
     m = slots["m"]
     w = w - lr * tf_sign(m * beta_1 + g * (F32(1) - beta_1))
-    store("m", m * beta_2 + g * (F32(1) - beta_2))
+    store("m", m * beta_2 + (g * (F32(1) - beta_2) if terms is None else terms))
     return w
 
 
@@ -476,10 +481,10 @@ FAMILIES = {
 
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
-              flush_denormals=False):
+              flush_denormals=False, terms=None):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
-    other family."""
+    other family and for ``terms``."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
@@ -489,6 +494,11 @@ def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="di
         if clip != "value":
             scalars = clip_scalars(cfg, len(variables))
             common["clip_scalars"] = scalars[0] if clip == "global" else scalars
+    if terms is not None:
+        return core.optimizer_step_(cfg["opt"], variables, grads,
+                                    [slots[k] for k in slot_names(cfg)],
+                                    hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t),
+                                    terms=terms, **common)
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
                               momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)
@@ -574,6 +584,35 @@ def simd_cases():
                     seed += 1
                     yield (f"{name}/{dtype}/{mode}-{scale}/flush={flush}", cfg, dtype, scale,
                            mode, flush, seed)
+
+
+def make_terms(rng, cfg, shapes):
+    """What a sparse gradient's term summed per row may be for ``cfg``'s
+    family: zeros, subnormals and huge values (up to inf) among them,
+    non-negative but for Lion's."""
+    out = []
+    for shape in shapes:
+        a = random_values(rng, shape, scale=1e-3, special=True)
+        if cfg["opt"] != "lion":
+            a = np.abs(a)
+        a.reshape(-1)[rng.integers(0, a.size, max(1, a.size // 50))] = np.inf
+        out.append(a)
+    return out
+
+
+# The families whose kernel takes a sparse gradient's term.
+TERM_CONFIGS = [name for name, cfg in CONFIGS.items()
+                if cfg["opt"] in ("adam", "adamax", "lion")]
+
+
+def simd_term_cases():
+    """``(key, cfg, grad dtype, flush_denormals, seed)``: each family that
+    takes a gradient term, given one, on already unscaled float32 gradients."""
+    seed = 10_000
+    for name in TERM_CONFIGS:
+        for flush in (False, True):
+            seed += 1
+            yield f"{name}/terms/flush={flush}", CONFIGS[name], "float32", flush, seed
 
 
 def flat_bits(variables, slots):

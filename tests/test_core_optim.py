@@ -19,7 +19,8 @@ import pytest
 
 from lossscale import core
 from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS,
-                         core_step, flat_bits, keras_step, make_grads, make_state, simd_cases)
+                         TERM_CONFIGS, core_step, flat_bits, keras_step, make_grads,
+                         make_terms, make_state, simd_cases, simd_term_cases)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -119,6 +120,58 @@ def test_subnormal_and_huge_values_match_keras(name, dtype):
                 assert_same_bits(slots[k][i], ref_slots[k][i], f"{scale} {mode}: {k}[{i}]")
 
 
+@pytest.mark.parametrize("name", TERM_CONFIGS)
+def test_terms_match_keras_bit_for_bit(name):
+    """A sparse gradient's term, summed per row, given in place of the
+    function of g its family names (the gradient already unscaled): Keras'
+    model on the same numbers."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    variables, slots = make_state(rng, cfg, SHAPES)
+    want_vars, want_slots = [v.copy() for v in variables], {k: [a.copy() for a in v]
+                                                            for k, v in slots.items()}
+    for step in range(1, STEPS + 1):
+        grads = make_grads(rng, SHAPES, F32, None)
+        terms = make_terms(rng, cfg, SHAPES)
+        want_vars, want_slots = keras_step(cfg, want_vars, grads, want_slots, lr=cfg["lr"],
+                                           t=step, terms=terms)
+        assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step,
+                         terms=terms) is True
+        for i, (got, want) in enumerate(zip(variables, want_vars)):
+            assert_same_bits(got, want, f"{name} step {step} variable {i}")
+        for k in want_slots:
+            for i, (got, want) in enumerate(zip(slots[k], want_slots[k])):
+                assert_same_bits(got, want, f"{name} step {step} {k}[{i}]")
+
+
+def test_terms_refused_where_they_do_not_apply():
+    """A term for a family that takes none, with an unscale (they are of
+    unscaled gradients), of another shape or dtype, or sharing a slot's
+    memory: a clear error, nothing written."""
+    rng = np.random.default_rng(5)
+    cfg = CONFIGS["adam"]
+    variables, slots = make_state(rng, cfg, [(8,)])
+    grads = make_grads(rng, [(8,)], F32, None)
+    terms = [np.ones(8, F32)]
+    before = snapshot(variables, grads, slots, terms)
+    sgd = CONFIGS["sgd_momentum"]
+    sgd_vars, sgd_slots = make_state(rng, sgd, [(8,)])
+    with pytest.raises(ValueError, match="sgd takes no gradient term"):
+        core_step(core, sgd, sgd_vars, grads, sgd_slots, lr=0.1, t=1, terms=terms)
+    with pytest.raises(ValueError, match="scale must be None"):
+        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1, scale=2.0,
+                  terms=terms)
+    with pytest.raises(ValueError, match=r"terms\[0\] has shape \(7,\)"):
+        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1,
+                  terms=[np.ones(7, F32)])
+    with pytest.raises(TypeError, match=r"terms\[0\] must be float32"):
+        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1,
+                  terms=[np.ones(8, np.float64)])
+    with pytest.raises(ValueError, match="share memory"):
+        core_step(core, cfg, variables, grads, slots, lr=0.1, t=1, terms=[slots["v"][0]])
+    assert_unchanged(before, variables, grads, slots, terms)
+
+
 def test_zero_learning_rate_and_empty_list():
     cfg = CONFIGS["sgd_momentum"]
     rng = np.random.default_rng(3)
@@ -188,7 +241,8 @@ WORKER = textwrap.dedent(r'''
     sys.path.insert(0, sys.argv[2])
     from lossscale import core
     from optim_model import (CONFIGS, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS, core_step,
-                             flat_bits, make_grads, make_state, simd_cases)
+                             flat_bits, make_grads, make_terms, make_state, simd_cases,
+                             simd_term_cases)
 
     res = {"level": np.array(core.simd_level())}
     for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
@@ -198,6 +252,15 @@ WORKER = textwrap.dedent(r'''
             grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
             assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
                              scale=scale, mode=mode, flush_denormals=flush) is True, key
+        res[key] = flat_bits(variables, slots)
+    for key, cfg, dtype, flush, seed in simd_term_cases():
+        rng = np.random.default_rng(seed)
+        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
+        for step in range(SIMD_STEPS):
+            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
+            terms = make_terms(rng, cfg, SIMD_SHAPES)
+            assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
+                             flush_denormals=flush, terms=terms) is True, key
         res[key] = flat_bits(variables, slots)
     for name, cfg in CONFIGS.items():
         # A long list, spread over the library's threads.
@@ -258,6 +321,22 @@ def test_scalar_level_matches_keras_model(level_results):
             grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
             variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
                                           t=step + 1, scale=scale, mode=mode)
+        want = flat_bits(variables, slots)
+        if not np.array_equal(ref[key], want):
+            i = int(np.flatnonzero(ref[key] != want)[0])
+            raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
+                                 f"Keras model {want[i]:#010x}")
+        checked += 1
+    for key, cfg, dtype, flush, seed in simd_term_cases():
+        if flush:
+            continue
+        rng = np.random.default_rng(seed)
+        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
+        for step in range(SIMD_STEPS):
+            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
+            terms = make_terms(rng, cfg, SIMD_SHAPES)
+            variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
+                                          t=step + 1, terms=terms)
         want = flat_bits(variables, slots)
         if not np.array_equal(ref[key], want):
             i = int(np.flatnonzero(ref[key] != want)[0])

@@ -595,7 +595,7 @@ def test_fused_step_refuses_a_variable_passed_twice(twice):
     with pytest.raises(tf.errors.InvalidArgumentError, match="passed twice"):
         module.loss_scale_apply_optimizer(
             tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
-            grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], family="sgd",
+            grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], [], [], family="sgd",
             hyper=[0.9, 0.0], decay=[0, 0], unscale="divide")
     for v, want in zip((a, b, ma, mb), before):
         assert_same_bits(v.numpy(), want)

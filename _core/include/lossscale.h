@@ -283,6 +283,8 @@ int ls_optim_family(const char *name);
 const char *ls_optim_family_name(int family);
 int ls_optim_family_count(void);
 int ls_optim_hyper_count(int family);
+/* 1 when `family` takes a gradient term (ls_param.grad_term), else 0. */
+int ls_optim_takes_term(int family);
 
 /* Keras applies weight decay as `var - var * wd * lr`.  Run op by op (eager)
  * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
@@ -326,7 +328,13 @@ typedef enum ls_clip_mode {
  * float32 buffers of `length` elements, updated in place; `grad` is
  * float16, bfloat16 or float32 and only read.  The family says which slots
  * a configuration uses, in order (ls_optim_slot_count); unused slots are
- * NULL.  No two buffers may overlap. */
+ * NULL.  `grad_term`, when not NULL, is a float32 buffer of `length`, only
+ * read: what the family takes in place of one function of the gradient
+ * (family_<name>.h says which: Adam's g * g, Adamax's |g|, Lion's
+ * g * (1 - beta_2)), for a sparse gradient whose slices Keras maps, then
+ * sums per row; only the families that ls_optim_takes_term names accept
+ * one, and then the gradient is taken as it is (LS_UNSCALE_NONE).  No two
+ * buffers may overlap. */
 typedef struct ls_param {
     float *var;
     const void *grad;
@@ -336,6 +344,7 @@ typedef struct ls_param {
     int decay; /* ls_decay: whether and how weight decay applies */
     float clip_scalar; /* LS_CLIP_NORM, LS_CLIP_GLOBAL: this variable's clip
                           number (any value: IEEE arithmetic, as Keras') */
+    const float *grad_term;
 } ls_param;
 
 typedef struct ls_optim_config {

@@ -11,7 +11,8 @@
  *                       scalar, computed by the caller with the framework's ops
  *   slot[0..2]          m, v, v_hat (amsgrad)
  *
- *   m = m + (g - m) * c1;  v = v + (g * g - v) * c2
+ *   m = m + (g - m) * c1;  v = v + (gg - v) * c2
+ *     (gg: g * g, or p->grad_term: a sparse gradient's squares summed per row)
  *   amsgrad: v_hat = max(v_hat, v), v_hat in place of v below
  *   w = w - (m * alpha) / (sqrt(v) + epsilon)
  */
@@ -35,7 +36,8 @@ static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim
 {
     float w = ls_optim_decay1(p->var[i], a);
     float m = p->slot[0][i] + (g - p->slot[0][i]) * a->h[LS_ADAM_C1];
-    float v = p->slot[1][i] + (g * g - p->slot[1][i]) * a->h[LS_ADAM_C2];
+    const float gg = p->grad_term != NULL ? p->grad_term[i] : g * g;
+    float v = p->slot[1][i] + (gg - p->slot[1][i]) * a->h[LS_ADAM_C2];
     p->slot[0][i] = m;
     p->slot[1][i] = v;
     if (a->h[LS_ADAM_AMSGRAD] != 0.0f) {
@@ -54,6 +56,7 @@ LS_OPTIM_RUN(adam)
                alpha = v_set1(a->h[LS_ADAM_ALPHA]), eps = v_set1(a->h[LS_ADAM_EPSILON]);
     float *const ms = p->slot[0], *const vs = p->slot[1],
                  *const vhs = p->slot[2];
+    const float *const sq = p->grad_term;
     const int amsgrad = a->h[LS_ADAM_AMSGRAD] != 0.0f;
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
@@ -63,7 +66,9 @@ LS_OPTIM_RUN(adam)
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m, v;
-        LS_FN(moments)(ms, vs, i, g, c1, c2, &m, &v);
+        if (sq != NULL)
+            ls_prefetch(sq, i * sizeof(float));
+        LS_FN(moments)(ms, vs, i, g, sq != NULL ? v_load(sq + i) : v_mul(g, g), c1, c2, &m, &v);
         if (amsgrad) {
             v = v_max(v_load(vhs + i), v);
             v_store(vhs + i, v);

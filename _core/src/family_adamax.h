@@ -10,6 +10,7 @@
  *   slot[0..1]            m, u
  *
  *   m = m + (g - m) * c1;  u = maximum(beta_2 * u, |g|)
+ *     (|g|, or p->grad_term: a sparse gradient's |slice| summed per row)
  *   w = w - (lr * m) / (c1_t * (u + epsilon))
  * maximum is TensorFlow's (NaN-propagating, ls_optim_maximum).
  */
@@ -31,7 +32,8 @@ static inline void ls_adamax1(const ls_param *p, size_t i, float g, const ls_opt
 {
     float w = ls_optim_decay1(p->var[i], a);
     const float m = p->slot[0][i] + (g - p->slot[0][i]) * a->h[LS_ADAMAX_C1];
-    const float u = ls_optim_maximum(a->h[LS_ADAMAX_BETA_2] * p->slot[1][i], fabsf(g));
+    const float mag = p->grad_term != NULL ? p->grad_term[i] : fabsf(g);
+    const float u = ls_optim_maximum(a->h[LS_ADAMAX_BETA_2] * p->slot[1][i], mag);
     p->slot[0][i] = m;
     p->slot[1][i] = u;
     p->var[i] = w - (a->lr * m) / (a->h[LS_ADAMAX_C1_T] * (u + a->h[LS_ADAMAX_EPSILON]));
@@ -45,14 +47,18 @@ LS_OPTIM_RUN(adamax)
     const LS_V c1 = v_set1(a->h[LS_ADAMAX_C1]), beta_2 = v_set1(a->h[LS_ADAMAX_BETA_2]),
                eps = v_set1(a->h[LS_ADAMAX_EPSILON]), c1_t = v_set1(a->h[LS_ADAMAX_C1_T]);
     float *const ms = p->slot[0], *const us = p->slot[1];
+    const float *const term = p->grad_term;
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
         ls_prefetch(ms, i * sizeof(float));
         ls_prefetch(us, i * sizeof(float));
+        if (term != NULL)
+            ls_prefetch(term, i * sizeof(float));
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m = v_load(ms + i);
         m = v_add(m, v_mul(v_sub(g, m), c1));
-        const LS_V u = v_maximum(v_mul(beta_2, v_load(us + i)), v_abs(g));
+        const LS_V u = v_maximum(v_mul(beta_2, v_load(us + i)),
+                                 term != NULL ? v_load(term + i) : v_abs(g));
         v_store(ms + i, m);
         v_store(us + i, u);
         w = v_sub(w, v_div(v_mul(c.lr, m), v_mul(c1_t, v_add(u, eps))));

@@ -64,7 +64,7 @@ LS_OPTIM_RUN(nadam)
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m, v;
-        LS_FN(moments)(ms, vs, i, g, c1, c2, &m, &v);
+        LS_FN(moments)(ms, vs, i, g, v_mul(g, g), c1, c2, &m, &v);
         const LS_V m_hat = v_add(v_div(v_mul(u_t_1, m), d_t_1), v_div(v_mul(c_t, g), d_t));
         const LS_V v_hat = v_div(v, c2_t);
         w = v_sub(w, v_div(v_mul(m_hat, c.lr), v_add(v_sqrt(v_hat), eps)));

@@ -37,6 +37,16 @@ int ls_optim_family(const char *name)
 
 static int known_family(int family) { return family >= 0 && family < LS_OPTIM_NUM_FAMILIES; }
 
+int ls_optim_takes_term(int family)
+{
+#define LS_TAKES_TERM(f)                                                                \
+    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+        return 1;
+    LS_OPTIM_TERM_FAMILIES(LS_TAKES_TERM)
+#undef LS_TAKES_TERM
+    return 0;
+}
+
 const char *ls_optim_family_name(int family)
 {
     return known_family(family) ? families[family].name : NULL;
@@ -96,21 +106,30 @@ static int disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
     return x + abytes <= y || y + bbytes <= x;
 }
 
-static int check_param(const ls_param *p, int nslots)
+/* `terms`: whether the configuration accepts ls_param.grad_term. */
+static int check_param(const ls_param *p, int nslots, int terms)
 {
     if (p->grad_dtype != LS_FLOAT16 && p->grad_dtype != LS_BFLOAT16 &&
         p->grad_dtype != LS_FLOAT32)
         return LS_ERR_DTYPE;
     if (p->decay < LS_DECAY_NONE || p->decay > LS_DECAY_REASSOCIATED)
         return LS_ERR_ARG;
+    if (p->grad_term != NULL && !terms)
+        return LS_ERR_ARG;
     if (p->length == 0)
         return LS_OK;
     const size_t gsize = ls_dtype_size(p->grad_dtype);
-    const void *bufs[5] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
-    const size_t bytes[5] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
-                             p->length * 4};
-    const size_t align[5] = {4, gsize, 4, 4, 4};
-    const int used = 2 + nslots;
+    /* The term, when given, is checked as the last buffer. */
+    const void *bufs[6] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2], NULL};
+    size_t bytes[6] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
+                       p->length * 4, p->length * 4};
+    const size_t align[6] = {4, gsize, 4, 4, 4, 4};
+    int used = 2 + nslots;
+    if (p->grad_term != NULL) {
+        bufs[used] = p->grad_term;
+        bytes[used] = p->length * 4;
+        used++;
+    }
     if (p->length > SIZE_MAX / 4)
         return LS_ERR_ARG;
     for (int i = 0; i < used; i++) {
@@ -131,8 +150,11 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
     if (count > 0 && params == NULL)
         return LS_ERR_ARG;
     const int nslots = ls_optim_slot_count(config);
+    /* A term comes from a gradient already unscaled. */
+    const int terms =
+        ls_optim_takes_term(config->family) && config->unscale == LS_UNSCALE_NONE;
     for (size_t i = 0; i < count; i++)
-        if ((rc = check_param(&params[i], nslots)) != LS_OK)
+        if ((rc = check_param(&params[i], nslots, terms)) != LS_OK)
             return rc;
     return LS_OK;
 }

@@ -140,13 +140,14 @@ LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype
  * that the vocabulary is defined), then a kernel per family and gradient
  * dtype, and the set's table. */
 /* Adam's moments at i (Nadam's too): m = m + (g - m) * c1 and
- * v = v + (g * g - v) * c2, stored, and handed back. */
-LS_INLINE void LS_FN(moments)(float *ms, float *vs, size_t i, LS_V g, LS_V c1, LS_V c2,
-                              LS_V *m_out, LS_V *v_out)
+ * v = v + (gg - v) * c2 (gg: g * g, or a sparse gradient's squares),
+ * stored, and handed back. */
+LS_INLINE void LS_FN(moments)(float *ms, float *vs, size_t i, LS_V g, LS_V gg, LS_V c1,
+                              LS_V c2, LS_V *m_out, LS_V *v_out)
 {
     LS_V m = v_load(ms + i), v = v_load(vs + i);
     m = v_add(m, v_mul(v_sub(g, m), c1));
-    v = v_add(v, v_mul(v_sub(v_mul(g, g), v), c2));
+    v = v_add(v, v_mul(v_sub(gg, v), c2));
     v_store(ms + i, m);
     v_store(vs + i, v);
     *m_out = m;

@@ -21,3 +21,9 @@
 
 #define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion) \
     X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) X(legacy_adagrad)
+
+/* The families whose reference, given ls_param.grad_term, reads it in
+ * place of one function of the gradient (a sparse gradient's slices mapped,
+ * then summed per row, as Keras densifies them; each family_<name>.h says
+ * which function). */
+#define LS_OPTIM_TERM_FAMILIES(X) X(adam) X(adamax) X(lion)

@@ -57,12 +57,14 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("weight_decay: float")
     .Input("scalars: num_scalars * float")
     .Input("clip_scalars: num_clip_scalars * float")
+    .Input("terms: num_terms * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
     .Attr("num_variables: int >= 1")
     .Attr("num_slots: int >= 0")
     .Attr("num_scalars: int >= 0")
+    .Attr("num_terms: int >= 0 = 0")
     .Attr("decay: list(int)")
     .Attr("unscale: {'none', 'divide', 'multiply'} = 'divide'")
     .Attr("clip: {'none', 'value', 'norm', 'global'} = 'none'")
@@ -83,6 +85,11 @@ Each unscaled gradient is clipped first as `clip` says (Keras' clipvalue,
 clipnorm, global_clipnorm): 'value' to [-clip_value, clip_value]; 'norm'
 (g * clip_value) / its variable's `clip_scalars` entry (max(l2norm,
 clipnorm), one per variable); 'global' g * `clip_scalars`' one factor.
+
+`terms`, none or one per variable (then with unscale 'none', for a family
+that takes one): what the family takes in place of one function of the
+gradient (Adam's g * g, Adamax's |g|, Lion's g * (1 - beta_2)), a sparse
+gradient's slices mapped, then summed per row, as Keras densifies them.
 )doc");
 
 int ClipMode(const std::string& name) {
@@ -115,6 +122,7 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_scalars", &num_scalars_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_terms", &num_terms_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("family", &family));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("hyper", &hyper));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
@@ -146,6 +154,16 @@ class FusedStepOp : public tf::OpKernel {
                     tf::errors::InvalidArgument("LossScaleApplyOptimizer: clip '", clip,
                                                 "' takes ", clip_scalars,
                                                 " clip scalars, got ", num_clip_scalars_));
+        OP_REQUIRES(ctx, num_terms_ == 0 ||
+                             (num_terms_ == num_variables_ &&
+                              ls_optim_takes_term(config_.family) &&
+                              config_.unscale == LS_UNSCALE_NONE),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: terms are one per variable, for a "
+                        "family that takes one ('", family, "': ",
+                        ls_optim_takes_term(config_.family) ? "yes" : "no",
+                        "), with unscale 'none'; got ", num_terms_, " for ",
+                        num_variables_, " variables, unscale '", unscale, "'"));
         // The slot count follows from the constant numbers alone.
         const int slots = ls_optim_slot_count(&config_);
         OP_REQUIRES(ctx, num_slots_ == slots * num_variables_,
@@ -172,6 +190,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_slots_ = 0;
     int num_scalars_ = 0;
     int num_clip_scalars_ = 0;
+    int num_terms_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     ls_optim_config config_;
 
@@ -233,6 +252,16 @@ class FusedStepOp : public tf::OpKernel {
             if (num_clip_scalars_ > 0)
                 params[i].clip_scalar = ScalarInput(
                     ctx, first_scalar + 3 + num_scalars_ + (num_clip_scalars_ > 1 ? i : 0));
+            if (num_terms_ > 0) {
+                const tf::Tensor& term =
+                    ctx->input(first_scalar + 3 + num_scalars_ + num_clip_scalars_ + i);
+                OP_REQUIRES(ctx, term.shape() == g.shape(),
+                            tf::errors::InvalidArgument(
+                                type_string(), ": the gradient term of ", NameOf(ctx, 1 + i),
+                                " has shape ", term.shape().DebugString(),
+                                ", its gradient has shape ", g.shape().DebugString()));
+                params[i].grad_term = term.flat<float>().data();
+            }
         }
         const char* why = nullptr;
         OP_REQUIRES(ctx, ls_optim_config_check(&config, &why) == LS_OK,
