@@ -72,7 +72,7 @@ LS_OPTIM_RUN(legacy_adam)
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m, v;
-        LS_FN(moments)(ms, vs, i, g, c1, c2, &m, &v);
+        LS_FN(moments)(ms, vs, i, g, v_mul(g, g), c1, c2, &m, &v);
         if (amsgrad) {
             v = v_max(v, v_load(vhs + i));
             v_store(vhs + i, v);
