@@ -471,6 +471,15 @@ def tf_keras_legacy_hyper(optimizer, name):
     return tf.identity(optimizer._get_hyper(name, tf.float32))  # pylint: disable=protected-access
 
 
+def tf_keras_legacy_aggregates_its_own_way(optimizer):
+    """Whether a legacy ``tf_keras`` optimizer was given a
+    ``gradient_aggregator`` of its own (its default is
+    ``optimizer_utils.all_reduce_sum_gradients``)."""
+    from tf_keras.src.optimizers import utils as optimizer_utils
+
+    return optimizer.gradient_aggregator is not optimizer_utils.all_reduce_sum_gradients
+
+
 def tf_keras_legacy_has_momentum(optimizer):
     """Whether a legacy ``tf_keras`` SGD or RMSprop keeps momentum slots (its
     ``_momentum``, set from the constructor's ``momentum``)."""

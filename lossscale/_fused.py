@@ -782,6 +782,8 @@ def _legacy_epsilon(inner):
 def _legacy_reason(inner):
     if inner.gradient_transformers:
         return "the inner optimizer has gradient_transformers"
+    if _compat.tf_keras_legacy_aggregates_its_own_way(inner):
+        return "the inner optimizer has a gradient_aggregator of its own"
     return None
 
 
@@ -806,14 +808,22 @@ def _legacy_rmsprop_scalars(inner, lr):
     return [rho, 1.0 - rho, _legacy_hyper(inner, "momentum"), _legacy_epsilon(inner)]
 
 
+# What Keras 3's families take around their update and from a sparse
+# gradient (EMA, accumulation, the sparse forms) is Keras 3's code: a
+# tf_keras family takes none of it.
+_KERAS_3_ONLY = dict(supports=(), sparse=None)
+
+
 def _legacy_family(name, cls, **kwargs):
     return Family(name, lambda: getattr(_tf_keras_optimizers(legacy=True), cls), numbers=(),
-                  unsupported=_legacy_reason, line=TF_KERAS_LEGACY, **kwargs)
+                  unsupported=_legacy_reason, line=TF_KERAS_LEGACY,
+                  **dict(kwargs, **_KERAS_3_ONLY))
 
 
 def _tf_keras_family(name, cls, **kwargs):
     kwargs.setdefault("unsupported", _tf_keras_reason)
-    return Family(name, lambda: getattr(_tf_keras_optimizers(), cls), line=TF_KERAS, **kwargs)
+    return Family(name, lambda: getattr(_tf_keras_optimizers(), cls), line=TF_KERAS,
+                  **dict(kwargs, **_KERAS_3_ONLY))
 
 
 _TF_KERAS_FAMILIES = []
@@ -925,6 +935,10 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         return stock("fused=False")
     if rule_reason:
         return stock(rule_reason)
+    if not tf.executing_eagerly() and not tf.inside_function():
+        # A TensorFlow 1 graph runs what its train op depends on: no
+        # automatic control dependencies bring the fused op in.
+        return stock("a TensorFlow 1 graph (the fused step runs eagerly and in tf.function)")
     family = family_of(inner)
     if family is None:
         for name, reason in _NOT_FUSED:

@@ -676,6 +676,9 @@ def test_fused_compat_names():
     assert float(_compat.tf_keras_legacy_hyper(legacy, "momentum")) == np.float32(0.25)
     assert _compat.tf_keras_legacy_has_momentum(legacy)
     assert not _compat.tf_keras_legacy_has_momentum(tf_keras.optimizers.legacy.SGD())
+    assert not _compat.tf_keras_legacy_aggregates_its_own_way(legacy)
+    assert _compat.tf_keras_legacy_aggregates_its_own_way(
+        tf_keras.optimizers.legacy.SGD(gradient_aggregator=lambda grads_and_vars: grads_and_vars))
     assert _compat.tf_keras_legacy_same_update_as(legacy, tf_keras.optimizers.legacy.SGD)
     # tf_keras' warning when a loop neither scaled nor unscaled.
     opt = STOCK(tf_keras.optimizers.legacy.SGD())
