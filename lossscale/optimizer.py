@@ -10,10 +10,12 @@ every variable, the scale, the counter and ``iterations`` bit-identical to
 the stock optimizer, step for step, overflow steps included.  What differs is
 the cost of a step.
 
-For a stock ``SGD``, ``Adam`` or ``AdamW`` inner optimizer the step is
-fused (``lossscale._fused``): a read-only finite check of the scaled
-gradients (one small native op per large gradient, inside the graph that
-makes them, so each gradient is read while still in cache), the scale
+For a stock inner optimizer of a fused family (``SGD``, ``Adam``,
+``AdamW``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Nadam``, ``Lion``:
+``lossscale._fused.FAMILIES``) the step is fused: a read-only finite check
+of the scaled gradients (one small native op per large gradient, inside
+the graph that makes them, so each gradient is read while still in
+cache), the scale
 update (one native op), then ONE native op that unscales every gradient on
 the fly and applies the inner optimizer's update to every variable and
 slot, in one pass over memory: no unscaled copy of the gradients, no op per
