@@ -1,12 +1,14 @@
 """Legacy Keras (``tf_keras``) as a first-class Keras.
 
 ``tf.keras`` resolves to ``tf_keras`` only when ``TF_USE_LEGACY_KERAS`` is
-set before TensorFlow is imported, so the checks live in
-``tf_keras_cases.py`` and run in one child pytest with that variable set;
-each test here reports one check function of it (all its parameters).  The
-checks compare ours with ``tf_keras``' own ``LossScaleOptimizer`` and
-policies, bit for bit.  The tests below the child's run here, under Keras 3:
-``tf_keras`` objects passed in choose ``tf_keras`` by themselves.
+set before TensorFlow is imported, so the checks live in two files, each run
+in one child pytest with that variable set: ``tf_keras_cases.py`` (ours
+against ``tf_keras``' own ``LossScaleOptimizer`` and policies, the fused step
+included, bit for bit) and ``tf_keras_lso_cases.py`` (``tf_keras``' own
+loss-scale optimizer tests, ported as checks of ours).  Each test here
+reports one check function of one file (all its parameters).  The tests
+below the children's run here, under Keras 3: ``tf_keras`` objects passed in
+choose ``tf_keras`` by themselves.
 """
 
 import os
@@ -18,18 +20,29 @@ from helpers import TESTS, assert_child_case_passed, case_names, child_pytest
 
 tf_keras = pytest.importorskip("tf_keras")
 
-CASES = os.path.join(TESTS, "tf_keras_cases.py")
+CASE_FILES = ("tf_keras_cases.py", "tf_keras_lso_cases.py")
 
 
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory):
-    report = tmp_path_factory.mktemp("tf_keras") / "report.xml"
-    return child_pytest(CASES, str(report), TF_USE_LEGACY_KERAS="1")
+    """``results(file)``: the child pytest's results for one case file, run
+    once, when a test first asks for it."""
+    done = {}
+
+    def results(cases):
+        if cases not in done:
+            report = tmp_path_factory.mktemp(cases.split(".")[0]) / "report.xml"
+            done[cases] = child_pytest(os.path.join(TESTS, cases), str(report),
+                                       TF_USE_LEGACY_KERAS="1")
+        return done[cases]
+
+    return results
 
 
-@pytest.mark.parametrize("name", case_names(CASES))
-def test_under_tf_keras(child_results, name):
-    assert_child_case_passed(child_results, name)
+@pytest.mark.parametrize("cases,name", [(c, n) for c in CASE_FILES
+                                        for n in case_names(os.path.join(TESTS, c))])
+def test_under_tf_keras(child_results, cases, name):
+    assert_child_case_passed(child_results(cases), name)
 
 
 # Under Keras 3 (no TF_USE_LEGACY_KERAS): the objects decide.

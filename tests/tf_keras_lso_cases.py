@@ -1,5 +1,5 @@
 """``tf_keras``' own loss-scale optimizer tests, as checks of ours: run by
-``test_tf_keras_lso.py`` in a child pytest with ``TF_USE_LEGACY_KERAS=1``.
+``test_tf_keras.py`` in a child pytest with ``TF_USE_LEGACY_KERAS=1``.
 
 The behaviours ``tf_keras/mixed_precision/loss_scale_optimizer_test.py``
 tests, each checked against ``tf_keras``' own class on the same input:
@@ -31,7 +31,7 @@ import lossscale
 from lossscale import _tf_keras
 from helpers import assert_same_bits
 
-assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "run by test_tf_keras_lso.py"
+assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "run by test_tf_keras.py"
 
 OURS = lossscale.LossScaleOptimizer
 KINDS = ["legacy", "v3"]
