@@ -212,6 +212,9 @@ def machine_facts():
         "samples_per_round": Settings.samples,
         "min_sample_s": Settings.min_sample_s,
         "settle_s": SETTLE_S,
+        # The roofline's multiply runs on the item's threads (test_core.py);
+        # runs without this fact timed it on one.
+        "roofline_threads": "item",
         "loadavg_start": load_average(),
     }
 

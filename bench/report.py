@@ -499,8 +499,9 @@ class Report:
                    + ", ".join(f"{OPTIMIZER_LABELS[o]} {b} B" for o, b in
                                STEP_BYTES_PER_PARAM.items())
                    + " per parameter, a read-only check of the gradients included) at the "
-                   "bandwidth of the in-place multiply over 1 GiB at the same thread count, "
-                   "in this run.", "")
+                   "bandwidth of the in-place multiply over 1 GiB"
+                   + (" at the same thread count" if self.facts.get("roofline_threads") == "item"
+                      else "") + " in this run.", "")
             ratios = [("ours ÷ roofline", "ours", "roofline"), ("ours ÷ stock", "ours", "stock"),
                       ("ours ÷ torch fused", "ours", "torch_fused"),
                       ("ours ÷ torch foreach", "ours", "torch_foreach")]
@@ -749,10 +750,16 @@ class Report:
                 + ", ".join(f"{b} B per value for {OPTIMIZER_LABELS[o]}"
                             for o, b in sorted(STEP_BYTES_PER_PARAM.items(),
                                                key=lambda kv: kv[1]))
-                + f") at the bandwidth of an in-place `np.multiply` over 1 GiB on {t} "
-                f"thread{'s' if t > 1 else ''} (the step's own count), measured in this run"
-                + (f"; `lossscale.core` streams the same 1 GiB in {_r(bw.value)} of its time."
-                   if bw else ".")]
+                + (f") at the bandwidth of an in-place `np.multiply` over 1 GiB on {t} "
+                   f"thread{'s' if t > 1 else ''} (the step's own count), measured in this run"
+                   + (f"; `lossscale.core` streams the same 1 GiB in {_r(bw.value)} of its "
+                      "time." if bw else ".")
+                   if f.get("roofline_threads") == "item" else
+                   ") at the bandwidth of numpy's single-threaded in-place `np.multiply` over "
+                   "1 GiB"
+                   + (f"; `lossscale.core` at {t} threads streams the same 1 GiB in "
+                      f"{_r(bw.value)} of its time, hence ratios below 1." if bw and t > 1
+                      else "."))]
         rows = []
 
         def row(what, *rs):
@@ -888,8 +895,10 @@ class Report:
                       if f.get("torch_threads") else "")
                    + "; the numpy layer is also run at "
                    f"{', '.join(map(str, f.get('core_threads', [])))} "
-                   "(the numpy peer is single-threaded whatever the setting; the roofline's "
-                   "multiply runs on as many threads as the item)",
+                   + ("(the numpy peer is single-threaded whatever the setting; the roofline's "
+                      "multiply runs on as many threads as the item)"
+                      if f.get("roofline_threads") == "item"
+                      else "(numpy itself is single-threaded whatever the setting)"),
                    f"- versions: Python {f.get('python')}, numpy {f.get('numpy')}, TensorFlow "
                    f"{f.get('tensorflow')}, Keras {f.get('keras')}, torch "
                    f"{f.get('torch') or 'absent'}, matplotlib {f.get('matplotlib') or 'absent'}; "
@@ -1219,7 +1228,10 @@ class Report:
         read from this run."""
         out = ["- **Memory-bound float32 lists.** A list larger than the cache is one read and "
                "one write of every byte whoever does it: ours, torch and the in-place multiply "
-               "all sit at the machine's bandwidth, and ratios there are ties within the noise."]
+               "all sit at the machine's bandwidth, and ratios there are ties within the noise."
+               + ("" if self.facts.get("roofline_threads") == "item" else
+                  " numpy's roofline is single-threaded, so at more threads ours can go "
+                  "below it.")]
         # The lists larger than the cache: 2,000 tiny tensors are numpy's call
         # overhead, not a roofline.
         lists16 = [c for c in self.cases("core", 1) if c.split("/")[1] != "float32"
