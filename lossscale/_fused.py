@@ -5,8 +5,8 @@ Each fused family is declared once, in ``FAMILIES``: the Keras class whose
 ``update_step`` it reproduces, its slots, its hyperparameters that must be
 plain numbers, the constants and the ``iterations``-derived scalars its
 kernel takes (in the order of its ``_core/src/family_<name>.h``), and which
-optimizer options it supports.  One native op runs every family by name.  ``decide`` is the
-one function that turns an optimizer and a step into either a ``Plan``
+optimizer options it supports.  One native op runs every family by name.
+``decide`` is the one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.
 
@@ -58,6 +58,7 @@ non-finite, so every replica skips.  (Stock checks each replica's scaled
 gradients and trusts the first replica's flag.)  Where every replica's
 gradients are finite but their sum is not (beyond float32's range), stock
 applies it and the step here is skipped.
+
 ``tf_keras`` (Keras 2) optimizers have families of their own
 (``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
 Keras 3's kernels where their arithmetic is the same, and the legacy ones
