@@ -400,17 +400,24 @@ def _slices_checks(name, grad, variable):
     ]
 
 
+def _unscaled_like_stock(g, scale, unscale):
+    """A dense gradient unscaled as the stock step unscales it: ``"divide"``,
+    ``g / scale`` in float32 (Keras 3's ``ops.divide``); ``"multiply"``,
+    ``g * (1 / scale)`` in g's dtype (TensorFlow 2.4); ``"none"``, as it is."""
+    if unscale == "divide":
+        return tf.math.divide(tf.cast(g, tf.float32), scale)
+    if unscale == "multiply":
+        return g * tf.cast(1.0 / scale, g.dtype)
+    return g
+
+
 def _unscaled_slices(grad, variable, scale, unscale):
     """``grad`` (a ``tf.IndexedSlices``) with its values unscaled as the
     stock step unscales them -- ``"divide"``: ``g / scale`` in float32 (Keras
     3's ``ops.divide``), ``"multiply"``: times ``1 / scale`` in their own
     dtype (TensorFlow 2.4), ``"none"``: as they are -- then float32, as the
     inner ``update_step`` casts them."""
-    values = grad.values
-    if unscale == "divide":
-        values = tf.cast(values, tf.float32) / scale
-    elif unscale == "multiply":
-        values = values * tf.cast(1.0 / scale, values.dtype)
+    values = _unscaled_like_stock(grad.values, scale, unscale)
     dense_shape = grad.dense_shape
     if dense_shape is None:
         dense_shape = tf.shape(_step.tf_variable(variable))
@@ -1178,13 +1185,7 @@ def _squared_norms(grads, scale, unscale):
     """Each gradient's ``reduce_sum(square(u))`` as stock computes it, ``u``
     the unscaled float32 gradient the inner optimizer clips."""
     def stock_sum(g):
-        if unscale == "divide":
-            u = tf.cast(g, tf.float32) / scale
-        elif unscale == "multiply":
-            u = g * tf.cast(1.0 / scale, g.dtype)
-        else:
-            u = g
-        return tf.reduce_sum(tf.square(u))
+        return tf.reduce_sum(tf.square(_unscaled_like_stock(g, scale, unscale)))
 
     sums = [None] * len(grads)
     halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16]
@@ -1412,15 +1413,9 @@ def _accumulation_steps(inner):
 
 
 def _unscaled(grads, scale, unscale):
-    """The gradients the stock step hands the inner optimizer's apply:
-    ``g / scale`` in float32 (Keras 3's ``ops.divide``), ``g * (1 / scale)``
-    in g's dtype (TensorFlow 2.4), or as they came."""
-    if unscale == "divide":
-        return [tf.math.divide(tf.cast(g, tf.float32), scale) for g in grads]
-    if unscale == "multiply":
-        inverse = 1.0 / scale
-        return [g * tf.cast(inverse, g.dtype) for g in grads]
-    return list(grads)
+    """The gradients the stock step hands the inner optimizer's apply
+    (``_unscaled_like_stock`` of each)."""
+    return [_unscaled_like_stock(g, scale, unscale) for g in grads]
 
 
 def _accumulate_or_update(plan, library, scale, unscale):
