@@ -311,6 +311,14 @@ def test_level_matches_scalar(level_results, level):
 def test_scalar_level_matches_keras_model(level_results):
     """The scalar run's IEEE results, recomputed here with the numpy model."""
     ref = level_results["scalar"]
+
+    def same_as_model(key, variables, slots):
+        want = flat_bits(variables, slots)
+        if not np.array_equal(ref[key], want):
+            i = int(np.flatnonzero(ref[key] != want)[0])
+            raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
+                                 f"Keras model {want[i]:#010x}")
+
     checked = 0
     for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
         if flush:
@@ -321,11 +329,7 @@ def test_scalar_level_matches_keras_model(level_results):
             grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
             variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
                                           t=step + 1, scale=scale, mode=mode)
-        want = flat_bits(variables, slots)
-        if not np.array_equal(ref[key], want):
-            i = int(np.flatnonzero(ref[key] != want)[0])
-            raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
-                                 f"Keras model {want[i]:#010x}")
+        same_as_model(key, variables, slots)
         checked += 1
     for key, cfg, dtype, flush, seed in simd_term_cases():
         if flush:
@@ -337,11 +341,7 @@ def test_scalar_level_matches_keras_model(level_results):
             terms = make_terms(rng, cfg, SIMD_SHAPES)
             variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
                                           t=step + 1, terms=terms)
-        want = flat_bits(variables, slots)
-        if not np.array_equal(ref[key], want):
-            i = int(np.flatnonzero(ref[key] != want)[0])
-            raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
-                                 f"Keras model {want[i]:#010x}")
+        same_as_model(key, variables, slots)
         checked += 1
     assert checked > 0
 
