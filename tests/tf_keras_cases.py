@@ -48,10 +48,10 @@ def _data():
     return x, y
 
 
-def _model():
-    tf_keras.utils.set_random_seed(3)
+def _model(width=16, seed=3):
+    tf_keras.utils.set_random_seed(seed)
     model = tf_keras.Sequential([
-        tf_keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+        tf_keras.layers.Dense(width, activation="relu", dtype="mixed_float16"),
         tf_keras.layers.Dense(1, dtype="float32")])
     model.build((None, 4))
     return model
@@ -462,12 +462,7 @@ def _fused_data(steps):
 
 def _fused_model():
     # Odd sizes (vector tails) and one-element variables.
-    tf_keras.utils.set_random_seed(5)
-    model = tf_keras.Sequential([
-        tf_keras.layers.Dense(37, activation="relu", dtype="mixed_float16"),
-        tf_keras.layers.Dense(1, dtype="float32")])
-    model.build((None, 4))
-    return model
+    return _model(width=37, seed=5)
 
 
 def _inner_variables(opt):
