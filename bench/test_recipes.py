@@ -323,7 +323,9 @@ class Data:
         self.case = case
         self.recipe = BY_NAME[case.split("/")[0]]
         self.exactness = lockstep(self.recipe)
-        self.accumulates = bool(self.recipe.inner().gradient_accumulation_steps)
+        inner = self.recipe.inner()
+        self.accumulates = bool(inner.gradient_accumulation_steps)
+        self.family = type(inner).__name__
         name, dense, table, rows = workload(self.recipe, harness.Settings.quick)
         self.workload = name if not harness.Settings.quick else f"{name} (quick cut)"
         rng = np.random.default_rng(0)
@@ -357,6 +359,11 @@ class Data:
                                             name="word_embeddings"))
         opt = wrap(peer, self.recipe.inner(), initial_scale=SCALE, dynamic_growth_steps=PERIOD)
         opt.build(variables)
+        # The optimizer's per-element state (slots, EMA copies, accumulators)
+        # for the roofline: every value of it is read and written once a step.
+        self.params = sum(int(np.prod(v.shape)) for v in variables)
+        self.slot_values = sum(int(np.prod(v.shape)) for v in opt.inner_optimizer.variables
+                               if len(v.shape) > 0)
         sparse = self.table is not None
         if sparse:
             indices = tf.constant(self.indices)
@@ -431,10 +438,21 @@ class Data:
 
         return Method(step, produce, lambda: "torch", applied)
 
+    def moved_bytes(self):
+        """What an updating step must move at least, in bytes: every
+        gradient value read twice (the finite check or the norm, then the
+        update; the embedding's gradient counted dense), every variable and
+        every value of the optimizer's state read and written once; None
+        before a Keras peer has built its optimizer."""
+        if not hasattr(self, "slot_values"):
+            return None
+        return 4 * (2 * self.params + 2 * self.params + 2 * self.slot_values)
+
     def info(self, peer, rnd):
         arrays = self.dense + ([self.values] if self.table is not None else [])
         r = self.recipe
-        return dict(layer=LAYER, case=self.case, workload=self.workload, dtype=POLICY,
+        return dict(moved_bytes=self.moved_bytes(), family=self.family,
+                    layer=LAYER, case=self.case, workload=self.workload, dtype=POLICY,
                     peer=peer, threads=harness.Settings.threads, rnd=rnd,
                     tensors=len(arrays), values=int(sum(a.size for a in arrays)),
                     bytes=int(sum(a.nbytes for a in arrays)),
