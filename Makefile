@@ -38,13 +38,14 @@ export CUDA_VISIBLE_DEVICES ?=
 
 all: build
 
+# --no-compile: byte-compiling every module of TensorFlow (and, for the
+# peers, of torch and sympy) was more than half of each install; the modules
+# a run imports are compiled when first imported.
 $(DEPS): $(REQS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(PIP_UP) -r $(REQS)
+	$(PY) -m pip install --quiet --no-compile $(PIP_UP) -r $(REQS)
 	touch $@
 
-# --no-compile: byte-compiling every module of torch and sympy was half of
-# this install; the few the benchmarks import are compiled when first imported.
 $(BENCH_DEPS): $(DEPS) $(BENCH_REQS)
 	$(PY) -m pip install --quiet --no-compile $(PIP_UP) -r $(BENCH_REQS)
 	touch $@

@@ -46,28 +46,27 @@ LAYER_TITLES = {
     "check": "finite check alone: gradients made in the graph, `tf.function`",
     "recipes": "recipe battery: one published recipe's optimizer, `apply` in `tf.function`",
 }
-PEER_LABELS = {
-    ("core", "ours"): "lossscale.core", ("core", "torch"): "torch foreach",
-    ("core", "numpy"): "numpy isfinite+multiply", ("core", "roofline"): "np.multiply roofline",
-    ("tf_op", "ours"): "ours (tf.function)", ("tf_op", "composite"): "TF composite (tf.function)",
-    ("tf_op", "ours_eager"): "ours eager", ("tf_op", "composite_eager"): "TF composite eager",
-    ("tf_op", "torch"): "torch unscale+update",
-    ("loss_scale", "ours"): "ours (tf.function)",
-    ("loss_scale", "stock"): "tf.compat.v1 (tf.function)",
-    ("loss_scale", "ours_eager"): "ours eager", ("loss_scale", "stock_eager"): "tf.compat.v1 eager",
-    ("optimizer", "ours"): "ours", ("optimizer", "stock"): "stock Keras",
-    ("optimizer", "sgd"): "inner SGD alone",
-    ("fit", "ours"): "mixed, ours", ("fit", "ours_unfused"): "mixed, ours fused=False",
-    ("fit", "stock"): "mixed, stock Keras", ("fit", "grads_only"): "forward + backward alone",
-    ("fit", "float32"): "float32, no loss scaling",
-    ("step", "ours"): "ours", ("step", "ours_unfused"): "ours, fused=False",
-    ("step", "stock"): "stock Keras", ("step", "torch_fused"): "torch fused",
-    ("step", "torch_foreach"): "torch foreach",
-    ("check", "composite"): "stock composite", ("check", "ours_per_tensor"): "ours per tensor",
-    ("check", "ours_list"): "ours, one op", ("check", "ours_grouped"): "ours grouped",
-    ("recipes", "ours"): "ours", ("recipes", "stock"): "stock Keras",
-    ("recipes", "torch"): "torch nearest equivalent",
+# What each peer of a layer is called in the tables.
+_PEER_NAMES = {
+    "core": dict(ours="lossscale.core", torch="torch foreach", numpy="numpy isfinite+multiply",
+                 roofline="np.multiply roofline"),
+    "tf_op": dict(ours="ours (tf.function)", composite="TF composite (tf.function)",
+                  ours_eager="ours eager", composite_eager="TF composite eager",
+                  torch="torch unscale+update"),
+    "loss_scale": dict(ours="ours (tf.function)", stock="tf.compat.v1 (tf.function)",
+                       ours_eager="ours eager", stock_eager="tf.compat.v1 eager"),
+    "optimizer": dict(ours="ours", stock="stock Keras", sgd="inner SGD alone"),
+    "fit": dict(ours="mixed, ours", ours_unfused="mixed, ours fused=False",
+                stock="mixed, stock Keras", grads_only="forward + backward alone",
+                float32="float32, no loss scaling"),
+    "step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock Keras",
+                 torch_fused="torch fused", torch_foreach="torch foreach"),
+    "check": dict(composite="stock composite", ours_per_tensor="ours per tensor",
+                  ours_list="ours, one op", ours_grouped="ours grouped"),
+    "recipes": dict(ours="ours", stock="stock Keras", torch="torch nearest equivalent"),
 }
+PEER_LABELS = {(layer, peer): label for layer, names in _PEER_NAMES.items()
+               for peer, label in names.items()}
 # Layers whose graph methods make their gradients in the graph; the
 # producer's time, measured before each sample, comes off.
 NET = ("tf_op", "loss_scale", "optimizer", "step", "check", "recipes")

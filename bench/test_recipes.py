@@ -46,7 +46,7 @@ import pytest
 
 import harness
 import workloads
-from tfgraph import GraphGradients, Method, keras_apply_method
+from tfgraph import GraphGradients, Method, keras_apply_method, timed_method
 
 LAYER = "recipes"
 POLICY = "mixed_float16"
@@ -465,11 +465,7 @@ class Data:
 
 
 def test_recipe(benchmark, case, peer, rnd):
-    data = harness.live(LAYER, case, lambda: Data(case))
-    m = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), m.step, data.info(peer, rnd),
-                  baseline=m.baseline)
-    benchmark.extra_info["step_path"] = m.step_path()
+    data, m = timed_method(benchmark, LAYER, case, peer, rnd, lambda: Data(case))
     if peer == "ours":
         benchmark.extra_info["exactness"] = data.exactness
         benchmark.extra_info["exact"] = data.exactness["exact"]

@@ -39,7 +39,7 @@ import pytest
 
 import harness
 import workloads
-from tfgraph import GraphCase, Method, keras_apply_method
+from tfgraph import GraphCase, Method, keras_apply_method, timed_method
 
 LAYER = "step"
 OPTIMIZERS = ("sgdm", "adam")
@@ -151,11 +151,7 @@ class Data(GraphCase):
 
 
 def test_step(benchmark, case, peer, rnd):
-    data = harness.live(LAYER, case, lambda: Data(case))
-    m = data.method(peer)
-    harness.timed(benchmark, (LAYER, case, peer), m.step, data.info(peer, rnd),
-                  baseline=m.baseline)
-    benchmark.extra_info["step_path"] = m.step_path()
+    _data, m = timed_method(benchmark, LAYER, case, peer, rnd, lambda: Data(case))
     if rnd == 0:
         assert m.applied() > 0, f"{peer} skipped its steps on finite gradients"
 

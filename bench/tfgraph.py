@@ -35,6 +35,18 @@ class Method:
         self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
 
 
+def timed_method(benchmark, layer, case, peer, rnd, make):
+    """Time ``peer``'s ``Method`` on the layer's live data for ``case``
+    (``make()`` builds it on first use), its producer as the baseline, and
+    record the path it took; returns ``(data, method)``."""
+    data = harness.live(layer, case, make)
+    m = data.method(peer)
+    harness.timed(benchmark, (layer, case, peer), m.step, data.info(peer, rnd),
+                  baseline=m.baseline)
+    benchmark.extra_info["step_path"] = m.step_path()
+    return data, m
+
+
 def keras_apply_method(graph, opt, variables, peer, grads=lambda gs: gs):
     """The ``Method`` of a Keras optimizer's ``apply`` on ``graph``'s
     gradients (``grads`` turns them into what the step hands the optimizer,
