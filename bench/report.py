@@ -906,9 +906,47 @@ class Report:
                         f"step: ours / stock composite | {mem[1]} |")
         if tr:
             rows.append(f"| digits CNN, {tr[0]} epochs: test accuracy stock / ours | {tr[1]} |")
+        mirrored = self.records.get("distributed", {}).get("mirrored")
+        if mirrored:
+            rows.append(f"| a whole custom-loop step under `MirroredStrategy` (2 replicas), "
+                        f"{mirrored['layers']} × {mirrored['width']} MLP, Adam ÷ stock Keras "
+                        f"| {_r(1 / mirrored['ours_vs_stock'])} |")
+        bert = [c for c in self.cases("fit") if c.startswith("bert_classifier_")]
+        for case in bert:
+            r = rv("fit", case, "ours", "stock")
+            if r is not None:
+                rows.append(f"| a whole `fit` step, KerasHub BERT classifier, "
+                            f"{case.split('/')[0].split('bert_classifier_')[1]} ÷ stock Keras "
+                            f"| {fmt_ratio(r, spread=False)} |")
         if rows:
             out += ["", "| | ours ÷ peer |", "|---|---:|", *rows]
+        out += self.readme_recipes()
         out += ["", *self.readme_summary(tiny)]
+        return out
+
+    def readme_recipes(self):
+        """The recipe battery in the headline: path, exactness and the three
+        ratios of each recipe (own processes where the run has them)."""
+        cases = self.recipe_cases()
+        if not cases:
+            return []
+        out = ["", "Published recipes' optimizers (`apply` on ResNet-50-shaped gradients, "
+               "BERT-base with an `IndexedSlices` embedding gradient for the sparse ones; "
+               "`bench/results/REPORT.md` has their sources and torch peers):", "",
+               "| recipe | path | exact vs stock | ours ÷ stock Keras | ours ÷ torch | "
+               "ours ÷ roofline |", "|---|---|---|---:|---:|---:|"]
+        for case in cases:
+            e = self.recipe_info(case)
+            ex = e.get("exactness")
+            path = e.get("step_path", "—")
+            path = "fused" if path.startswith("fused") else "stock" if path.startswith(
+                "stock") else path
+            out.append(f"| {case.split('/')[0]} | {path} | "
+                       + ("—" if ex is None else "bit-identical" if ex["exact"]
+                          else "**DIFFERENT**") + " | "
+                       + " | ".join(fmt_ratio(ratio(self.recipe_get(case, "ours"),
+                                                    self.recipe_get(case, peer)), spread=False)
+                                    for peer in ("stock", "torch", "roofline")) + " |")
         return out
 
     def step_path(self, case):
