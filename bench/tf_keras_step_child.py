@@ -114,6 +114,7 @@ def optimizer_state(opt):
 
 
 def same_bits(a, b):
+    """The same dtype, shape and bytes (a NaN's payload included)."""
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
@@ -129,7 +130,7 @@ class Data(test_step.Data):
                                "process; run these items with TF_USE_LEGACY_KERAS=1 "
                                "(bench/test_tf_keras_step.py does)")
         super().__init__(case)
-        # test_step.Data's optimizer is the rule (torch's optimizer follows it).
+        # self.optimizer is the rule: test_step.Data's torch peers read it.
         self.keras_optimizer = self.optimizer
         self.legacy, self.optimizer = split_optimizer(self.keras_optimizer)
         self.exactness = None
