@@ -25,9 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "tf_keras_step", "fit",
-                "recipes",
-                "alone", "memory", "training"]
+_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "tf_keras_step",
+                "fit", "recipes", "alone", "memory", "training"]
 
 
 def pytest_addoption(parser):

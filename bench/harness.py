@@ -257,8 +257,8 @@ def child_benchmarks(what, nodes, settings, rounds, env=None):
     that runs the items ``nodes`` (node ids) of this suite at this run's
     thread count and quick setting, ``rounds`` rounds, with ``env`` added to
     its environment; each entry's ``child_wall_s`` is the child's wall time,
-    and the child's lines on skipped peers join this run's.  A child that fails is an error naming ``what`` it ran, with the end of
-    its output."""
+    and the child's lines on skipped peers join this run's.  A child that
+    fails is an error naming ``what`` it ran, with the end of its output."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "child.json")
         cmd = [sys.executable, "-m", "pytest", *nodes, "-q",

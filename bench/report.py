@@ -67,7 +67,8 @@ PEER_LABELS = {
     ("step", "torch_foreach"): "torch foreach",
     ("tf_keras_step", "ours"): "ours", ("tf_keras_step", "ours_unfused"): "ours, fused=False",
     ("tf_keras_step", "stock"): "stock tf_keras",
-    ("tf_keras_step", "torch_fused"): "torch fused", ("tf_keras_step", "torch_foreach"): "torch foreach",
+    ("tf_keras_step", "torch_fused"): "torch fused",
+    ("tf_keras_step", "torch_foreach"): "torch foreach",
     ("check", "composite"): "stock composite", ("check", "ours_per_tensor"): "ours per tensor",
     ("check", "ours_list"): "ours, one op", ("check", "ours_grouped"): "ours grouped",
     ("recipes", "ours"): "ours", ("recipes", "stock"): "stock Keras",
@@ -770,9 +771,10 @@ class Report:
                     + ", ".join(str(i + 1) for i in ex["mismatched_steps"]) + ")")
 
         self.w("## The tf_keras step: TensorFlow 2.4's custom loop", "",
-               "Scaled float32 gradients made in the graph (making them alone timed before every sample and taken off), "
-               "`opt.get_unscaled_gradients(grads)`, `opt.apply_gradients(zip(unscaled, "
-               "variables))` in one `tf.function`, with `TF_USE_LEGACY_KERAS=1` (a child process per case), for "
+               "Scaled float32 gradients made in the graph (making them alone timed before "
+               "every sample and taken off), `opt.get_unscaled_gradients(grads)`, "
+               "`opt.apply_gradients(zip(unscaled, variables))` in one `tf.function`, with "
+               "`TF_USE_LEGACY_KERAS=1` (a child process per case), for "
                "`tf_keras.optimizers.legacy` and `tf_keras.optimizers` Adam, RMSprop and "
                "SGD-momentum; ours is `lossscale.LossScaleOptimizer`, stock "
                "`tf_keras.mixed_precision.LossScaleOptimizer`; torch is the step layer's "
