@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "fit", "recipes",
-                "alone", "memory", "training"]
+_LAYER_ORDER = ["core", "tf_op", "loss_scale", "check", "optimizer", "step", "tf_keras_step",
+                "fit", "recipes", "alone", "memory", "training"]
 
 
 def pytest_addoption(parser):
@@ -123,18 +123,19 @@ def pytest_report_teststatus(report, config):
 
 
 def _summary(config, group):
-    """'peer median' for the benchmarks of one finished workload group."""
+    """'peer median' for the benchmarks of one finished workload group, this
+    process's and its children's."""
     bs = getattr(config, "_benchmarksession", None)
     if bs is None:
         return ""
+    timed = [(b.extra_info, b.stats.data) for b in bs.benchmarks]
+    timed += [(b["extra_info"], b["stats"]["data"]) for b in harness.CHILD_BENCHMARKS]
     per_peer = {}
-    for b in bs.benchmarks:
-        info = b.extra_info
+    for info, data in timed:
         if (info.get("layer"), info.get("case"), info.get("threads")) != group:
             continue
         calls = info.get("calls_per_sample", 1) * info.get("steps_per_call", 1)
-        per_peer.setdefault(info.get("peer"), []).extend(
-            s / calls for s in b.stats.data)
+        per_peer.setdefault(info.get("peer"), []).extend(s / calls for s in data)
     parts = []
     for peer, xs in per_peer.items():
         xs.sort()

@@ -19,9 +19,13 @@ The timing rules, each learnt the hard way on a shared two-core machine:
 """
 
 import gc
+import json
 import math
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -243,6 +247,41 @@ RECORDS = {}
 # Benchmarks timed in child processes (test_alone.py), added to the raw JSON
 # as they are.
 CHILD_BENCHMARKS = []
+
+
+CHILD_TIMEOUT_S = 1800
+
+
+def child_benchmarks(what, nodes, settings, rounds, env=None):
+    """The benchmarks (pytest-benchmark's JSON entries) of a child ``pytest``
+    that runs the items ``nodes`` (node ids) of this suite at this run's
+    thread count and quick setting, ``rounds`` rounds, with ``env`` added to
+    its environment; each entry's ``child_wall_s`` is the child's wall time,
+    and the child's lines on skipped peers join this run's.  A child that
+    fails is an error naming ``what`` it ran, with the end of its output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "child.json")
+        cmd = [sys.executable, "-m", "pytest", *nodes, "-q",
+               "-p", "no:cacheprovider", f"--threads={settings.threads}",
+               f"--rounds={rounds}", *(["--quick"] if settings.quick else []),
+               "--benchmark-disable-gc", f"--benchmark-json={out}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, env=dict(os.environ, **(env or {})))
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise AssertionError(f"the child for {what} failed "
+                                 f"(exit {proc.returncode}):\n{tail}")
+        with open(out) as f:
+            raw = json.load(f)
+    benchmarks = raw["benchmarks"]
+    for line in raw["lossscale"]["records"].get("skipped", []):
+        if line not in RECORDS.setdefault("skipped", []):
+            RECORDS["skipped"].append(line)
+    for b in benchmarks:
+        b["extra_info"]["child_wall_s"] = round(wall, 1)
+    return benchmarks
 
 
 def record(name, data):

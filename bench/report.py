@@ -43,6 +43,8 @@ LAYER_TITLES = {
     "optimizer": "Keras `LossScaleOptimizer.apply`, `tf.function`",
     "fit": "a whole `fit` step",
     "step": "optimizer step: check + unscale + update, `apply` in `tf.function`",
+    "tf_keras_step": "tf_keras step: TensorFlow 2.4's loop, `get_unscaled_gradients` + "
+                     "`apply_gradients` in `tf.function`",
     "check": "finite check alone: gradients made in the graph, `tf.function`",
     "recipes": "recipe battery: one published recipe's optimizer, `apply` in `tf.function`",
 }
@@ -61,6 +63,8 @@ _PEER_NAMES = {
                 float32="float32, no loss scaling"),
     "step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock Keras",
                  torch_fused="torch fused", torch_foreach="torch foreach"),
+    "tf_keras_step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock tf_keras",
+                          torch_fused="torch fused", torch_foreach="torch foreach"),
     "check": dict(composite="stock composite", ours_per_tensor="ours per tensor",
                   ours_list="ours, one op", ours_grouped="ours grouped"),
     "recipes": dict(ours="ours", stock="stock Keras", torch="torch nearest equivalent"),
@@ -69,7 +73,7 @@ PEER_LABELS = {(layer, peer): label for layer, names in _PEER_NAMES.items()
                for peer, label in names.items()}
 # Layers whose graph methods make their gradients in the graph; the
 # producer's time, measured before each sample, comes off.
-NET = ("tf_op", "loss_scale", "optimizer", "step", "check", "recipes")
+NET = ("tf_op", "loss_scale", "optimizer", "step", "tf_keras_step", "check", "recipes")
 for _layer in NET:
     PEER_LABELS[(_layer, "producer")] = "making the gradients (subtracted)"
 # (layer, ours, peer, label) -> the ratio columns of each layer's table.
@@ -125,6 +129,15 @@ NOT_SLOWER = SLOWER
 RECIPE_GOALS = {"adam_like": 3.0, "other": 2.5, "roofline": 1.1}
 ADAM_LIKE = ("Adam", "AdamW", "Nadam", "Adamax", "Lamb")
 MIRRORED_GOAL = 1.5                                 # least stock ÷ ours, the whole step
+
+# The tf_keras step (bench/tf_keras_step_child.py): its optimizers, legacy
+# line first, and the least stock tf_keras ÷ ours per rule on both lines, for
+# the step goals' workloads.
+TF_KERAS_STEP = "tf_keras_step"
+TF_KERAS_OPTIMIZERS = ("legacy_adam", "legacy_rmsprop", "legacy_sgdm", "adam", "rmsprop", "sgdm")
+TF_KERAS_STEP_GOALS = {"adam": 2.5, "rmsprop": 2.5, "sgdm": 2.0}
+OPTIMIZER_LABELS.update(rmsprop="RMSprop", legacy_adam="legacy Adam",
+                        legacy_rmsprop="legacy RMSprop", legacy_sgdm="legacy SGD-momentum")
 
 
 # ------------------------------------------------------------ reading
@@ -418,7 +431,7 @@ class Report:
                             f"{PEER_LABELS[('check', ours)]}",
                             speedup(self.get("check", case, ours),
                                     self.get("check", case, "composite")), least, True))
-        return out + self.recipe_goals() + self.distributed_goals()
+        return out + self.tf_keras_goals() + self.recipe_goals() + self.distributed_goals()
 
     def recipe_goals(self):
         """Per recipe: stock ÷ ours, ours ÷ torch's nearest equivalent, ours ÷
@@ -797,6 +810,99 @@ class Report:
                 "(the slowest)", r)
         self.w("", "The workers are processes on this machine's cores, which they share: the "
                "split says where a step's time goes, not how a cluster scales.", "")
+
+    # -------------------------------------------------------- the tf_keras step
+
+    def tf_keras_get(self, case, peer, alone=True):
+        """The tf_keras step's ``Stat`` for ``peer``, as ``step_get``: timed in
+        its own process where the run has that, else side by side."""
+        return ((alone and self.get(f"{TF_KERAS_STEP}/alone", case, peer))
+                or self.get(TF_KERAS_STEP, case, peer))
+
+    def tf_keras_cases(self):
+        """The tf_keras step's cases, workload by workload, legacy line first."""
+        rank = {n: i for i, n in enumerate(workloads.LISTS)}
+        order = {o: i for i, o in enumerate(TF_KERAS_OPTIMIZERS)}
+        return sorted(self.cases(TF_KERAS_STEP),
+                      key=lambda c: (rank.get(c.split("/")[0], 99), order.get(c.split("/")[2], 99)))
+
+    def tf_keras_goals(self):
+        """Issue 21's goals: stock tf_keras ÷ ours, per workload and optimizer."""
+        out = []
+        for name in STEP_GOAL_WORKLOADS:
+            for optimizer in TF_KERAS_OPTIMIZERS:
+                case = f"{name}/float32/{optimizer}"
+                out.append(Goal(f"tf_keras step (TF 2.4 loop), {case_label(case)}: "
+                                "stock tf_keras ÷ ours",
+                                speedup(self.tf_keras_get(case, "ours"),
+                                        self.tf_keras_get(case, "stock")),
+                                TF_KERAS_STEP_GOALS[optimizer.removeprefix("legacy_")], True))
+        return out
+
+    def tf_keras_step(self):
+        """The tf_keras step's table: times, ratios, the goal, the path ours
+        took and the lockstep against stock.  Only where the run has it."""
+        cases = self.tf_keras_cases()
+        if not cases:
+            return
+        layer = TF_KERAS_STEP
+        infos = {c: self.info.get((layer, c, self.threads, "ours"), {}) for c in cases}
+
+        def goal(case, alone):
+            x = speedup(self.tf_keras_get(case, "ours", alone),
+                        self.tf_keras_get(case, "stock", alone))
+            least = TF_KERAS_STEP_GOALS[case.split("/")[2].removeprefix("legacy_")]
+            if x is None:
+                return "—"
+            return f"{_r(x)} (≥ {least:g}: {'met' if x >= least else '**not met**'})"
+
+        def path(case):
+            e = infos[case]
+            return f"`{e['step_path']}`" if e.get("step_path") else "—"
+
+        def exact(case):
+            ex = infos[case].get("exactness")
+            if ex is None:
+                return "—"
+            if ex["exact"]:
+                return (f"bit-identical, {ex['steps']} steps (step {ex['overflow_step'] + 1} "
+                        "overflows)")
+            return ("**DIFFERENT** (steps "
+                    + ", ".join(str(i + 1) for i in ex["mismatched_steps"]) + ")")
+
+        self.w("## The tf_keras step: TensorFlow 2.4's custom loop", "",
+               "Scaled float32 gradients made in the graph (making them alone timed before "
+               "every sample and taken off), `opt.get_unscaled_gradients(grads)`, "
+               "`opt.apply_gradients(zip(unscaled, variables))` in one `tf.function`, with "
+               "`TF_USE_LEGACY_KERAS=1` (a child process per case), for "
+               "`tf_keras.optimizers.legacy` and `tf_keras.optimizers` Adam, RMSprop and "
+               "SGD-momentum; ours is `lossscale.LossScaleOptimizer`, stock "
+               "`tf_keras.mixed_precision.LossScaleOptimizer`; torch is the step layer's "
+               "(`GradScaler`, fused Adam and SGD, foreach for all three), one rule for both "
+               "Keras lines.  The goal: stock ÷ ours at least "
+               + ", ".join(f"{g:g} for {OPTIMIZER_LABELS[o]}" for o, g in
+                           TF_KERAS_STEP_GOALS.items())
+               + ", on both lines.  *Exact*: fresh ours and stock stepped together from zero "
+               "variables, every variable and optimizer variable compared bit for bit after "
+               "every step (full runs).", "")
+        peers = [p for p in self.peers(layer) if p != "producer"]
+        ratios = [(f"ours ÷ {PEER_LABELS[(layer, p)]}", "ours", p)
+                  for p in ("stock", "torch_fused", "torch_foreach") if p in peers]
+        alone = [c for c in cases if self.get(f"{layer}/alone", c, "ours")]
+        if alone:
+            self.w("**Each peer in its own process** (the figures the goals use):", "")
+            self.times_table(layer, alone,
+                             [p for p in peers if self.get(f"{layer}/alone", alone[0], p)],
+                             ratios, self.tf_keras_get,
+                             [("stock ÷ ours (goal)", lambda c: goal(c, True)),
+                              ("path taken", path), ("exact vs stock", exact)])
+            self.w("**Side by side in one process** (the peers of a case interleaved round by "
+                   "round):", "")
+        self.times_table(layer, cases, peers, ratios,
+                         lambda c, p: self.tf_keras_get(c, p, alone=False),
+                         [("stock ÷ ours" + ("" if alone else " (goal)"),
+                           lambda c: goal(c, False)),
+                          ("path taken", path), ("exact vs stock", exact)], losses=not alone)
 
     # -------------------------------------------------------- README headline
 
@@ -1519,6 +1625,7 @@ class Report:
             self.w(f"![throughput against tensor size]({self.plots['throughput']})", "")
         if self.plots.get("step_time"):
             self.w(f"![time per step, per workload]({self.plots['step_time']})", "")
+        self.tf_keras_step()
         self.recipes()
         self.distributed()
         self.w("## Results by layer", "")

@@ -1,6 +1,7 @@
-"""Each peer in its own process: the optimizer step (``test_step.py``) and the
-recipe battery (``test_recipes.py``) timed again with one peer per Python
-process.
+"""Each peer in its own process: the optimizer step (``test_step.py``), the
+recipe battery (``test_recipes.py``) and the tf_keras step
+(``tf_keras_step_child.py``, its child with ``TF_USE_LEGACY_KERAS=1`` as
+always) timed again with one peer per Python process.
 
 Side by side in one process, another framework's threads distort the
 timing of the peer running beside them (torch's OpenMP workers spin after
@@ -18,16 +19,12 @@ again: ``--quick`` has no time for it).  The 2,000-tensor step is left out:
 it is the tracing benchmark, and tracing does not depend on the process.
 """
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
 
 import harness
 import test_recipes
 import test_step
+import tf_keras_step_child
 
 LAYER = "alone"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,8 +32,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (``case`` of an item is the layer; its child runs all of the layer's cases.)
 STEP_PEERS = ("ours", "stock", "torch_fused", "torch_foreach")
 RECIPE_PEERS = ("ours", "stock", "torch")
+# The tf_keras step's goal is against tf_keras' own optimizer; its torch
+# peers are the step layer's.
+TF_KERAS_STEP_PEERS = ("ours", "stock")
 CHILD_ROUNDS = 3
-CHILD_TIMEOUT_S = 1800
 
 
 def _step_cases(settings):
@@ -47,10 +46,14 @@ def _recipe_cases(settings):
     return [f"{r.name}/{test_recipes.POLICY}" for r in test_recipes.recipes(settings)]
 
 
-# layer -> (module, test function, its cases, the peers timed alone)
+# layer -> (module, test function, its items, its cases, the peers timed
+# alone, what the child's environment adds)
 _LAYERS = {
-    "step": ("test_step.py", "test_step", _step_cases, STEP_PEERS),
-    "recipes": ("test_recipes.py", "test_recipe", _recipe_cases, RECIPE_PEERS),
+    "step": ("test_step.py", "test_step", test_step.items, _step_cases, STEP_PEERS, {}),
+    "recipes": ("test_recipes.py", "test_recipe", test_recipes.items, _recipe_cases,
+                RECIPE_PEERS, {}),
+    "tf_keras_step": ("tf_keras_step_child.py", "test_tf_keras_step", tf_keras_step_child.items,
+                      tf_keras_step_child.cases, TF_KERAS_STEP_PEERS, tf_keras_step_child.ENV),
 }
 
 
@@ -61,6 +64,7 @@ def items(settings):
         return []
     pairs = [("step", p) for p in STEP_PEERS if p in test_step.peers()]
     pairs += [("recipes", p) for p in RECIPE_PEERS]
+    pairs += [("tf_keras_step", p) for p in TF_KERAS_STEP_PEERS]
     return pairs
 
 
@@ -69,9 +73,8 @@ def child_rounds(settings):
 
 
 def node_ids(layer, peer, settings):
-    module, function, cases, _peers = _LAYERS[layer]
-    have = {(c, p) for c, p in (test_step.items(settings) if layer == "step"
-                                else test_recipes.items(settings))}
+    module, function, layer_items, cases, _peers, _env = _LAYERS[layer]
+    have = set(layer_items(settings))
     return [f"{os.path.join(HERE, module)}::{function}[{case}-{peer}-r{r}]"
             for case in cases(settings) if (case, peer) in have
             for r in range(child_rounds(settings))]
@@ -79,26 +82,10 @@ def node_ids(layer, peer, settings):
 
 def run_child(layer, peer, settings):
     """The child's benchmarks (pytest-benchmark's JSON entries), layer renamed."""
-    rounds = child_rounds(settings)
-    nodes = node_ids(layer, peer, settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "child.json")
-        cmd = [sys.executable, "-m", "pytest", *nodes, "-q",
-               "-p", "no:cacheprovider", f"--threads={settings.threads}",
-               f"--rounds={rounds}", "--benchmark-disable-gc", f"--benchmark-json={out}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            raise AssertionError(f"the child for {layer} {peer} failed "
-                                 f"(exit {proc.returncode}):\n{tail}")
-        with open(out) as f:
-            benchmarks = json.load(f)["benchmarks"]
+    benchmarks = harness.child_benchmarks(f"{layer} {peer}", node_ids(layer, peer, settings),
+                                          settings, child_rounds(settings), _LAYERS[layer][5])
     for b in benchmarks:
         b["extra_info"]["layer"] = f"{layer}/alone"
-        b["extra_info"]["child_wall_s"] = round(wall, 1)
         b["name"] = f"alone:{b['name']}"
     return benchmarks
 

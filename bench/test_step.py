@@ -48,6 +48,10 @@ MOMENTUM = 0.9
 SCALE = 2.0 ** 8
 PERIOD = 10 ** 9
 PEERS = ["ours", "ours_unfused", "stock", "torch_fused", "torch_foreach"]
+# tf_keras' RMSprop defaults, for torch's RMSprop beside it in the tf_keras
+# step (tf_keras_step_child.py), which shares these torch peers.
+RMSPROP_RHO = 0.9
+RMSPROP_EPSILON = 1e-7
 
 
 def has_fused_argument():
@@ -82,6 +86,9 @@ def keras_inner(optimizer):
 def torch_optimizer(torch, optimizer, params, **kind):
     if optimizer == "sgdm":
         return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM, **kind)
+    if optimizer == "rmsprop":
+        return torch.optim.RMSprop(params, lr=LEARNING_RATE, alpha=RMSPROP_RHO,
+                                   eps=RMSPROP_EPSILON, **kind)
     return torch.optim.Adam(params, lr=LEARNING_RATE, **kind)
 
 

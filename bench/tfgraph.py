@@ -64,6 +64,22 @@ def keras_apply_method(graph, opt, variables, peer, grads=lambda gs: gs):
     return Method(graph.wrap(step), graph.producer, path, lambda: int(opt.iterations.numpy()))
 
 
+def custom_loop_method(graph, opt, variables, peer):
+    """The ``Method`` of TensorFlow 2.4's custom training loop on ``graph``'s
+    scaled gradients, in the graph that makes them: ``opt`` (a ``tf_keras``
+    loss-scale optimizer) ``get_unscaled_gradients``, then ``apply_gradients``."""
+
+    def step(gs):
+        unscaled = opt.get_unscaled_gradients(gs)
+        opt.apply_gradients(zip(unscaled, variables))
+        return [v.read_value() for v in variables], None
+
+    def path():
+        return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
+
+    return Method(graph.wrap(step), graph.producer, path, lambda: int(opt.iterations.numpy()))
+
+
 class GraphGradients:
     """``produce(seed)`` makes the workload's gradients in the graph;
     ``consume(grads)`` is the common ending; ``producer`` the baseline."""
