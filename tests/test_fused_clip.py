@@ -34,10 +34,10 @@ import tensorflow as tf
 
 import lossscale
 from lossscale import _fused
-from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
-                     tf_dynamic)
-from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, batches,
-                             excluding_biases, factor, lockstep, schedule, state, twin_models)
+from helpers import bits, keras3_train_step, mse_loss, tf_dynamic
+from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, assert_twins_agree,
+                             batches, excluding_biases, factor, lockstep, schedule, state,
+                             tf24_twins, twin_models)
 
 # One inner optimizer per fused family (AdamW is Adam's), a schedule and
 # weight decay among them; ``clip`` is the clip keyword.
@@ -286,20 +286,15 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(clip, value):
 
     opt = experimental.LossScaleOptimizer(make(), experimental.DynamicLossScale(2.0**10, 5))
     reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
-    reference_inner = make()
-    reference_inner.build(models[0].trainable_variables)
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
-                                                     reference_scale, count_skipped=True))
-    step = tf.function(tf24_train_step(models[1], opt))
+    reference_inner, reference_step, step = tf24_twins(models, opt, make, reference_scale,
+                                                       count_skipped=True)
     for i, (x, y) in enumerate(batches(40, seed=6)):
         f = tf.constant(factor(i, "mixed_float16"))
         reference_step(x, y, f)
         step(x, y, f)
         assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), i
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + opt.inner_optimizer.variables], f"step {i}")
+        assert_twins_agree(models, reference_inner.variables, opt.inner_optimizer.variables,
+                           f"step {i}")
     assert_fused(opt)
 
 
@@ -318,19 +313,15 @@ def test_loss_scale_object_mode_bit_identical_to_tensorflow_reference(clip, valu
     ours = Ours(make(), loss_scale=lossscale.DynamicLossScale(2.0**10, 3, 2.0))
     ours.build(models[1].trainable_variables)
     reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
-    reference_inner = make()
-    reference_inner.build(models[0].trainable_variables)
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner, reference))
-    step = tf.function(keras3_train_step(models[1], ours))
+    reference_inner, reference_step, step = tf24_twins(models, ours, make, reference,
+                                                       train_step=keras3_train_step)
     for i, (x, y) in enumerate(batches(40, seed=11)):
         f = tf.constant(factor(i, "mixed_float16"))
         reference_step(x, y, f)
         step(x, y, f)
         assert bits(ours.loss_scale.numpy()) == bits(reference().numpy()), i
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + ours.inner_optimizer.variables], f"step {i}")
+        assert_twins_agree(models, reference_inner.variables, ours.inner_optimizer.variables,
+                           f"step {i}")
     assert_fused(ours)
 
 

@@ -29,10 +29,11 @@ import pytest
 import tensorflow as tf
 
 import lossscale
-from helpers import batch_recorder, bits, tf24_reference_step, tf24_train_step, tf_dynamic
-from test_fused_step import (INF, NAN, Ours, Stock, assert_same_state, batches, build_model,
-                             excluding_biases, own_state, schedule, state, state_reader,
-                             step_fn, twin_models)
+from helpers import batch_recorder, bits, tf_dynamic
+from test_fused_step import (INF, NAN, RUN_IDS, RUNS, Ours, Stock, assert_fused,
+                             assert_same_state, assert_twins_agree, batches, build_model,
+                             excluding_biases, make_pair, own_state, schedule, state,
+                             state_reader, step_fn, tf24_twins, twin_models)
 
 opt_ = keras.optimizers
 
@@ -150,23 +151,8 @@ def lockstep(models, opts, data, policy, *, eager=False):
     return skipped
 
 
-def make_pair(make_inner, models, **kw):
-    opts = [Stock(make_inner(), **kw), Ours(make_inner(), **kw)]
-    for model, opt in zip(models, opts):
-        opt.build(model.trainable_variables)
-    return opts
-
-
-def assert_fused(opt):
-    assert opt.step_path.startswith("fused"), opt.step_path
-
-
-RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
-
-
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("policy,eager", RUNS,
-                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_bit_identical_to_stock_every_step(policy, eager, name):
     models = twin_models(policy)
     opts = make_pair(CASES[name], models, dynamic_growth_steps=5)
@@ -320,13 +306,9 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
     opt = experimental.LossScaleOptimizer(CASES[name](), experimental.DynamicLossScale(
         2.0**10, 5))
     reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
-    reference_inner = CASES[name]()
-    reference_inner.build(models[0].trainable_variables)
     # TensorFlow 2.4's skipped step advances the counter the accumulation
     # follows, the inner optimizer's own.
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
-                                                     reference_scale))
-    step = tf.function(tf24_train_step(models[1], opt))
+    reference_inner, reference_step, step = tf24_twins(models, opt, CASES[name], reference_scale)
 
     def slots(inner):
         return [v for v in inner.variables if all(v is not u for u in own_state(inner))] + \
@@ -339,10 +321,8 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
             reference_inner._iterations.assign_add(1)
         step(x, y, f)
         assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), f"step {i}"
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + slots(opt.inner_optimizer)], f"step {i}")
+        assert_twins_agree(models, slots(reference_inner), slots(opt.inner_optimizer),
+                           f"step {i}")
     assert int(opt.inner_optimizer._iterations.numpy()) == 40
     assert_fused(opt)
 
