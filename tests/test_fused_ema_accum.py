@@ -154,8 +154,7 @@ def lockstep(models, opts, data, policy, *, eager=False):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_bit_identical_to_stock_every_step(policy, eager, name):
-    models = twin_models(policy)
-    opts = make_pair(CASES[name], models, dynamic_growth_steps=5)
+    models, opts = make_pair(CASES[name], policy, dynamic_growth_steps=5)
     steps = 16 if eager else 64
     skipped = lockstep(models, opts, batches(steps, seed=11), policy, eager=eager)
     assert_fused(opts[1])
@@ -174,9 +173,8 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
 def test_inexact_reciprocal_scale_accumulates_as_stock():
     """A scale whose reciprocal is inexact (1000): stock divides each
     gradient by it before adding it up, and so does the fused step."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["sgd_nesterov"], models, initial_scale=1000.0,
-                     dynamic_growth_steps=1000)
+    models, opts = make_pair(BOTH["sgd_nesterov"], "mixed_float16", initial_scale=1000.0,
+                             dynamic_growth_steps=1000)
     lockstep(models, opts, batches(40, seed=13), "mixed_float16")
     assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
     assert_fused(opts[1])
@@ -196,8 +194,7 @@ def test_average_over_three_steps_fused_where_exact(name):
     runs = [("mixed_float16", False, 40, 2.0**8), ("mixed_bfloat16", False, 40, 2.0**15),
             ("mixed_float16", True, 16, 2.0**8)]
     for policy, eager, steps, scale in runs:
-        models = twin_models(policy)
-        opts = make_pair(make_inner, models, initial_scale=scale, dynamic_growth_steps=5)
+        models, opts = make_pair(make_inner, policy, initial_scale=scale, dynamic_growth_steps=5)
         skipped = lockstep(models, opts, batches(steps, seed=12), policy, eager=eager)
         assert set(skipped.values()) == {"update", "accumulate"}, skipped
         if eager or not scales_gradient:
@@ -213,9 +210,8 @@ def test_skipped_step_leaves_accumulators_and_averages_as_they_were(eager):
     """An overflow skips the inner optimizer's apply altogether: on stock and
     here, neither an accumulator nor an EMA copy moves, whether the step
     would have accumulated or updated."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
-                     dynamic_growth_steps=100)
+    models, opts = make_pair(BOTH["adam_schedule"], "mixed_float16", initial_scale=2.0**8,
+                             dynamic_growth_steps=100)
     steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
 
     def extra(opt):
@@ -271,8 +267,7 @@ def test_save_and_load_mid_run_then_lockstep(tmp_path):
     """The accumulators, the EMA copies and their schedules' counter come
     back from a ``.keras`` file, and the loaded optimizers go on in lockstep."""
     policy = "mixed_float16"
-    models = twin_models(policy)
-    opts = make_pair(BOTH["adam_schedule"], models, dynamic_growth_steps=5)
+    models, opts = make_pair(BOTH["adam_schedule"], policy, dynamic_growth_steps=5)
     for model, opt in zip(models, opts):
         model.compile(optimizer=opt, loss="mse")
     data = batches(40, seed=5)
@@ -341,9 +336,8 @@ def float16_gradients(model, scale, seed):
 def test_float16_gradients_accumulate_as_stock(mode):
     """Keras 3's rule divides float16 gradients by the scale in float32
     before the inner optimizer adds them up: as stock, every step."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
-                     dynamic_growth_steps=3)
+    models, opts = make_pair(BOTH["adam_schedule"], "mixed_float16", initial_scale=2.0**8,
+                             dynamic_growth_steps=3)
     readers = [state_reader(m, o) for m, o in zip(models, opts)]
     for i in range(10):
         for model, opt in zip(models, opts):
@@ -414,8 +408,7 @@ def test_loss_scale_rule_bit_identical_to_its_stock_path(name):
     (lambda: opt_.Muon(0.003), "Muon orthogonalises each gradient matrix"),
 ], ids=["lamb", "adafactor", "muon"])
 def test_stock_path_says_why_not_fused(make_inner, why):
-    models = twin_models("mixed_float16")
-    opts = make_pair(make_inner, models, dynamic_growth_steps=5)
+    models, opts = make_pair(make_inner, "mixed_float16", dynamic_growth_steps=5)
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
     lockstep(models, opts, batches(10, seed=9), "mixed_float16")
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path

@@ -226,12 +226,14 @@ def lockstep(models, opts, data, policy, *, eager=False, first=0):
     return scales
 
 
-def make_pair(make_inner, models, **kw):
-    """Stock's and our optimizer around two ``make_inner()``, built on the twins."""
+def make_pair(make_inner, policy, **kw):
+    """``(models, opts)``: the twins under ``policy``, and stock's and our
+    optimizer around two ``make_inner()``, built on them."""
+    models = twin_models(policy)
     opts = [Stock(make_inner(), **kw), Ours(make_inner(), **kw)]
     for model, opt in zip(models, opts):
         opt.build(model.trainable_variables)
-    return opts
+    return models, opts
 
 
 # ----------------------------------------------------- lockstep with stock
@@ -246,8 +248,7 @@ RUN_IDS = [f"{p}-{'eager' if e else 'function'}" for p, e in RUNS]
 @pytest.mark.parametrize("name", list(INNERS))
 @pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_bit_identical_to_stock_every_step(policy, eager, name):
-    models = twin_models(policy)
-    opts = make_pair(INNERS[name], models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS[name], policy, dynamic_growth_steps=10)
     steps = 40 if eager else 320
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
     assert_fused(opts[1])
@@ -259,8 +260,8 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule"])
 def test_inexact_reciprocal_scale_divides_as_stock(name):
-    models = twin_models("mixed_float16")
-    opts = make_pair(INNERS[name], models, initial_scale=1000.0, dynamic_growth_steps=1000)
+    models, opts = make_pair(INNERS[name], "mixed_float16", initial_scale=1000.0,
+                             dynamic_growth_steps=1000)
     lockstep(models, opts, batches(120, seed=3), "mixed_float16")
     assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
     assert_fused(opts[1])
@@ -271,8 +272,7 @@ def test_nadam_skipped_step_leaves_u_product_as_stock(eager):
     """Nadam moves ``_u_product`` once per applied step, before its updates:
     a skipped step (an overflow) must leave it bit for bit as it was, as
     stock leaves it, and an applied one move it as stock does."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(INNERS["nadam_schedule"], models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS["nadam_schedule"], "mixed_float16", dynamic_growth_steps=10)
     steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
 
     def u_products():
@@ -295,8 +295,7 @@ def test_nadam_skipped_step_leaves_u_product_as_stock(eager):
 @pytest.mark.parametrize("name", ["sgd_nesterov_schedule", "adamw_exclude"])
 def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     policy = "mixed_float16"
-    models = twin_models(policy)
-    opts = make_pair(INNERS[name], models, dynamic_growth_steps=5)
+    models, opts = make_pair(INNERS[name], policy, dynamic_growth_steps=5)
     for model, opt in zip(models, opts):
         model.compile(optimizer=opt, loss="mse")
     data = batches(120, seed=5)
@@ -320,8 +319,8 @@ def test_graph_pass_switched_off_as_stock(option):
     previous = tf.config.optimizer.get_experimental_options().get(option, True)
     tf.config.optimizer.set_experimental_options({option: False})
     try:
-        models = twin_models("mixed_float16")
-        opts = make_pair(INNERS["rmsprop_centered_decay_exclude"], models, dynamic_growth_steps=10)
+        models, opts = make_pair(INNERS["rmsprop_centered_decay_exclude"], "mixed_float16",
+                                 dynamic_growth_steps=10)
         lockstep(models, opts, batches(60, seed=7), "mixed_float16")
         assert_fused(opts[1])
     finally:
@@ -465,8 +464,7 @@ def test_gradient_of_wrong_shape_raises_and_changes_nothing(bad, inner, mode):
 @pytest.mark.parametrize("dtype", [tf.float64, tf.int32, tf.complex64])
 def test_gradient_of_other_dtype_as_stock_or_clear_error(dtype, mode):
     """Stock Keras casts some dtypes: ours gives its bits, or raises and changes nothing."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(INNERS["adam"], models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS["adam"], "mixed_float16", dynamic_growth_steps=10)
     grads = []
     for model, opt in zip(models, opts):
         with tf.GradientTape() as tape:
