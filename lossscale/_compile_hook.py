@@ -25,6 +25,7 @@ nothing from the package, so every other module may import it.
 """
 
 import collections
+import dataclasses
 import warnings
 import weakref
 
@@ -55,8 +56,10 @@ class Wrapper(collections.namedtuple("Wrapper", ["kind", "loss_scale"])):
         return type(self.loss_scale).from_config(self.loss_scale.get_config())
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Patch:
-    """One method of one Keras class that the hook replaces.
+    """One method of one Keras class that the hook replaces (compared by
+    identity).
 
     Args:
       keras: ``"keras"`` (Keras 3) or ``"tf_keras"``: the Keras whose rule
@@ -67,13 +70,13 @@ class Patch:
         ``original`` for everything it does not decide itself.
     """
 
-    def __init__(self, keras, owner, attribute, make_replacement):
-        self.keras = keras
-        self.owner = owner
-        self.attribute = attribute
-        self.make_replacement = make_replacement
-        self.original = None
-        self.replacement = None
+    keras: str
+    owner: type
+    attribute: str
+    make_replacement: object
+    # While installed: the method replaced, and its replacement.
+    original: object = dataclasses.field(default=None, init=False)
+    replacement: object = dataclasses.field(default=None, init=False)
 
     def installed(self):
         """Whether ``owner``'s method is this patch's replacement right now."""

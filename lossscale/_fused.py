@@ -748,12 +748,15 @@ def _tf_keras_optimizers(legacy=False):
     return tf_keras.optimizers.legacy if legacy else tf_keras.optimizers
 
 
+def _first_reason(*checks):
+    """The reason of the first ``(holds, reason)`` pair that holds, or None."""
+    return next((reason for holds, reason in checks if holds), None)
+
+
 def _tf_keras_reason(inner):
-    if inner.jit_compile:
-        return "the inner optimizer compiles its update with XLA (jit_compile)"
-    if _compat.tf_keras_uses_dtensor(inner):
-        return "the inner optimizer runs under DTensor"
-    return None
+    return _first_reason(
+        (inner.jit_compile, "the inner optimizer compiles its update with XLA (jit_compile)"),
+        (_compat.tf_keras_uses_dtensor(inner), "the inner optimizer runs under DTensor"))
 
 
 def _tf_keras_adam_reason(inner):
@@ -788,11 +791,10 @@ def _legacy_epsilon(inner):
 
 
 def _legacy_reason(inner):
-    if inner.gradient_transformers:
-        return "the inner optimizer has gradient_transformers"
-    if _compat.tf_keras_legacy_aggregates_its_own_way(inner):
-        return "the inner optimizer has a gradient_aggregator of its own"
-    return None
+    return _first_reason(
+        (inner.gradient_transformers, "the inner optimizer has gradient_transformers"),
+        (_compat.tf_keras_legacy_aggregates_its_own_way(inner),
+         "the inner optimizer has a gradient_aggregator of its own"))
 
 
 def _legacy_momentum_flag(inner):

@@ -525,8 +525,12 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
         free(bufs)
 
 
-cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale, clip,
-              clip_value, clip_scalars, ls_optim_config *c):
+cdef _prepare(str what, bytes family, variables, grads, learning_rate, weight_decay, decay,
+              scale, unscale, clip, clip_value, clip_scalars, ls_optim_config *c):
+    """What every step function checks and sets in ``c`` (zeroed first) before
+    its family's own hyperparameters and slots: the lists, the unscale, the
+    weight decay, the clip, the family and the learning rate."""
+    memset(c, 0, sizeof(c[0]))
     variables = _param_list(variables, what, "variables", len(variables)
                             if isinstance(variables, (list, tuple)) else -1)
     n = len(variables)
@@ -556,7 +560,11 @@ cdef _prepare(str what, variables, grads, weight_decay, decay, scale, unscale, c
         else:
             raise ValueError(f"{what}: decay[{i}] must be False/0 (none), True/1 "
                              f"(var - (var * wd) * lr) or 2 (var - var * (wd * lr)), got {d!r}")
-    return variables, grads, forms, _prepare_clip(what, n, clip, clip_value, clip_scalars, c)
+    clip_scalars = _prepare_clip(what, n, clip, clip_value, clip_scalars, c)
+    _set_family(c, family)
+    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
+                               what, "learning_rate")
+    return variables, grads, forms, clip_scalars
 
 
 cdef list _prepare_clip(str what, Py_ssize_t n, clip, clip_value, clip_scalars,
@@ -604,14 +612,10 @@ def sgd_step_(variables, grads, momentums=None, *, learning_rate, momentum=0.0,
     """One Keras SGD step over float32 arrays, in place, fused with the
     finite check and the unscale; see ``lossscale.core``."""
     cdef ls_optim_config c
-    memset(&c, 0, sizeof(c))
     what = "sgd_step_"
-    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
-                                                     decay, scale, unscale, clip, clip_value,
-                                                     clip_scalars, &c)
-    _set_family(&c, b"sgd")
-    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
-                               what, "learning_rate")
+    variables, grads, decay, clip_scalars = _prepare(what, b"sgd", variables, grads,
+                                                     learning_rate, weight_decay, decay, scale,
+                                                     unscale, clip, clip_value, clip_scalars, &c)
     # family_sgd.h: momentum, nesterov
     c.hyper[0] = _float32(_real(momentum, what, "momentum"), what, "momentum")
     c.hyper[1] = 1.0 if nesterov else 0.0
@@ -634,15 +638,11 @@ def adam_step_(variables, grads, m, v, v_hat=None, *, learning_rate, alpha, beta
     step over float32 arrays, in place, fused with the finite check and the
     unscale; see ``lossscale.core``."""
     cdef ls_optim_config c
-    memset(&c, 0, sizeof(c))
     what = "adam_step_"
-    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
-                                                     decay, scale, unscale, clip, clip_value,
-                                                     clip_scalars, &c)
+    variables, grads, decay, clip_scalars = _prepare(what, b"adam", variables, grads,
+                                                     learning_rate, weight_decay, decay, scale,
+                                                     unscale, clip, clip_value, clip_scalars, &c)
     n = len(variables)
-    _set_family(&c, b"adam")
-    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
-                               what, "learning_rate")
     # family_adam.h: 1 - beta_1, 1 - beta_2, epsilon, amsgrad, alpha; as
     # Keras, 1 - beta in Python floats, then float32.
     c.hyper[0] = _float32(1 - _real(beta_1, what, "beta_1"), what, "beta_1")
@@ -685,17 +685,13 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     unscale (``scale=None``)."""
     cdef ls_optim_config c
     cdef int f, i, want
-    memset(&c, 0, sizeof(c))
     what = "optimizer_step_"
     names = optimizer_families()
     if family not in names:
         raise ValueError(f"{what}: family must be one of {sorted(names)}, got {family!r}")
-    variables, grads, decay, clip_scalars = _prepare(what, variables, grads, weight_decay,
-                                                     decay, scale, unscale, clip, clip_value,
-                                                     clip_scalars, &c)
-    _set_family(&c, family.encode())
-    c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),
-                               what, "learning_rate")
+    variables, grads, decay, clip_scalars = _prepare(what, family.encode(), variables, grads,
+                                                     learning_rate, weight_decay, decay, scale,
+                                                     unscale, clip, clip_value, clip_scalars, &c)
     if isinstance(hyper, (str, bytes)) or not hasattr(hyper, "__len__") \
             or len(hyper) != c.num_hyper:
         raise ValueError(f"{what}: {family} takes {c.num_hyper} hyperparameters, got "

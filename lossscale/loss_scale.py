@@ -25,6 +25,7 @@ ships them): TensorFlow's code then calls this package's ``__call__``,
 
 import abc
 import math
+import operator
 
 import numpy as np
 import tensorflow as tf
@@ -381,53 +382,27 @@ class DynamicLossScale(LossScale, _TensorFlowDynamicLossScale):
         obj._skipped_steps = None
         return obj
 
-    @property
-    def initial_loss_scale(self):
-        return self._initial_loss_scale
-
-    @property
-    def increment_period(self):
-        return self._config.increment_period
-
-    @property
-    def multiplier(self):
-        return self._config.multiplier
-
-    @property
-    def min_loss_scale(self):
-        return self._config.min_loss_scale
-
-    @property
-    def max_loss_scale(self):
-        """The cap on growth, or None when there is none."""
-        return self._config.cap
-
-    @property
-    def backoff_factor(self):
-        """None when a back-off divides by ``multiplier``."""
-        return self._config.backoff_factor
-
-    @property
-    def hysteresis(self):
-        return self._config.hysteresis
-
-    @property
-    def skipped_steps(self):
-        """The int64 variable counting skipped steps, or None when not counted."""
-        return self._skipped_steps
+    # The settings and state variables, read-only.
+    initial_loss_scale = property(operator.attrgetter("_initial_loss_scale"))
+    increment_period = property(operator.attrgetter("_config.increment_period"))
+    multiplier = property(operator.attrgetter("_config.multiplier"))
+    min_loss_scale = property(operator.attrgetter("_config.min_loss_scale"))
+    max_loss_scale = property(operator.attrgetter("_config.cap"),
+                              doc="The cap on growth, or None when there is none.")
+    backoff_factor = property(operator.attrgetter("_config.backoff_factor"),
+                              doc="None when a back-off divides by ``multiplier``.")
+    hysteresis = property(operator.attrgetter("_config.hysteresis"))
+    skipped_steps = property(
+        operator.attrgetter("_skipped_steps"),
+        doc="The int64 variable counting skipped steps, or None when not counted.")
+    good_steps = property(
+        operator.attrgetter("_num_good_steps"),
+        doc="The int64 variable counting finite steps since the scale last changed.")
+    scale_config = property(operator.attrgetter("_config"),
+                            doc="The rule and its settings, a ``lossscale._config.ScaleConfig``.")
 
     def __call__(self):
         return tf.convert_to_tensor(self._current_loss_scale)
-
-    @property
-    def good_steps(self):
-        """The int64 variable counting finite steps since the scale last changed."""
-        return self._num_good_steps
-
-    @property
-    def scale_config(self):
-        """The rule and its settings, a ``lossscale._config.ScaleConfig``."""
-        return self._config
 
     @property
     def state_variables(self):

@@ -615,6 +615,31 @@ def simd_term_cases():
             yield f"{name}/terms/flush={flush}", CONFIGS[name], "float32", flush, seed
 
 
+def simd_runs():
+    """Each case of ``simd_cases`` then of ``simd_term_cases`` as ``(key, cfg,
+    flush_denormals, variables, slots, steps)``: the state made from the
+    case's seed, and ``steps`` yielding ``(t, grads, kwargs)`` for each of
+    ``SIMD_STEPS`` steps (``kwargs``: the unscale's ``scale`` and ``mode``,
+    or the gradient ``terms``), drawn from the same generator as the state,
+    in that order."""
+    for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
+        rng = np.random.default_rng(seed)
+        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
+        yield (key, cfg, flush, variables, slots,
+               _simd_steps(rng, cfg, dtype, scale, {"scale": scale, "mode": mode}))
+    for key, cfg, dtype, flush, seed in simd_term_cases():
+        rng = np.random.default_rng(seed)
+        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
+        yield key, cfg, flush, variables, slots, _simd_steps(rng, cfg, dtype, None, None)
+
+
+def _simd_steps(rng, cfg, dtype, scale, unscale):
+    for step in range(SIMD_STEPS):
+        grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
+        kwargs = unscale if unscale is not None else {"terms": make_terms(rng, cfg, SIMD_SHAPES)}
+        yield step + 1, grads, kwargs
+
+
 def flat_bits(variables, slots):
     """Every variable then every slot (by name), as one uint32 array."""
     arrays = variables + [a for k in sorted(slots) for a in slots[k]]

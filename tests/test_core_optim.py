@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from lossscale import core
-from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS,
-                         TERM_CONFIGS, core_step, flat_bits, keras_step, make_grads,
-                         make_terms, make_state, simd_cases, simd_term_cases)
+from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, TERM_CONFIGS, core_step, flat_bits,
+                         keras_step, make_grads, make_terms, make_state, simd_runs)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -240,27 +239,14 @@ WORKER = textwrap.dedent(r'''
     import numpy as np
     sys.path.insert(0, sys.argv[2])
     from lossscale import core
-    from optim_model import (CONFIGS, GRAD_DTYPES, SIMD_SHAPES, SIMD_STEPS, core_step,
-                             flat_bits, make_grads, make_terms, make_state, simd_cases,
-                             simd_term_cases)
+    from optim_model import (CONFIGS, GRAD_DTYPES, core_step, flat_bits, make_grads,
+                             make_state, simd_runs)
 
     res = {"level": np.array(core.simd_level())}
-    for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
-        rng = np.random.default_rng(seed)
-        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
-        for step in range(SIMD_STEPS):
-            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
-            assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
-                             scale=scale, mode=mode, flush_denormals=flush) is True, key
-        res[key] = flat_bits(variables, slots)
-    for key, cfg, dtype, flush, seed in simd_term_cases():
-        rng = np.random.default_rng(seed)
-        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
-        for step in range(SIMD_STEPS):
-            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
-            terms = make_terms(rng, cfg, SIMD_SHAPES)
-            assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=step + 1,
-                             flush_denormals=flush, terms=terms) is True, key
+    for key, cfg, flush, variables, slots, steps in simd_runs():
+        for t, grads, kwargs in steps:
+            assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=t,
+                             flush_denormals=flush, **kwargs) is True, key
         res[key] = flat_bits(variables, slots)
     for name, cfg in CONFIGS.items():
         # A long list, spread over the library's threads.
@@ -320,27 +306,12 @@ def test_scalar_level_matches_keras_model(level_results):
                                  f"Keras model {want[i]:#010x}")
 
     checked = 0
-    for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
+    for key, cfg, flush, variables, slots, steps in simd_runs():
         if flush:
             continue
-        rng = np.random.default_rng(seed)
-        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
-        for step in range(SIMD_STEPS):
-            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
-            variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
-                                          t=step + 1, scale=scale, mode=mode)
-        same_as_model(key, variables, slots)
-        checked += 1
-    for key, cfg, dtype, flush, seed in simd_term_cases():
-        if flush:
-            continue
-        rng = np.random.default_rng(seed)
-        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
-        for step in range(SIMD_STEPS):
-            grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], None, special=True)
-            terms = make_terms(rng, cfg, SIMD_SHAPES)
-            variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"],
-                                          t=step + 1, terms=terms)
+        for t, grads, kwargs in steps:
+            variables, slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"], t=t,
+                                          **kwargs)
         same_as_model(key, variables, slots)
         checked += 1
     assert checked > 0

@@ -27,6 +27,8 @@ fused:
   would clip in float16 take the stock path, saying so.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -34,10 +36,10 @@ import tensorflow as tf
 
 import lossscale
 from lossscale import _fused
-from helpers import (bits, keras3_train_step, mse_loss, tf24_reference_step, tf24_train_step,
-                     tf_dynamic)
-from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, batches,
-                             excluding_biases, factor, lockstep, schedule, state, twin_models)
+from helpers import bits, keras3_train_step, mse_loss, tf_dynamic
+from test_fused_step import (Ours, Stock, assert_fused, assert_same_state, assert_twins_agree,
+                             batches, excluding_biases, factor, lockstep, make_pair, schedule,
+                             state, tf24_twins, twin_models)
 
 # One inner optimizer per fused family (AdamW is Adam's), a schedule and
 # weight decay among them; ``clip`` is the clip keyword.
@@ -81,31 +83,32 @@ def true_gradients(policy, steps):
     return out
 
 
-def threshold(policy, clip):
-    """A clip value that clips some of the gradients and not others: the
-    median per-variable norm, global norm or magnitude."""
+def clip_measures(policy, clip):
+    """What ``clip`` compares with its threshold on the untrained model's
+    first batches: the per-variable norms, the global norms, or (of the
+    first batch) the magnitudes."""
     grads = true_gradients(policy, 6)
     if clip == "clipnorm":
-        values = [np.linalg.norm(g) for step in grads for g in step]
-    elif clip == "global_clipnorm":
-        values = [np.sqrt(sum(np.sum(g * g) for g in step)) for step in grads]
-    else:
-        values = [np.abs(g[g != 0]) for g in grads[0]]
-        values = np.concatenate([v.reshape(-1) for v in values])
+        return np.array([np.linalg.norm(g) for step in grads for g in step])
+    if clip == "global_clipnorm":
+        return np.array([np.sqrt(sum(np.sum(g * g) for g in step)) for step in grads])
+    return np.concatenate([np.abs(g).reshape(-1) for g in grads[0]])
+
+
+def threshold(policy, clip):
+    """A clip value that clips some of the gradients and not others: the
+    median per-variable norm, global norm or nonzero magnitude."""
+    values = clip_measures(policy, clip)
+    if clip == "clipvalue":
+        values = values[values != 0]
     return float(np.median(values))
 
 
 def clipped_somewhere_not_everywhere(policy, clip, value):
     """Whether the threshold clips on the untrained model's first batches
     and also leaves something unclipped (the test's own premise)."""
-    grads = true_gradients(policy, 6)
-    if clip == "clipnorm":
-        norms = [np.linalg.norm(g) for step in grads for g in step]
-    elif clip == "global_clipnorm":
-        norms = [np.sqrt(sum(np.sum(g * g) for g in step)) for step in grads]
-    else:
-        norms = np.concatenate([np.abs(g).reshape(-1) for g in grads[0]])
-    return min(norms) < value < max(norms)
+    measures = clip_measures(policy, clip)
+    return measures.min() < value < measures.max()
 
 
 @pytest.mark.parametrize("clip", CLIPS)
@@ -115,11 +118,8 @@ def clipped_somewhere_not_everywhere(policy, clip, value):
 def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
     value = threshold(policy, clip)
     assert clipped_somewhere_not_everywhere(policy, clip, value)
-    models = twin_models(policy)
-    opts = [Stock(FAMILY_INNERS[name](**{clip: value}), dynamic_growth_steps=10),
-            Ours(FAMILY_INNERS[name](**{clip: value}), dynamic_growth_steps=10)]
-    for model, opt in zip(models, opts):
-        opt.build(model.trainable_variables)
+    models, opts = make_pair(functools.partial(FAMILY_INNERS[name], **{clip: value}), policy,
+                             dynamic_growth_steps=10)
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
     if name.startswith("sgd") and clip == "global_clipnorm" and not eager:
         # The graph's `u * factor * learning_rate`, reordered (see _fused._sgd_reason).
@@ -138,11 +138,7 @@ def test_sgd_global_clipnorm_fused_eagerly_stock_in_a_graph(make_inner):
     """Eagerly the products run as written and the step is fused; in a graph
     the step is the stock one, and the same bits."""
     for eager in (True, False):
-        models = twin_models("mixed_float16")
-        opts = [Stock(make_inner(), dynamic_growth_steps=10),
-                Ours(make_inner(), dynamic_growth_steps=10)]
-        for model, opt in zip(models, opts):
-            opt.build(model.trainable_variables)
+        models, opts = make_pair(make_inner, "mixed_float16", dynamic_growth_steps=10)
         lockstep(models, opts, batches(12 if eager else 40), "mixed_float16", eager=eager)
         assert opts[1].step_path.startswith("fused" if eager else "stock: global_clipnorm")
 
@@ -271,67 +267,51 @@ def test_squared_norms_are_stock_on_both_sides_of_the_bound(eager):
 # ----------------------------------------------- TensorFlow 2.4's loop
 
 
-@pytest.mark.parametrize("clip,value", [("clipnorm", 0.02), ("global_clipnorm", 0.05),
-                                        ("clipvalue", 0.002)])
+CLIPPED_ADAMS = [("clipnorm", 0.02), ("global_clipnorm", 0.05), ("clipvalue", 0.002)]
+
+
+def tf24_lockstep(opt, make_inner, reference_scale, seed, **twins):
+    """40 steps of ``opt`` on one twin and of TensorFlow's ``reference_scale``
+    around a stock ``make_inner()`` on the other (``tf24_twins``), the scale
+    and every variable compared after each."""
+    models = twin_models("mixed_float16")
+    opt.build(models[1].trainable_variables)
+    reference_inner, reference_step, step = tf24_twins(models, opt, make_inner, reference_scale,
+                                                       **twins)
+    for i, (x, y) in enumerate(batches(40, seed=seed)):
+        f = tf.constant(factor(i, "mixed_float16"))
+        reference_step(x, y, f)
+        step(x, y, f)
+        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), i
+        assert_twins_agree(models, reference_inner.variables, opt.inner_optimizer.variables,
+                           f"step {i}")
+    assert_fused(opt)
+
+
+@pytest.mark.parametrize("clip,value", CLIPPED_ADAMS)
 def test_tf24_loop_bit_identical_to_tensorflow_reference(clip, value):
     """``experimental.LossScaleOptimizer.apply_gradients`` on unscaled
     gradients: TensorFlow's own ``DynamicLossScale`` checks them and the
     stock inner optimizer clips and applies them."""
     from lossscale import experimental
 
-    models = twin_models("mixed_float16")
-
-    def make():
-        return keras.optimizers.Adam(0.003, **{clip: value})
-
+    make = functools.partial(keras.optimizers.Adam, 0.003, **{clip: value})
     opt = experimental.LossScaleOptimizer(make(), experimental.DynamicLossScale(2.0**10, 5))
-    reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
-    reference_inner = make()
-    reference_inner.build(models[0].trainable_variables)
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
-                                                     reference_scale, count_skipped=True))
-    step = tf.function(tf24_train_step(models[1], opt))
-    for i, (x, y) in enumerate(batches(40, seed=6)):
-        f = tf.constant(factor(i, "mixed_float16"))
-        reference_step(x, y, f)
-        step(x, y, f)
-        assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), i
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + opt.inner_optimizer.variables], f"step {i}")
-    assert_fused(opt)
+    tf24_lockstep(opt, make, tf_dynamic(initial_loss_scale=2.0**10, increment_period=5), seed=6,
+                  count_skipped=True)
 
 
-@pytest.mark.parametrize("clip,value", [("clipnorm", 0.02), ("global_clipnorm", 0.05),
-                                        ("clipvalue", 0.002)])
+@pytest.mark.parametrize("clip,value", CLIPPED_ADAMS)
 def test_loss_scale_object_mode_bit_identical_to_tensorflow_reference(clip, value):
     """With ``loss_scale=`` a ``DynamicLossScale`` the gradients are unscaled
     as TensorFlow 2.4 did (times ``1 / scale``) before the inner optimizer
     clips them: TensorFlow's own ``DynamicLossScale`` driving the stock
     inner optimizer is the reference."""
-    models = twin_models("mixed_float16")
-
-    def make():
-        return keras.optimizers.Adam(0.003, **{clip: value})
-
+    make = functools.partial(keras.optimizers.Adam, 0.003, **{clip: value})
     ours = Ours(make(), loss_scale=lossscale.DynamicLossScale(2.0**10, 3, 2.0))
-    ours.build(models[1].trainable_variables)
-    reference = tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0)
-    reference_inner = make()
-    reference_inner.build(models[0].trainable_variables)
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner, reference))
-    step = tf.function(keras3_train_step(models[1], ours))
-    for i, (x, y) in enumerate(batches(40, seed=11)):
-        f = tf.constant(factor(i, "mixed_float16"))
-        reference_step(x, y, f)
-        step(x, y, f)
-        assert bits(ours.loss_scale.numpy()) == bits(reference().numpy()), i
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + reference_inner.variables],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + ours.inner_optimizer.variables], f"step {i}")
-    assert_fused(ours)
+    tf24_lockstep(ours, make,
+                  tf_dynamic(initial_loss_scale=2.0**10, increment_period=3, multiplier=2.0),
+                  seed=11, train_step=keras3_train_step)
 
 
 # --------------------------------------------------------- bad input

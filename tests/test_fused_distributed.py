@@ -278,6 +278,8 @@ def mirrored_fit(strategy):
     with it in one half only; the state after every batch."""
     import keras
 
+    from helpers import batch_recorder
+
     made = make_case(strategy, "adam", MIRRORED_CASES,
                      {"stock": "stock", "ours": "ours", "one": "ours"})
     x, y = (np.concatenate(parts) for parts in zip(*(batch(200 + i, 0, 8) for i in range(30))))
@@ -292,19 +294,11 @@ def mirrored_fit(strategy):
                     x_[8 * b + 4 * h + 1, 2] = value
         return x_
 
-    class Snapshots(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.states = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.states.append(digest(state(self.model, self.model.optimizer)))
-
     runs = {}
     for m, (model, opt) in made.items():
         with strategy.scope():
             model.compile(optimizer=opt, loss="mse")
-        snapshots = Snapshots()
+        snapshots = batch_recorder(keras.callbacks, lambda model, opt: digest(state(model, opt)))
         model.fit(spoiled(one_sided=m == "one"), y, batch_size=8, shuffle=False, verbose=0,
                   callbacks=[snapshots])
         runs[m] = {"states": snapshots.states, "iterations": int(opt.iterations.numpy()),

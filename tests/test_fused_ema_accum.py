@@ -29,10 +29,11 @@ import pytest
 import tensorflow as tf
 
 import lossscale
-from helpers import batch_recorder, bits, tf24_reference_step, tf24_train_step, tf_dynamic
-from test_fused_step import (INF, NAN, Ours, Stock, assert_same_state, batches, build_model,
-                             excluding_biases, own_state, schedule, state, state_reader,
-                             step_fn, twin_models)
+from helpers import batch_recorder, bits, tf_dynamic
+from test_fused_step import (INF, NAN, RUN_IDS, RUNS, Ours, Stock, assert_fused,
+                             assert_same_state, assert_twins_agree, batches, build_model,
+                             excluding_biases, make_pair, own_state, schedule, state,
+                             state_reader, step_fn, tf24_twins, twin_models)
 
 opt_ = keras.optimizers
 
@@ -150,26 +151,10 @@ def lockstep(models, opts, data, policy, *, eager=False):
     return skipped
 
 
-def make_pair(make_inner, models, **kw):
-    opts = [Stock(make_inner(), **kw), Ours(make_inner(), **kw)]
-    for model, opt in zip(models, opts):
-        opt.build(model.trainable_variables)
-    return opts
-
-
-def assert_fused(opt):
-    assert opt.step_path.startswith("fused"), opt.step_path
-
-
-RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
-
-
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("policy,eager", RUNS,
-                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_bit_identical_to_stock_every_step(policy, eager, name):
-    models = twin_models(policy)
-    opts = make_pair(CASES[name], models, dynamic_growth_steps=5)
+    models, opts = make_pair(CASES[name], policy, dynamic_growth_steps=5)
     steps = 16 if eager else 64
     skipped = lockstep(models, opts, batches(steps, seed=11), policy, eager=eager)
     assert_fused(opts[1])
@@ -188,9 +173,8 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
 def test_inexact_reciprocal_scale_accumulates_as_stock():
     """A scale whose reciprocal is inexact (1000): stock divides each
     gradient by it before adding it up, and so does the fused step."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["sgd_nesterov"], models, initial_scale=1000.0,
-                     dynamic_growth_steps=1000)
+    models, opts = make_pair(BOTH["sgd_nesterov"], "mixed_float16", initial_scale=1000.0,
+                             dynamic_growth_steps=1000)
     lockstep(models, opts, batches(40, seed=13), "mixed_float16")
     assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
     assert_fused(opts[1])
@@ -210,8 +194,7 @@ def test_average_over_three_steps_fused_where_exact(name):
     runs = [("mixed_float16", False, 40, 2.0**8), ("mixed_bfloat16", False, 40, 2.0**15),
             ("mixed_float16", True, 16, 2.0**8)]
     for policy, eager, steps, scale in runs:
-        models = twin_models(policy)
-        opts = make_pair(make_inner, models, initial_scale=scale, dynamic_growth_steps=5)
+        models, opts = make_pair(make_inner, policy, initial_scale=scale, dynamic_growth_steps=5)
         skipped = lockstep(models, opts, batches(steps, seed=12), policy, eager=eager)
         assert set(skipped.values()) == {"update", "accumulate"}, skipped
         if eager or not scales_gradient:
@@ -227,9 +210,8 @@ def test_skipped_step_leaves_accumulators_and_averages_as_they_were(eager):
     """An overflow skips the inner optimizer's apply altogether: on stock and
     here, neither an accumulator nor an EMA copy moves, whether the step
     would have accumulated or updated."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
-                     dynamic_growth_steps=100)
+    models, opts = make_pair(BOTH["adam_schedule"], "mixed_float16", initial_scale=2.0**8,
+                             dynamic_growth_steps=100)
     steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
 
     def extra(opt):
@@ -285,8 +267,7 @@ def test_save_and_load_mid_run_then_lockstep(tmp_path):
     """The accumulators, the EMA copies and their schedules' counter come
     back from a ``.keras`` file, and the loaded optimizers go on in lockstep."""
     policy = "mixed_float16"
-    models = twin_models(policy)
-    opts = make_pair(BOTH["adam_schedule"], models, dynamic_growth_steps=5)
+    models, opts = make_pair(BOTH["adam_schedule"], policy, dynamic_growth_steps=5)
     for model, opt in zip(models, opts):
         model.compile(optimizer=opt, loss="mse")
     data = batches(40, seed=5)
@@ -320,13 +301,9 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
     opt = experimental.LossScaleOptimizer(CASES[name](), experimental.DynamicLossScale(
         2.0**10, 5))
     reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
-    reference_inner = CASES[name]()
-    reference_inner.build(models[0].trainable_variables)
     # TensorFlow 2.4's skipped step advances the counter the accumulation
     # follows, the inner optimizer's own.
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
-                                                     reference_scale))
-    step = tf.function(tf24_train_step(models[1], opt))
+    reference_inner, reference_step, step = tf24_twins(models, opt, CASES[name], reference_scale)
 
     def slots(inner):
         return [v for v in inner.variables if all(v is not u for u in own_state(inner))] + \
@@ -339,10 +316,8 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
             reference_inner._iterations.assign_add(1)
         step(x, y, f)
         assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), f"step {i}"
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + slots(opt.inner_optimizer)], f"step {i}")
+        assert_twins_agree(models, slots(reference_inner), slots(opt.inner_optimizer),
+                           f"step {i}")
     assert int(opt.inner_optimizer._iterations.numpy()) == 40
     assert_fused(opt)
 
@@ -361,9 +336,8 @@ def float16_gradients(model, scale, seed):
 def test_float16_gradients_accumulate_as_stock(mode):
     """Keras 3's rule divides float16 gradients by the scale in float32
     before the inner optimizer adds them up: as stock, every step."""
-    models = twin_models("mixed_float16")
-    opts = make_pair(BOTH["adam_schedule"], models, initial_scale=2.0**8,
-                     dynamic_growth_steps=3)
+    models, opts = make_pair(BOTH["adam_schedule"], "mixed_float16", initial_scale=2.0**8,
+                             dynamic_growth_steps=3)
     readers = [state_reader(m, o) for m, o in zip(models, opts)]
     for i in range(10):
         for model, opt in zip(models, opts):
@@ -434,8 +408,7 @@ def test_loss_scale_rule_bit_identical_to_its_stock_path(name):
     (lambda: opt_.Muon(0.003), "Muon orthogonalises each gradient matrix"),
 ], ids=["lamb", "adafactor", "muon"])
 def test_stock_path_says_why_not_fused(make_inner, why):
-    models = twin_models("mixed_float16")
-    opts = make_pair(make_inner, models, dynamic_growth_steps=5)
+    models, opts = make_pair(make_inner, "mixed_float16", dynamic_growth_steps=5)
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path
     lockstep(models, opts, batches(10, seed=9), "mixed_float16")
     assert opts[1].step_path.startswith(f"stock: {why}"), opts[1].step_path

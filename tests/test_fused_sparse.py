@@ -26,7 +26,8 @@ import tensorflow as tf
 
 import lossscale
 from helpers import bits, keras3_train_step
-from test_fused_step import INNERS, OVERFLOWS, assert_same_state, factor
+from test_fused_step import (INNERS, OVERFLOWS, RUN_IDS, RUNS, assert_same_state, factor,
+                             sequential_under)
 
 Stock = keras.optimizers.LossScaleOptimizer
 Ours = lossscale.LossScaleOptimizer
@@ -49,19 +50,8 @@ VOCAB, USED, SEQ, DIM = 60, 40, 5, 6  # tokens < USED: rows USED.. never touched
 
 def embedding_model(policy, seed=0):
     """Embedding -> Dense under ``policy``: a sparse gradient beside dense ones."""
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(policy)
-    try:
-        keras.utils.set_random_seed(seed)
-        return keras.Sequential([
-            keras.Input((SEQ,), dtype="int32"),
-            keras.layers.Embedding(VOCAB, DIM),
-            keras.layers.Flatten(),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(1, dtype="float32"),
-        ])
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
+    return sequential_under(policy, seed, lambda: [keras.Input((SEQ,), dtype="int32"),
+                                                   keras.layers.Embedding(VOCAB, DIM)])
 
 
 def token_batches(steps, seed=0):
@@ -114,12 +104,8 @@ def embedding_lockstep(name, policy, eager, steps, seed=0):
     return models, opts
 
 
-RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
-
-
 @pytest.mark.parametrize("name", FUSED)
-@pytest.mark.parametrize("policy,eager", RUNS,
-                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_embedding_model_bit_identical_to_stock_every_step(policy, eager, name):
     steps = 24 if eager else 96
     models, opts = embedding_lockstep(name, policy, eager, steps)

@@ -61,21 +61,27 @@ def assert_stock(opt, why):
 # ------------------------------------------------------------- helpers
 
 
-def build_model(policy, seed=0):
-    """A small Conv2D + Dense model made under ``policy``, restoring the old one."""
+def sequential_under(policy, seed, first_layers):
+    """``first_layers()`` then Flatten, Dense(8, tanh) and a float32 Dense(1),
+    made under ``policy`` from the random seed ``seed``, restoring the old
+    policy."""
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(seed)
-        return keras.Sequential([
-            keras.Input((6, 6, 2)),
-            keras.layers.Conv2D(3, 3, activation="relu"),
+        return keras.Sequential(first_layers() + [
             keras.layers.Flatten(),
             keras.layers.Dense(8, activation="tanh"),
             keras.layers.Dense(1, dtype="float32"),
         ])
     finally:
         keras.mixed_precision.set_global_policy(previous)
+
+
+def build_model(policy, seed=0):
+    """A small Conv2D + Dense model made under ``policy``."""
+    return sequential_under(policy, seed, lambda: [keras.Input((6, 6, 2)),
+                                                   keras.layers.Conv2D(3, 3, activation="relu")])
 
 
 def twin_models(policy):
@@ -187,6 +193,25 @@ def assert_same_state(a, b, where):
     assert not bad, f"{where}: {bad} differ from stock"
 
 
+def tf24_twins(models, opt, make_inner, reference_scale, *, count_skipped=False,
+               train_step=tf24_train_step):
+    """TensorFlow 2.4's loop on both twins, compiled: ``opt`` on ``models[1]``;
+    on ``models[0]`` TensorFlow's own ``reference_scale`` around a stock
+    ``make_inner()``.  Returns ``(reference_inner, reference_step, step)``."""
+    reference_inner = make_inner()
+    reference_inner.build(models[0].trainable_variables)
+    reference_step = tf.function(tf24_reference_step(models[0], reference_inner, reference_scale,
+                                                     count_skipped=count_skipped))
+    return reference_inner, reference_step, tf.function(train_step(models[1], opt))
+
+
+def assert_twins_agree(models, reference_slots, slots, where):
+    """Each twin's variables, then the slots given for it, agree bit for bit."""
+    assert_same_state(
+        [(v.path, bits(v.numpy())) for v in models[0].variables + list(reference_slots)],
+        [(v.path, bits(v.numpy())) for v in models[1].variables + list(slots)], where)
+
+
 def lockstep(models, opts, data, policy, *, eager=False, first=0):
     """Steps both twins over ``data``, comparing after every step; returns scales."""
     steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
@@ -201,11 +226,14 @@ def lockstep(models, opts, data, policy, *, eager=False, first=0):
     return scales
 
 
-def make_pair(name, models, **kw):
-    opts = [Stock(INNERS[name](), **kw), Ours(INNERS[name](), **kw)]
+def make_pair(make_inner, policy, **kw):
+    """``(models, opts)``: the twins under ``policy``, and stock's and our
+    optimizer around two ``make_inner()``, built on them."""
+    models = twin_models(policy)
+    opts = [Stock(make_inner(), **kw), Ours(make_inner(), **kw)]
     for model, opt in zip(models, opts):
         opt.build(model.trainable_variables)
-    return opts
+    return models, opts
 
 
 # ----------------------------------------------------- lockstep with stock
@@ -214,14 +242,13 @@ def make_pair(name, models, **kw):
 # Eagerly on one policy only: what eager changes (the ops' dispatch) does
 # not depend on the gradients' dtype, and the file's run time stays short.
 RUNS = [("mixed_float16", False), ("mixed_float16", True), ("mixed_bfloat16", False)]
+RUN_IDS = [f"{p}-{'eager' if e else 'function'}" for p, e in RUNS]
 
 
 @pytest.mark.parametrize("name", list(INNERS))
-@pytest.mark.parametrize("policy,eager", RUNS,
-                         ids=[f"{p}-{'eager' if e else 'function'}" for p, e in RUNS])
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
 def test_bit_identical_to_stock_every_step(policy, eager, name):
-    models = twin_models(policy)
-    opts = make_pair(name, models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS[name], policy, dynamic_growth_steps=10)
     steps = 40 if eager else 320
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
     assert_fused(opts[1])
@@ -233,8 +260,8 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule"])
 def test_inexact_reciprocal_scale_divides_as_stock(name):
-    models = twin_models("mixed_float16")
-    opts = make_pair(name, models, initial_scale=1000.0, dynamic_growth_steps=1000)
+    models, opts = make_pair(INNERS[name], "mixed_float16", initial_scale=1000.0,
+                             dynamic_growth_steps=1000)
     lockstep(models, opts, batches(120, seed=3), "mixed_float16")
     assert not math.log2(float(opts[1].dynamic_scale.numpy())).is_integer()
     assert_fused(opts[1])
@@ -245,8 +272,7 @@ def test_nadam_skipped_step_leaves_u_product_as_stock(eager):
     """Nadam moves ``_u_product`` once per applied step, before its updates:
     a skipped step (an overflow) must leave it bit for bit as it was, as
     stock leaves it, and an applied one move it as stock does."""
-    models = twin_models("mixed_float16")
-    opts = make_pair("nadam_schedule", models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS["nadam_schedule"], "mixed_float16", dynamic_growth_steps=10)
     steps = [step_fn(m, o, eager) for m, o in zip(models, opts)]
 
     def u_products():
@@ -269,8 +295,7 @@ def test_nadam_skipped_step_leaves_u_product_as_stock(eager):
 @pytest.mark.parametrize("name", ["sgd_nesterov_schedule", "adamw_exclude"])
 def test_save_and_load_mid_run_then_lockstep(name, tmp_path):
     policy = "mixed_float16"
-    models = twin_models(policy)
-    opts = make_pair(name, models, dynamic_growth_steps=5)
+    models, opts = make_pair(INNERS[name], policy, dynamic_growth_steps=5)
     for model, opt in zip(models, opts):
         model.compile(optimizer=opt, loss="mse")
     data = batches(120, seed=5)
@@ -294,8 +319,8 @@ def test_graph_pass_switched_off_as_stock(option):
     previous = tf.config.optimizer.get_experimental_options().get(option, True)
     tf.config.optimizer.set_experimental_options({option: False})
     try:
-        models = twin_models("mixed_float16")
-        opts = make_pair("rmsprop_centered_decay_exclude", models, dynamic_growth_steps=10)
+        models, opts = make_pair(INNERS["rmsprop_centered_decay_exclude"], "mixed_float16",
+                                 dynamic_growth_steps=10)
         lockstep(models, opts, batches(60, seed=7), "mixed_float16")
         assert_fused(opts[1])
     finally:
@@ -317,11 +342,8 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
     opt = experimental.LossScaleOptimizer(INNERS[name](), experimental.DynamicLossScale(
         2.0**10, 5))
     reference_scale = tf_dynamic(initial_loss_scale=2.0**10, increment_period=5)
-    reference_inner = INNERS[name]()
-    reference_inner.build(models[0].trainable_variables)
-    reference_step = tf.function(tf24_reference_step(models[0], reference_inner,
-                                                     reference_scale, count_skipped=True))
-    step = tf.function(tf24_train_step(models[1], opt))
+    reference_inner, reference_step, step = tf24_twins(models, opt, INNERS[name],
+                                                       reference_scale, count_skipped=True)
 
     def slots(inner):
         # Nadam's _u_product last, listed or not (a wrapper's build leaves it out).
@@ -338,10 +360,7 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
         assert bits(opt.loss_scale.numpy()) == bits(reference_scale().numpy()), where
         assert int(opt.dynamic_counter.numpy()) == int(reference_scale._num_good_steps.numpy())
         assert int(opt.iterations.numpy()) == int(reference_inner.iterations.numpy()) == i + 1
-        assert_same_state(
-            [(v.path, bits(v.numpy())) for v in models[0].variables + slots(reference_inner)],
-            [(v.path, bits(v.numpy()))
-             for v in models[1].variables + slots(opt.inner_optimizer)], where)
+        assert_twins_agree(models, slots(reference_inner), slots(opt.inner_optimizer), where)
     assert_fused(opt)
 
 
@@ -445,8 +464,7 @@ def test_gradient_of_wrong_shape_raises_and_changes_nothing(bad, inner, mode):
 @pytest.mark.parametrize("dtype", [tf.float64, tf.int32, tf.complex64])
 def test_gradient_of_other_dtype_as_stock_or_clear_error(dtype, mode):
     """Stock Keras casts some dtypes: ours gives its bits, or raises and changes nothing."""
-    models = twin_models("mixed_float16")
-    opts = make_pair("adam", models, dynamic_growth_steps=10)
+    models, opts = make_pair(INNERS["adam"], "mixed_float16", dynamic_growth_steps=10)
     grads = []
     for model, opt in zip(models, opts):
         with tf.GradientTape() as tape:

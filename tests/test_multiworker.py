@@ -303,7 +303,7 @@ def mirrored_fit(strategy):
     import keras
     import tensorflow as tf
 
-    from helpers import mixed_mlp
+    from helpers import batch_recorder, mixed_mlp
     from lossscale.optimizer import LossScaleOptimizer
 
     x, y = (np.concatenate(parts) for parts in zip(*(batch(100 + i, 0) for i in range(10))))
@@ -316,25 +316,19 @@ def mirrored_fit(strategy):
                 x_[8 * b + (sample + 4) % 8, sample % 6] = value
         return x_
 
-    class Snapshots(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.states = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            """(digest of every variable, of the weights and slots only, copies agree)."""
-            opt = self.model.optimizer
-            weights = list(self.model.variables) + [
-                v for v in opt.inner_optimizer.variables if v is not opt.iterations]
-            everything, trained, agree = hashlib.sha1(), hashlib.sha1(), True
-            for v in list(self.model.variables) + list(opt.variables):
-                tf_v = v.value if isinstance(v, keras.Variable) else v
-                copies = [c.numpy().tobytes() for c in getattr(tf_v, "values", [tf_v])]
-                agree &= len(set(copies)) == 1
-                everything.update(copies[0])
-                if any(v is w for w in weights):
-                    trained.update(copies[0])
-            self.states.append((everything.hexdigest(), trained.hexdigest(), bool(agree)))
+    def snapshot(model, opt):
+        """(digest of every variable, of the weights and slots only, copies agree)."""
+        weights = list(model.variables) + [
+            v for v in opt.inner_optimizer.variables if v is not opt.iterations]
+        everything, trained, agree = hashlib.sha1(), hashlib.sha1(), True
+        for v in list(model.variables) + list(opt.variables):
+            tf_v = v.value if isinstance(v, keras.Variable) else v
+            copies = [c.numpy().tobytes() for c in getattr(tf_v, "values", [tf_v])]
+            agree &= len(set(copies)) == 1
+            everything.update(copies[0])
+            if any(v is w for w in weights):
+                trained.update(copies[0])
+        return everything.hexdigest(), trained.hexdigest(), bool(agree)
 
     runs = {}
     for name, cls in (("ours", LossScaleOptimizer), ("stock", keras.optimizers.LossScaleOptimizer)):
@@ -343,7 +337,7 @@ def mirrored_fit(strategy):
             model.compile(loss="mse", optimizer=cls(keras.optimizers.SGD(0.05, momentum=0.5),
                                                     initial_scale=INITIAL_SCALE,
                                                     dynamic_growth_steps=GROWTH))
-        snapshots = Snapshots()
+        snapshots = batch_recorder(keras.callbacks, snapshot)
         model.fit(spoiled(both=name == "stock"), y, batch_size=8, shuffle=False, verbose=0,
                   callbacks=[snapshots])
         runs[name] = {"states": snapshots.states,

@@ -163,20 +163,37 @@ def test_tf_keras_rule_only():
         lossscale.LossScaleOptimizer(keras.optimizers.Adam())
 
 
-def _custom_loop(opt, model, x, y, use_function):
+def _apply_step(opt, model):
+    """A custom loop's step: the scaled loss, the unscaled gradients, apply_gradients."""
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb) - yb))
             scaled = opt.get_scaled_loss(loss)
         grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
         opt.apply_gradients(zip(grads, model.trainable_variables))
+    return step
 
+
+def _minimize_step(opt, model):
+    """TensorFlow 2.4's minimize(loss, var_list, tape=tape): the unscale fused
+    into the step."""
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+    return step
+
+
+def _custom_loop(opt, model, x, y, use_function, steps=STEPS, state=_state,
+                 make_step=_apply_step):
+    """``state(model, opt)`` after each of ``steps`` batches of ``make_step``'s step."""
+    step = make_step(opt, model)
     if use_function:
         step = tf.function(step)
     states = []
-    for i in range(STEPS):
+    for i in range(steps):
         step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-        states.append(_state(model, opt))
+        states.append(state(model, opt))
     return states
 
 
@@ -476,23 +493,6 @@ def _fused_state(model, opt):
             + [opt.loss_scale, opt.dynamic_counter, opt.iterations]]
 
 
-def _fused_loop(opt, model, x, y, use_function, steps):
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(xb) - yb))
-            scaled = opt.get_scaled_loss(loss)
-        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
-    if use_function:
-        step = tf.function(step)
-    states = []
-    for i in range(steps):
-        step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-        states.append(_fused_state(model, opt))
-    return states
-
-
 def _expected_path(kind, use_function):
     name = FUSED[kind][1]
     if kind.startswith("rmsprop") and use_function:
@@ -518,7 +518,7 @@ def test_fused_custom_loop_bit_identical(kind, use_function):
                  lambda inner: lossscale.LossScaleOptimizer(inner, initial_scale=2.0**10,
                                                             dynamic_growth_steps=GROWTH)):
         opt = make(FUSED[kind][0]())
-        runs.append(_fused_loop(opt, _fused_model(), x, y, use_function, steps))
+        runs.append(_custom_loop(opt, _fused_model(), x, y, use_function, steps, _fused_state))
     assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
     _assert_moved(runs[0])
     _assert_same_states(runs[1], runs[0])
@@ -528,26 +528,12 @@ def test_fused_custom_loop_bit_identical(kind, use_function):
 @pytest.mark.parametrize("kind", ["legacy_sgd_momentum", "legacy_adam_amsgrad_schedule",
                                   "legacy_rmsprop_centered", "adamw_amsgrad", "rmsprop"])
 def test_fused_minimize_bit_identical(kind, use_function):
-    # TensorFlow 2.4's minimize(loss, var_list, tape=tape): the unscale
-    # fused into the step.
     x, y = _fused_data(FUSED_STEPS)
     runs = []
     for cls in (STOCK, lossscale.LossScaleOptimizer):
         opt = cls(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
-        model = _fused_model()
-
-        def step(xb, yb, opt=opt, model=model):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(xb) - yb))
-            opt.minimize(loss, model.trainable_variables, tape=tape)
-
-        if use_function:
-            step = tf.function(step)
-        states = []
-        for i in range(FUSED_STEPS):
-            step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-            states.append(_fused_state(model, opt))
-        runs.append(states)
+        runs.append(_custom_loop(opt, _fused_model(), x, y, use_function, FUSED_STEPS,
+                                 _fused_state, _minimize_step))
     assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
     _assert_moved(runs[0])
     _assert_same_states(runs[1], runs[0])
@@ -559,9 +545,10 @@ def test_fused_experimental_optimizer_bit_identical(kind):
     # TensorFlow 2.4's LossScaleOptimizer(opt, "dynamic") around a tf_keras
     # optimizer is tf_keras' drop-in, on the fused step.
     x, y = _fused_data(FUSED_STEPS)
-    want = _fused_loop(STOCK(FUSED[kind][0]()), _fused_model(), x, y, True, FUSED_STEPS)
+    want = _custom_loop(STOCK(FUSED[kind][0]()), _fused_model(), x, y, True, FUSED_STEPS,
+                        _fused_state)
     opt = mixed_precision.LossScaleOptimizer(FUSED[kind][0](), loss_scale="dynamic")
-    got = _fused_loop(opt, _fused_model(), x, y, True, FUSED_STEPS)
+    got = _custom_loop(opt, _fused_model(), x, y, True, FUSED_STEPS, _fused_state)
     assert opt.step_path == _expected_path(kind, True)
     _assert_same_states(got, want)
 

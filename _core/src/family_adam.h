@@ -34,12 +34,10 @@ static inline const char *ls_adam_problem(const float *h)
 
 static inline void ls_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
 {
-    float w = ls_optim_decay1(p->var[i], a);
-    float m = p->slot[0][i] + (g - p->slot[0][i]) * a->h[LS_ADAM_C1];
+    const float w = ls_optim_decay1(p->var[i], a);
     const float gg = p->grad_term != NULL ? p->grad_term[i] : g * g;
-    float v = p->slot[1][i] + (gg - p->slot[1][i]) * a->h[LS_ADAM_C2];
-    p->slot[0][i] = m;
-    p->slot[1][i] = v;
+    float m, v;
+    ls_optim_moments1(p, i, g, gg, a->h[LS_ADAM_C1], a->h[LS_ADAM_C2], &m, &v);
     if (a->h[LS_ADAM_AMSGRAD] != 0.0f) {
         v = ls_optim_max(p->slot[2][i], v);
         p->slot[2][i] = v;
@@ -59,10 +57,7 @@ LS_OPTIM_RUN(adam)
     const float *const sq = p->grad_term;
     const int amsgrad = a->h[LS_ADAM_AMSGRAD] != 0.0f;
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
-        ls_prefetch(ms, i * sizeof(float));
-        ls_prefetch(vs, i * sizeof(float));
-        if (amsgrad)
-            ls_prefetch(vhs, i * sizeof(float));
+        ls_prefetch_slots(i, ms, 1, vs, amsgrad, vhs);
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m, v;

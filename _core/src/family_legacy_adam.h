@@ -43,10 +43,8 @@ static inline const char *ls_legacy_adam_problem(const float *h)
 static inline void ls_legacy_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
 {
     const float w = ls_optim_decay1(p->var[i], a);
-    const float m = p->slot[0][i] + (g - p->slot[0][i]) * a->h[LS_LEGACY_ADAM_C1];
-    float v = p->slot[1][i] + (g * g - p->slot[1][i]) * a->h[LS_LEGACY_ADAM_C2];
-    p->slot[0][i] = m;
-    p->slot[1][i] = v;
+    float m, v;
+    ls_optim_moments1(p, i, g, g * g, a->h[LS_LEGACY_ADAM_C1], a->h[LS_LEGACY_ADAM_C2], &m, &v);
     if (a->h[LS_LEGACY_ADAM_AMSGRAD] != 0.0f) {
         v = ls_optim_max(v, p->slot[2][i]);
         p->slot[2][i] = v;
@@ -65,10 +63,7 @@ LS_OPTIM_RUN(legacy_adam)
     float *const ms = p->slot[0], *const vs = p->slot[1], *const vhs = p->slot[2];
     const int amsgrad = a->h[LS_LEGACY_ADAM_AMSGRAD] != 0.0f;
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
-        ls_prefetch(ms, i * sizeof(float));
-        ls_prefetch(vs, i * sizeof(float));
-        if (amsgrad)
-            ls_prefetch(vhs, i * sizeof(float));
+        ls_prefetch_slots(i, ms, 1, vs, amsgrad, vhs);
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         LS_V m, v;

@@ -93,11 +93,7 @@ LS_OPTIM_RUN(legacy_rmsprop)
     float *const rmss = p->slot[0], *const moms = p->slot[1],
                  *const mgs = p->slot[1 + has_momentum];
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
-        ls_prefetch(rmss, i * sizeof(float));
-        if (has_momentum)
-            ls_prefetch(moms, i * sizeof(float));
-        if (centered)
-            ls_prefetch(mgs, i * sizeof(float));
+        ls_prefetch_slots(i, rmss, has_momentum, moms, centered, mgs);
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         if (has_momentum) {

@@ -14,6 +14,9 @@
  *   no momentum:  w = w - g * lr
  *   momentum:     m = m * mu - g * lr;  w = w + m
  *   Nesterov:     m = m * mu - g * lr;  w = w + (m * mu - g * lr)
+ *
+ * Keras' SGD's arithmetic, op for op: the reference and the vector loop are
+ * family_sgd.h's, given tf_keras' momentum flag in place of mu != 0.
  */
 #ifndef LOSSSCALE_FAMILY_LEGACY_SGD_H
 #define LOSSSCALE_FAMILY_LEGACY_SGD_H
@@ -33,16 +36,8 @@ static inline const char *ls_legacy_sgd_problem(const float *h)
 
 static inline void ls_legacy_sgd1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
 {
-    const float mu = a->h[LS_LEGACY_SGD_MOMENTUM];
-    float w = ls_optim_decay1(p->var[i], a);
-    if (a->h[LS_LEGACY_SGD_HAS_MOMENTUM] != 0.0f) {
-        const float m = p->slot[0][i] * mu - g * a->lr;
-        p->slot[0][i] = m;
-        w = a->h[LS_LEGACY_SGD_NESTEROV] != 0.0f ? w + (m * mu - g * a->lr) : w + m;
-    } else {
-        w = w - g * a->lr;
-    }
-    p->var[i] = w;
+    ls_sgd_step1(p, i, g, a, a->h[LS_LEGACY_SGD_MOMENTUM],
+                 a->h[LS_LEGACY_SGD_HAS_MOMENTUM] != 0.0f, a->h[LS_LEGACY_SGD_NESTEROV] != 0.0f);
 }
 
 #endif /* LOSSSCALE_FAMILY_LEGACY_SGD_H */
@@ -50,23 +45,10 @@ static inline void ls_legacy_sgd1(const ls_param *p, size_t i, float g, const ls
 #ifdef LS_OPTIM_VECTORS
 LS_OPTIM_RUN(legacy_sgd)
 {
-    const LS_V lr = c.lr, mu = v_set1(a->h[LS_LEGACY_SGD_MOMENTUM]);
-    float *const mom = p->slot[0];
-    const int has_momentum = a->h[LS_LEGACY_SGD_HAS_MOMENTUM] != 0.0f,
-              nesterov = a->h[LS_LEGACY_SGD_NESTEROV] != 0.0f;
-    LS_OPTIM_VECTOR_LOOP(i, LS_FN(vector_end)(p, lo, hi, a)) {
-        LS_V g, w;
-        LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
-        if (has_momentum) {
-            ls_prefetch(mom, i * sizeof(float));
-            const LS_V m = v_sub(v_mul(v_load(mom + i), mu), v_mul(g, lr));
-            v_store(mom + i, m);
-            w = nesterov ? v_add(w, v_sub(v_mul(m, mu), v_mul(g, lr))) : v_add(w, m);
-        } else {
-            w = v_sub(w, v_mul(g, lr));
-        }
-        v_store(c.var + i, w);
-    }
+    const size_t i = LS_FN(sgd_vectors)(lo, LS_FN(vector_end)(p, lo, hi, a), dt, c,
+                                        a->h[LS_LEGACY_SGD_MOMENTUM],
+                                        a->h[LS_LEGACY_SGD_HAS_MOMENTUM] != 0.0f,
+                                        a->h[LS_LEGACY_SGD_NESTEROV] != 0.0f, p->slot[0]);
     ls_legacy_sgd_elements(p, i, hi, a);
 }
 #endif

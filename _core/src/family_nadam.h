@@ -37,10 +37,8 @@ static inline void ls_nadam1(const ls_param *p, size_t i, float g, const ls_opti
 {
     const float *h = a->h;
     float w = ls_optim_decay1(p->var[i], a);
-    const float m = p->slot[0][i] + (g - p->slot[0][i]) * h[LS_NADAM_C1];
-    const float v = p->slot[1][i] + (g * g - p->slot[1][i]) * h[LS_NADAM_C2];
-    p->slot[0][i] = m;
-    p->slot[1][i] = v;
+    float m, v;
+    ls_optim_moments1(p, i, g, g * g, h[LS_NADAM_C1], h[LS_NADAM_C2], &m, &v);
     const float m_hat = (h[LS_NADAM_U_T_1] * m) / h[LS_NADAM_D_T_1] +
                         (h[LS_NADAM_C_T] * g) / h[LS_NADAM_D_T];
     const float v_hat = v / h[LS_NADAM_C2_T];

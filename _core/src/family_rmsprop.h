@@ -91,11 +91,7 @@ LS_OPTIM_RUN(rmsprop)
     float *const vs = p->slot[0], *const ms = p->slot[1],
                  *const avgs = p->slot[1 + has_momentum];
     LS_OPTIM_VECTOR_LOOP(i, LS_FN(rsqrt_vector_end)(p, lo, hi, a, rsqrt)) {
-        ls_prefetch(vs, i * sizeof(float));
-        if (has_momentum)
-            ls_prefetch(ms, i * sizeof(float));
-        if (centered)
-            ls_prefetch(avgs, i * sizeof(float));
+        ls_prefetch_slots(i, vs, has_momentum, ms, centered, avgs);
         LS_V g, w;
         LS_FN(grad_and_weight)(&c, i, dt, &g, &w);
         const LS_V v = v_add(v_mul(rho, v_load(vs + i)), v_mul(c1, v_mul(g, g)));

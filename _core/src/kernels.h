@@ -117,42 +117,35 @@ static inline void ls_store_f64(void *p, double v) { memcpy(p, &v, sizeof v); }
  * element and the vector sets on their heads and tails.  Each returns 1
  * when the probed value (the input with check_inputs, else the result) is
  * not finite. */
-static inline int ls_unscale1_f32(const void *x, void *y, size_t i, float s, int check_inputs)
-{
-    float in = ls_load_f32((const char *)x + 4 * i);
-    float out = in * s;
-    float probe = check_inputs ? in : out;
-    uint32_t u;
-    memcpy(&u, &probe, sizeof u);
-    ls_store_f32((char *)y + 4 * i, out);
-    return (u & 0x7f800000u) == 0x7f800000u;
-}
+#define LS_DEFINE_UNSCALE1_IEEE(name, type, bits, exponent)                                \
+    static inline int ls_unscale1_##name(const void *x, void *y, size_t i, type s,         \
+                                         int check_inputs)                                 \
+    {                                                                                      \
+        type in = ls_load_##name((const char *)x + sizeof(type) * i);                      \
+        type out = in * s;                                                                 \
+        type probe = check_inputs ? in : out;                                              \
+        bits u;                                                                            \
+        memcpy(&u, &probe, sizeof u);                                                      \
+        ls_store_##name((char *)y + sizeof(type) * i, out);                                \
+        return (u & exponent) == exponent;                                                 \
+    }
+LS_DEFINE_UNSCALE1_IEEE(f32, float, uint32_t, 0x7f800000u)
+LS_DEFINE_UNSCALE1_IEEE(f64, double, uint64_t, 0x7ff0000000000000ull)
+#undef LS_DEFINE_UNSCALE1_IEEE
 
-static inline int ls_unscale1_f64(const void *x, void *y, size_t i, double s, int check_inputs)
-{
-    double in = ls_load_f64((const char *)x + 8 * i);
-    double out = in * s;
-    double probe = check_inputs ? in : out;
-    uint64_t u;
-    memcpy(&u, &probe, sizeof u);
-    ls_store_f64((char *)y + 8 * i, out);
-    return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-}
-
-static inline int ls_unscale1_f16(const void *x, void *y, size_t i, float s, int check_inputs)
-{
-    uint16_t in = ls_load_u16((const char *)x + 2 * i);
-    uint16_t out = ls_f32_to_f16(ls_f16_to_f32(in) * s);
-    ls_store_u16((char *)y + 2 * i, out);
-    return ((check_inputs ? in : out) & 0x7c00u) == 0x7c00u;
-}
-
-static inline int ls_unscale1_bf16(const void *x, void *y, size_t i, float s, int check_inputs)
-{
-    uint16_t in = ls_load_u16((const char *)x + 2 * i);
-    uint16_t out = ls_f32_to_bf16(ls_bf16_to_f32(in) * s);
-    ls_store_u16((char *)y + 2 * i, out);
-    return ((check_inputs ? in : out) & 0x7f80u) == 0x7f80u;
-}
+/* The 16-bit dtypes: the product in float32, rounded back by the dtype's
+ * own conversion. */
+#define LS_DEFINE_UNSCALE1_16(name, exponent)                                              \
+    static inline int ls_unscale1_##name(const void *x, void *y, size_t i, float s,        \
+                                         int check_inputs)                                 \
+    {                                                                                      \
+        uint16_t in = ls_load_u16((const char *)x + 2 * i);                                \
+        uint16_t out = ls_f32_to_##name(ls_##name##_to_f32(in) * s);                       \
+        ls_store_u16((char *)y + 2 * i, out);                                              \
+        return ((check_inputs ? in : out) & exponent) == exponent;                         \
+    }
+LS_DEFINE_UNSCALE1_16(f16, 0x7c00u)
+LS_DEFINE_UNSCALE1_16(bf16, 0x7f80u)
+#undef LS_DEFINE_UNSCALE1_16
 
 #endif /* LOSSSCALE_KERNELS_H */

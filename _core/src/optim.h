@@ -151,6 +151,20 @@ static inline float ls_optim_decay1(float w, const ls_optim_args *a)
     return w;
 }
 
+/* Adam's moments at i (Nadam's and legacy Adam's too), optim_body.h's
+ * moments on one element: m = m + (g - m) * c1 and v = v + (gg - v) * c2,
+ * stored, and handed back. */
+static inline void ls_optim_moments1(const ls_param *p, size_t i, float g, float gg, float c1,
+                                     float c2, float *m_out, float *v_out)
+{
+    const float m = p->slot[0][i] + (g - p->slot[0][i]) * c1;
+    const float v = p->slot[1][i] + (gg - p->slot[1][i]) * c2;
+    p->slot[0][i] = m;
+    p->slot[1][i] = v;
+    *m_out = m;
+    *v_out = v;
+}
+
 /* TensorFlow's CPU Rsqrt (what a tf.function computes for `x / sqrt(y)`:
  * Grappler's arithmetic optimizer turns it into `x * rsqrt(y)`) of element
  * i of a tensor of n, as the x86 wheels' Eigen computes it: packets of

@@ -136,6 +136,18 @@ LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype
     *w = LS_FN(decay)(v_load(c->var + i), c->decay, c->wd, c->lr, c->wd_lr);
 }
 
+/* A family's slot streams at i prefetched, in the order of its slots: the
+ * first, then the second and the third where the family keeps them. */
+LS_INLINE void ls_prefetch_slots(size_t i, const float *first, int second_kept,
+                                 const float *second, int third_kept, const float *third)
+{
+    ls_prefetch(first, i * sizeof(float));
+    if (second_kept)
+        ls_prefetch(second, i * sizeof(float));
+    if (third_kept)
+        ls_prefetch(third, i * sizeof(float));
+}
+
 /* The families' vector loops (the second include of their headers, now
  * that the vocabulary is defined), then a kernel per family and gradient
  * dtype, and the set's table. */
