@@ -67,8 +67,10 @@ def _model(policy):
 def _state(model, opt):
     variables = opt.inner_optimizer.variables
     variables = list(variables() if callable(variables) else variables)
+    # A fixed scale has no counter: the scale stands in for it.
+    counter = opt.loss_scale if opt.dynamic_counter is None else opt.dynamic_counter
     return [np.asarray(v.numpy()) for v in model.weights + variables
-            + [opt.loss_scale, opt.dynamic_counter, opt.iterations]]
+            + [opt.loss_scale, counter, opt.iterations]]
 
 
 def _run(make, kind, policy, use_grads):
@@ -220,3 +222,21 @@ def test_gradients_of_another_trace_are_not_folded():
     assert opt._unscaled_in_graph is None  # pylint: disable=protected-access
     graph = apply.get_concrete_function(grads).graph
     assert _fused_unscales(graph) == ["none"]
+
+
+@pytest.mark.parametrize("case", ["scale_below_one", "fused_false"])
+def test_loop_that_may_not_fold_takes_the_unscaled_gradients(case):
+    # A fixed scale below 1 could overflow a finite gradient when unscaling
+    # (checking the scaled ones would not give tf_keras' verdict), and
+    # fused=False keeps tf_keras' own step: both apply the returned gradients.
+    args = ({"dynamic": False, "initial_scale": 0.5} if case == "scale_below_one"
+            else {"initial_scale": 2.0**10, "dynamic_growth_steps": GROWTH})
+    fused = case != "fused_false"
+    want, _, _, _, _ = _run(lambda inner: STOCK(inner, **args), "adam", "mixed_float16",
+                            _as_they_are)
+    got, _, opt, _, graph = _run(
+        lambda inner: lossscale.LossScaleOptimizer(inner, fused=fused, **args), "adam",
+        "mixed_float16", _as_they_are)
+    _assert_same_runs(got, want)
+    assert _fused_unscales(graph) == (["none"] if fused else [])
+    assert opt.step_path == ("fused (Adam)" if fused else "stock: fused=False")
