@@ -126,8 +126,12 @@ class _NativeOps:
     ``apply_gradients`` (which takes unscaled gradients, as tf_keras') is
     then the read-only finite check, the scale's update and one native op
     that applies the inner optimizer's update to every variable and slot,
-    bit-identical to tf_keras' own step.  ``step_path`` says which path a
-    step took and why; ``fused=False`` turns it off."""
+    bit-identical to tf_keras' own step.  In ``minimize``, and in
+    TensorFlow 2.4's custom loop in a ``tf.function`` when the gradients
+    applied are the very ones ``get_unscaled_gradients`` returned, the step
+    takes the scaled gradients and that one op unscales them too.
+    ``step_path`` says which path a step took and why; ``fused=False``
+    turns it off."""
 
     def __init__(self, inner_optimizer, dynamic=True, initial_scale=None,
                  dynamic_growth_steps=None, *, fused=True):
@@ -143,6 +147,9 @@ class _NativeOps:
         # handed over still scaled, for the fused step to unscale on the fly.
         self._minimizing = False
         self._gradients_scaled = False
+        # In a tf.function, what the last get_unscaled_gradients returned:
+        # ``(graph, {id(unscaled): (unscaled, scaled)})`` (``_scaled_originals``).
+        self._unscaled_in_graph = None
 
     @property
     def fused(self):
@@ -174,8 +181,39 @@ class _NativeOps:
             # gives tf_keras' verdict.
             self._gradients_scaled = True
             return list(grads)
-        unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
+        if not tf.inside_function():
+            unscaled, _ = ops.unscale_and_check(list(grads), self.loss_scale)
+            return unscaled
+        # TensorFlow 2.4's custom loop in a tf.function: tf_keras' own
+        # stateless multiplies, each remembered with the scaled gradient it
+        # came from.  When apply_gradients gets exactly these, the fused step
+        # takes the scaled ones and unscales them in its one pass, as in
+        # minimize; the multiplies are then left without a consumer, and
+        # the function's pruning drops them.
+        grads = list(grads)
+        unscaled = super().get_unscaled_gradients(grads)
+        self._unscaled_in_graph = (tf.compat.v1.get_default_graph(), {
+            id(u): (u, g) for u, g in zip(unscaled, grads) if u is not None})
         return unscaled
+
+    def _scaled_originals(self, grads_and_vars):
+        """``grads_and_vars`` with the scaled gradients they came from, when
+        every gradient is one this graph's last ``get_unscaled_gradients``
+        returned and the step may unscale them itself (fused, a scale >= 1
+        as in ``minimize``); else None.  Forgets them either way."""
+        remembered, self._unscaled_in_graph = self._unscaled_in_graph, None
+        if (remembered is None or not self._fused or self.initial_scale < 1
+                or remembered[0] is not tf.compat.v1.get_default_graph()):
+            return None
+        pairs = []
+        for pair in grads_and_vars:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                return None
+            unscaled, scaled = remembered[1].get(id(pair[0]), (None, None))
+            if unscaled is None or unscaled is not pair[0]:
+                return None
+            pairs.append((scaled, pair[1]))
+        return pairs
 
     def minimize(self, *args, **kwargs):
         """tf_keras' ``minimize`` (what ``fit``'s train step calls): on the
@@ -191,9 +229,13 @@ class _NativeOps:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         scaled, self._gradients_scaled = self._gradients_scaled, False
         grads_and_vars = list(grads_and_vars)
-        plan = self._fused_plan(grads_and_vars)
+        # The custom loop's unscaled gradients, in a tf.function: the fused
+        # step unscales their scaled originals instead.
+        originals = self._scaled_originals(grads_and_vars)
+        plan = self._fused_plan(originals or grads_and_vars)
         if plan is not None:
-            return self._fused_apply(plan, unscale="multiply" if scaled else "none")
+            return self._fused_apply(plan, unscale="multiply" if scaled or originals
+                                     else "none")
         if scaled:
             # What get_unscaled_gradients gives outside minimize.
             unscaled, _ = ops.unscale_and_check([g for g, _ in grads_and_vars], self.loss_scale)
