@@ -38,16 +38,15 @@ export CUDA_VISIBLE_DEVICES ?=
 
 all: build
 
-# --no-compile: byte-compiling every module of TensorFlow (and, for the
-# peers, of torch and sympy) was more than half of each install; the modules
-# a run imports are compiled when first imported.
+# tools/install.sh: uv where it can (seconds), pip otherwise and for an
+# upgrade; no byte-compiling of every module TensorFlow and torch ship.
 $(DEPS): $(REQS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile $(PIP_UP) -r $(REQS)
+	sh tools/install.sh $(PY) $(REQS) $(PIP_UP)
 	touch $@
 
 $(BENCH_DEPS): $(DEPS) $(BENCH_REQS)
-	$(PY) -m pip install --quiet --no-compile $(PIP_UP) -r $(BENCH_REQS)
+	sh tools/install.sh $(PY) $(BENCH_REQS) $(PIP_UP)
 	touch $@
 
 build: $(DEPS)

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build import build
@@ -99,19 +100,45 @@ class BuildWithCore(build_ext):
                "lossscale.ops will use plain TensorFlow ops (same results, slower)")
 
     def build_extensions(self):
-        objects = []
+        self.jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        self.compile_in_parallel()
         build_temp = os.path.join(self.build_temp, "core")
-        for source, flags in kernel_sets.core_sources():
-            objects += self.compiler.compile(
+
+        def core_object(source_and_flags):
+            source, flags = source_and_flags
+            return self.compiler.compile(
                 [source],
                 output_dir=build_temp,
                 include_dirs=[INCLUDE, CORE],
                 extra_postargs=COMMON_CFLAGS + flags,
                 depends=[d for d in CORE_DEPENDS if not d.endswith(".c")],
             )
+
+        # Each kernel file has its own flags: one compile call each, side by side.
+        with ThreadPoolExecutor(self.jobs) as pool:
+            objects = [obj for part in pool.map(core_object, kernel_sets.core_sources())
+                       for obj in part]
         for ext in self.extensions:
             ext.extra_objects = list(objects) + list(ext.extra_objects or [])
         super().build_extensions()
+
+    def compile_in_parallel(self):
+        """Every ``compile`` of a list of sources runs one compiler per core:
+        the core's kernel files and the op library's C++ files are most of
+        the build's time, and each compiles alone."""
+        serial = self.compiler.compile
+        if self.jobs < 2:
+            return
+
+        def compile(sources, *args, **kwargs):
+            if len(sources) < 2:
+                return serial(sources, *args, **kwargs)
+            with ThreadPoolExecutor(min(self.jobs, len(sources))) as pool:
+                parts = list(pool.map(lambda source: serial([source], *args, **kwargs), sources))
+            return [obj for part in parts for obj in part]
+
+        self.compiler.compile = compile
 
     def get_ext_filename(self, ext_name):
         # The TF op library is loaded with tf.load_op_library, not imported:

@@ -39,7 +39,7 @@ def test_tf_keras_step(case, peer):
         pytest.skip("tf_keras step skipped: tf_keras is not installed; pip install tf_keras")
     settings = harness.Settings
     nodes = [f"{CHILD}::test_tf_keras_step[{case}-{p}-r{r}]"
-             for r in range(settings.rounds) for p in child.peers(case, settings)]
+             for r in range(settings.rounds) for p in child.peers(case)]
     benchmarks = harness.child_benchmarks(f"{LAYER} {case}", nodes, settings, settings.rounds,
                                           child.ENV)
     assert benchmarks, f"the child for {LAYER} {case} timed nothing"
