@@ -99,6 +99,18 @@ def mixed_mlp(seed, hidden):
     ])
 
 
+def overflowing_batches(steps, batch, seed, first, every, factor):
+    """Regression data of ``steps`` batches (4 inputs, 1 target) whose
+    batches ``first``, ``first + every``, ... are ``factor`` times larger:
+    enough to overflow half-precision gradients at any scale a run reaches."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps * batch, 4)).astype("float32")
+    y = (rng.normal(size=(steps * batch, 1)) * 40).astype("float32")
+    for i in range(first, steps, every):
+        x[i * batch:(i + 1) * batch] *= factor
+    return x, y
+
+
 def mse_loss(model, x, y, factor):
     """The tests' training loss: mean squared error in float32, times ``factor``
     (a large or non-finite factor forces an overflow)."""

@@ -13,7 +13,7 @@ grow again.  The process starts with two logical CPUs, for the
 
 import os
 
-from helpers import assert_same_bits, batch_recorder, two_cpu_replicas
+from helpers import assert_same_bits, batch_recorder, overflowing_batches, two_cpu_replicas
 
 STRATEGY = two_cpu_replicas()
 
@@ -468,13 +468,8 @@ LONG_STEPS = 240
 
 
 def _fused_data(steps):
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=(steps * BATCH, 4)).astype("float32")
-    y = (rng.normal(size=(steps * BATCH, 1)) * 40).astype("float32")
     # Every ninth batch overflows float16 at any scale the run reaches.
-    for i in range(4, steps, 9):
-        x[i * BATCH:(i + 1) * BATCH] *= 3e3
-    return x, y
+    return overflowing_batches(steps, BATCH, seed=11, first=4, every=9, factor=3e3)
 
 
 def _fused_model():

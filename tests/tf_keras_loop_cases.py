@@ -18,7 +18,7 @@ import tensorflow as tf
 import tf_keras
 
 import lossscale
-from helpers import assert_same_bits
+from helpers import assert_same_bits, overflowing_batches
 
 STOCK = tf_keras.mixed_precision.LossScaleOptimizer
 STEPS = 60
@@ -46,13 +46,8 @@ def _reset():
 
 
 def _data():
-    rng = np.random.default_rng(13)
-    x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
-    y = (rng.normal(size=(STEPS * BATCH, 1)) * 40).astype("float32")
     # Every seventh batch overflows the half-precision gradients at any scale.
-    for i in range(3, STEPS, 7):
-        x[i * BATCH:(i + 1) * BATCH] *= 3e4
-    return x, y
+    return overflowing_batches(STEPS, BATCH, seed=13, first=3, every=7, factor=3e4)
 
 
 def _model(policy):
@@ -167,35 +162,29 @@ def test_custom_loop_in_function_folds_the_unscale(kind, policy):
     assert float(opt.loss_scale) == float(stock.loss_scale)
 
 
-@pytest.mark.parametrize("kind", ["legacy_adam", "adamw", "legacy_sgd_momentum"])
-def test_loop_that_also_uses_the_unscaled_gradients(kind):
+def _log(grads):
     # The step returns their global norm: they are computed, and still the
     # very tensors applied, so the step folds and the norms are tf_keras'.
-    def log(grads):
-        return grads, tf.linalg.global_norm(grads)
-
-    want, want_norms, _, _, _ = _run(_stock, kind, "mixed_float16", log)
-    got, got_norms, opt, _, graph = _run(_ours, kind, "mixed_float16", log)
-    _assert_same_runs(got, want)
-    for i, (a, b) in enumerate(zip(got_norms, want_norms)):
-        assert_same_bits(a.numpy(), b.numpy(), f"norm of step {i}")
-    assert _fused_unscales(graph) == ["multiply"]
-    assert opt.step_path == f"fused ({type(opt.inner_optimizer).__name__})"
+    return grads, tf.linalg.global_norm(grads)
 
 
-@pytest.mark.parametrize("kind", ["legacy_adam", "adam", "sgd"])
-def test_loop_that_clips_the_unscaled_gradients(kind):
+def _clip(grads):
     # Clipped gradients are new tensors: the step takes them unscaled, as before.
-    def clip(grads):
-        clipped, norm = tf.clip_by_global_norm(grads, 5.0)
-        return clipped, norm
+    clipped, norm = tf.clip_by_global_norm(grads, 5.0)
+    return clipped, norm
 
-    want, want_norms, _, _, _ = _run(_stock, kind, "mixed_float16", clip)
-    got, got_norms, opt, _, graph = _run(_ours, kind, "mixed_float16", clip)
+
+@pytest.mark.parametrize("kind,use_grads,unscale", [
+    *((k, _log, "multiply") for k in ("legacy_adam", "adamw", "legacy_sgd_momentum")),
+    *((k, _clip, "none") for k in ("legacy_adam", "adam", "sgd"))],
+    ids=lambda v: getattr(v, "__name__", v))
+def test_loop_that_uses_the_unscaled_gradients(kind, use_grads, unscale):
+    want, want_norms, _, _, _ = _run(_stock, kind, "mixed_float16", use_grads)
+    got, got_norms, opt, _, graph = _run(_ours, kind, "mixed_float16", use_grads)
     _assert_same_runs(got, want)
     for i, (a, b) in enumerate(zip(got_norms, want_norms)):
         assert_same_bits(a.numpy(), b.numpy(), f"norm of step {i}")
-    assert _fused_unscales(graph) == ["none"]
+    assert _fused_unscales(graph) == [unscale]
     assert opt.step_path == f"fused ({type(opt.inner_optimizer).__name__})"
 
 
