@@ -284,6 +284,13 @@ def child_benchmarks(what, nodes, settings, rounds, env=None):
     return benchmarks
 
 
+def bits(x):
+    """The raw bytes of ``x`` with its dtype and shape, what the locksteps
+    compare: NaN equals the same NaN, -0.0 differs from 0.0."""
+    a = np.ascontiguousarray(np.asarray(x))
+    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
+
+
 def record(name, data):
     """Keep a result that is not a timing (memory, the training run); it is
     stored in the raw JSON under ``lossscale.records``."""

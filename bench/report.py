@@ -372,13 +372,19 @@ class Report:
         optimizer = case.split("/")[2]
         return self.roofline_for(STEP_BYTES_PER_PARAM[optimizer] * info["values"])
 
+    def own_or_side(self, layer, case, peer, alone=True):
+        """``peer``'s ``Stat`` on ``case`` of ``layer``: timed in its own
+        process where the run has that (``test_alone.py``), else side by
+        side; ``alone=False``: side by side."""
+        return ((alone and self.get(f"{layer}/alone", case, peer))
+                or self.get(layer, case, peer))
+
     def step_get(self, case, peer, alone=True):
-        """The step's ``Stat`` for ``peer``: timed in its own process where the
-        run has that (``test_alone.py``), else side by side; ``alone=False``:
-        side by side."""
+        """The step's ``Stat`` for ``peer`` (``own_or_side``); ``roofline``:
+        the step's bytes at the roofline's bandwidth."""
         if peer == "roofline":
             return self.step_roofline(case)
-        return ((alone and self.get("step/alone", case, peer)) or self.get("step", case, peer))
+        return self.own_or_side("step", case, peer, alone)
 
     def has_alone(self, layer):
         return any(k[0] == f"{layer}/alone" for k in self.stats)
@@ -683,8 +689,7 @@ class Report:
         """As ``step_get``, for a recipe; ``roofline``: its own bytes."""
         if peer == "roofline":
             return self.roofline_for(self.recipe_info(case).get("moved_bytes"))
-        return ((alone and self.get("recipes/alone", case, peer))
-                or self.get("recipes", case, peer))
+        return self.own_or_side("recipes", case, peer, alone)
 
     def recipes(self):
         """The recipe battery: per recipe, the path ours took, whether it stayed
@@ -814,10 +819,8 @@ class Report:
     # -------------------------------------------------------- the tf_keras step
 
     def tf_keras_get(self, case, peer, alone=True):
-        """The tf_keras step's ``Stat`` for ``peer``, as ``step_get``: timed in
-        its own process where the run has that, else side by side."""
-        return ((alone and self.get(f"{TF_KERAS_STEP}/alone", case, peer))
-                or self.get(TF_KERAS_STEP, case, peer))
+        """The tf_keras step's ``Stat`` for ``peer`` (``own_or_side``)."""
+        return self.own_or_side(TF_KERAS_STEP, case, peer, alone)
 
     def tf_keras_cases(self):
         """The tf_keras step's cases, workload by workload, legacy line first."""

@@ -236,13 +236,6 @@ def wrap(peer, inner, **kwargs):
 # ------------------------------------------------------------ exactness
 
 
-def _bits(x):
-    """The raw bytes of ``x`` with its dtype and shape: NaN equals the same
-    NaN, -0.0 differs from 0.0."""
-    a = np.ascontiguousarray(np.asarray(x))
-    return a.dtype.str, a.shape, a.reshape(-1).view(np.uint8).tobytes()
-
-
 def _check_step(opt, variables, indices, dense, values):
     gs = list(dense)
     if indices is not None:
@@ -281,7 +274,7 @@ def lockstep(recipe):
         try:
             for gd, values in steps:
                 step([tf.constant(g) for g in gd], tf.constant(values))
-                states[peer].append([_bits(v) for v in variables + list(opt.variables)])
+                states[peer].append([harness.bits(v) for v in variables + list(opt.variables)])
         except Exception as e:  # noqa: BLE001 -- ours failing where stock steps is the finding
             if peer == "stock":
                 raise

@@ -62,10 +62,7 @@ def keras_apply_method(graph, opt, variables, peer, grads=lambda gs: gs):
         # gradients would stop a native op from writing over them.
         return [v.value for v in variables], None
 
-    def path():
-        return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
-
-    return Method(graph.wrap(step), graph.producer, path, lambda: int(opt.iterations.numpy()))
+    return _optimizer_method(graph, step, opt, peer)
 
 
 def custom_loop_method(graph, opt, variables, peer):
@@ -77,6 +74,14 @@ def custom_loop_method(graph, opt, variables, peer):
         unscaled = opt.get_unscaled_gradients(gs)
         opt.apply_gradients(zip(unscaled, variables))
         return [v.read_value() for v in variables], None
+
+    return _optimizer_method(graph, step, opt, peer)
+
+
+def _optimizer_method(graph, step, opt, peer):
+    """The ``Method`` of ``step`` (gradients -> what it returns) of the
+    loss-scale optimizer ``opt`` in ``graph``: the path ``opt`` says it took
+    (``"stock"`` for the stock peer), the steps it applied."""
 
     def path():
         return getattr(opt, "step_path", "unfused") if peer != "stock" else "stock"
