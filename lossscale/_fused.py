@@ -183,12 +183,19 @@ class SparseForm:
     in place of the one function of it its family_<name>.h names (None: the
     kernel computes it), made from the gradient with its values unscaled;
     ``learning_rate(lr)`` and ``hyper(inner)``, the learning rate and the
-    constants the kernel then takes."""
+    constants the kernel then takes.
 
-    def __init__(self, terms, learning_rate=None, hyper=None):
+    Or, for a family whose Keras update applies the slices row by row
+    (scatters), ``rows(unscaled, variable, slots, lr)``: that update on the
+    rows the gradient indexes alone, with Keras' own TensorFlow ops in its
+    order, where every other row's result is provably what stock leaves
+    (no dense term, no kernel)."""
+
+    def __init__(self, terms=None, learning_rate=None, hyper=None, rows=None):
         self.terms = terms
         self.learning_rate = learning_rate or (lambda lr: lr)
         self.hyper = hyper
+        self.rows = rows
 
 
 class Plan:
@@ -238,7 +245,10 @@ class Plan:
         terms; then the family's own state, when ``should_apply``.  Under a
         strategy it runs on this replica's device, over the copies there."""
         dense = [i for i, form in enumerate(self.forms) if form is None]
-        sparse = [i for i, form in enumerate(self.forms) if form is not None]
+        by_rows = [i for i, form in enumerate(self.forms)
+                   if form is not None and form.rows is not None]
+        sparse = [i for i, form in enumerate(self.forms)
+                  if form is not None and form.rows is None]
         if dense:
             given = self.grads if grads is None else grads
             self._launch(library, should_apply, dense, [given[i] for i in dense], [],
@@ -258,9 +268,26 @@ class Plan:
                     terms.append(term)
             self._launch(library, should_apply, sparse, grads, terms, scale,
                          form.learning_rate(self.learning_rate), "none", form.hyper)
+        if by_rows:
+            _step.cond(should_apply, lambda: self._update_rows(by_rows, scale, unscale),
+                       lambda: None)
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def _update_rows(self, which, scale, unscale):
+        """The row-by-row update of the sparse gradients ``which`` (an
+        applied step): each variable's weight decay as Keras' dense
+        ``_apply_weight_decay`` does it, then its family's ``rows``."""
+        for i in which:
+            variable = local_copy(self.variables[i])
+            with tf.control_dependencies(self.checks):
+                unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale, unscale)
+            if self.decay[i]:
+                _decay_like_stock(self.inner, variable)
+            slots = [local_copy(v) for kind in self.family.slots(self.inner)
+                     for v in self.family.line.slots(self.inner, kind, [self.variables[i]])]
+            self.forms[i].rows(unscaled, variable, slots, self.learning_rate)
 
     def _launch(self, library, should_apply, which, grads, terms, scale, learning_rate,
                 unscale, hyper=None, clip=None):
@@ -498,6 +525,45 @@ def _adam_sparse(inner, variable):
     return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.square, g))))
 
 
+def _adagrad_sparse(inner, variable):
+    # Keras' Adagrad.update_step on an IndexedSlices: the squared slices
+    # scatter-added to the accumulator, then ops.divide(lr * g, sqrt(acc +
+    # eps)) -- the divisor dense, over the whole table, and checked whole
+    # for zeros and NaNs -- scatter-subtracted from the variable.  The
+    # accumulator starts at initial_accumulator_value and only ever adds
+    # squares, so with that value >= 0 and epsilon a positive normal float32
+    # no row of the divisor is 0 or NaN: stock takes its slices' own rows
+    # (func_for_x1_indices), whose divisors are the same elementwise sqrt of
+    # those rows alone.
+    if not 0.0 <= float(inner.initial_accumulator_value) < float("inf"):
+        return ("Keras' Adagrad with a sparse gradient and a negative or non-finite "
+                f"initial_accumulator_value ({variable.name})")
+    if not float(np.float32(inner.epsilon)) >= float(np.finfo(np.float32).tiny):
+        return ("Keras' Adagrad with a sparse gradient and an epsilon that is not a "
+                f"positive normal float32 number ({variable.name})")
+    return SparseForm(rows=_adagrad_rows(inner))
+
+
+def _adagrad_rows(inner):
+    def rows(g, variable, slots, lr):
+        accumulator, = slots
+        accumulator.scatter_add(_map_values(tf.square, g))
+        divisor = tf.sqrt(tf.gather(accumulator, g.indices) + tf.cast(inner.epsilon,
+                                                                     tf.float32))
+        # Stock divides by a Gather of its Sqrt; a Div whose divisor is the
+        # Sqrt itself would become a multiply by Rsqrt in a graph.
+        divisor = tf.gather(divisor, tf.range(tf.shape(divisor)[0]))
+        variable.scatter_sub(_map_values(lambda x: (lr * x) / divisor, g))
+    return rows
+
+
+def _decay_like_stock(inner, variable):
+    """Keras' ``_apply_weight_decay`` of one variable, its own ops."""
+    lr = tf.cast(inner.learning_rate, variable.dtype)
+    wd = tf.cast(inner.weight_decay, variable.dtype)
+    variable.assign(variable - variable * wd * lr)
+
+
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
              scalars=_adam_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
              sparse=_adam_sparse)
@@ -663,10 +729,7 @@ FAMILIES = (
                "denominator (taking in the rows where that is 0 or NaN)")),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
            numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason,
-           supports=_AROUND_UPDATE,
-           sparse=lambda inner, v: (
-               "Keras' Adagrad applies a sparse gradient slice by slice (scatter_add, "
-               "scatter_sub) to the rows it indexes")),
+           supports=_AROUND_UPDATE, sparse=_adagrad_sparse),
     Family("adamax", keras.optimizers.Adamax, slots=lambda inner: ("adamax_m", "u"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_adamax_hyper,
            scalars=_adamax_scalars, supports=_AROUND_UPDATE, scales_gradient=False,

@@ -12,9 +12,11 @@ several tables beside a dense variable, no slice at all, int32 and int64
 indices, float16 / bfloat16 / float32 values, a non-finite value injected),
 under ``mixed_float16`` and ``mixed_bfloat16``, in ``tf.function`` and
 eagerly.  Adam (amsgrad, a schedule), AdamW, SGD with momentum (Nesterov,
-a schedule), Adamax (weight decay) and Lion (a schedule) take the fused
-path; SGD without momentum or with weight decay, RMSprop, Adagrad and Nadam
-keep the stock path and say why.  A sparse gradient whose indices leave the table,
+a schedule), Adamax (weight decay), Lion (a schedule) and Adagrad (a
+schedule; weight decay) take the fused path, Adagrad's table updated on
+the rows its slices index alone; SGD without momentum or with weight
+decay, RMSprop and Nadam keep the stock path and say why, and so does
+Adagrad where a row of its divisor could be 0 or NaN.  A sparse gradient whose indices leave the table,
 or whose slices are not its rows' shape, raises with the variable's name
 and changes nothing.
 """
@@ -25,6 +27,7 @@ import pytest
 import tensorflow as tf
 
 import lossscale
+from lossscale import _fused
 from helpers import bits, keras3_train_step
 from test_fused_step import (INNERS, OVERFLOWS, RUN_IDS, RUNS, assert_same_state, factor,
                              sequential_under)
@@ -36,13 +39,13 @@ INF = float("inf")
 # The configurations whose sparse step is fused, and what each other one's
 # step_path says instead.
 FUSED = ["adam", "adam_amsgrad_schedule", "adamw_exclude", "sgd_momentum",
-         "sgd_nesterov_schedule", "adamax_decay", "lion_schedule"]
+         "sgd_nesterov_schedule", "adamax_decay", "lion_schedule", "adagrad_schedule",
+         "adagrad_decay"]
 STOCK_REASONS = {
     "sgd": "SGD without momentum applies a sparse gradient slice by slice",
     "sgd_weight_decay": "SGD's weight decay of",
     "rmsprop": "RMSprop divides each slice",
     "rmsprop_centered_decay_exclude": "RMSprop divides each slice",
-    "adagrad_decay": "Adagrad applies a sparse gradient slice by slice",
     "nadam_decay": "Nadam takes a row's sum",
 }
 VOCAB, USED, SEQ, DIM = 60, 40, 5, 6  # tokens < USED: rows USED.. never touched
@@ -120,6 +123,58 @@ def test_embedding_model_bit_identical_to_stock_every_step(policy, eager, name):
 def test_other_families_keep_the_stock_path_and_say_why(name):
     _, opts = embedding_lockstep(name, "mixed_float16", False, 12, seed=3)
     assert_step_path(opts[1], name)
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(initial_accumulator_value=-0.5), "negative or non-finite initial_accumulator_value"),
+    (dict(epsilon=0.0), "epsilon that is not a positive normal float32"),
+    (dict(epsilon=1e-45), "epsilon that is not a positive normal float32"),
+], ids=["negative_initial", "zero_epsilon", "subnormal_epsilon"])
+def test_adagrad_whose_divisor_could_be_zero_keeps_the_stock_path(kwargs, why):
+    """Where a row of sqrt(accumulator + epsilon) could be 0 or NaN, stock's
+    divide takes in more rows than the slices' (its union path): the step is
+    left to stock, saying why.  (With a negative initial value stock's own
+    union path fails in Keras; with a zero epsilon it runs, and ours with it,
+    the same bits.)"""
+    table = keras.Variable(np.ones((10, 3), np.float32), name="emb_table")
+    inner = keras.optimizers.Adagrad(0.05, **kwargs)
+    inner.build([table])
+    grads = [tf.IndexedSlices(tf.ones((2, 3)), tf.constant([1, 1]), tf.constant([10, 3]))]
+    decision = _fused.decide(inner, grads=grads, variables=[table])
+    assert decision.plan is None
+    assert decision.path.startswith("stock: Keras' Adagrad with a sparse gradient"), decision.path
+    assert why in decision.path, decision.path
+    if kwargs.get("epsilon") == 0.0:
+        INNERS["adagrad_divisor"] = lambda: keras.optimizers.Adagrad(0.05, **kwargs)
+        try:
+            _, opts = embedding_lockstep("adagrad_divisor", "mixed_float16", False, 8, seed=5)
+        finally:
+            del INNERS["adagrad_divisor"]
+        assert why in opts[1].step_path, opts[1].step_path
+
+
+def test_adagrad_table_step_reads_only_the_indexed_rows():
+    """Stock's step takes the square root of the whole accumulator every step
+    (and checks it whole for zeros and NaNs); the fused step's graph has no
+    op over a table-shaped tensor but the scatters into it."""
+    table = keras.Variable(np.ones((1000, 8), np.float32), name="emb_table")
+    opt = Ours(keras.optimizers.Adagrad(0.05), dynamic_growth_steps=10)
+    opt.build([table])
+    grads = [tf.IndexedSlices(tf.ones((3, 8), tf.float16), tf.constant([4, 4, 9]),
+                              tf.constant([1000, 8]))]
+    graph = tf.function(lambda: opt.apply(grads, [table])).get_concrete_function().graph
+    assert opt.step_path == "fused (Adagrad)"
+    # (A read of the table that nothing consumes, as tf.shape leaves one, moves no data.)
+    table_shaped = [op.type for op in graph.get_operations()
+                    if any(out.shape.as_list() == [1000, 8] and out.consumers()
+                           for out in op.outputs if out.shape.rank is not None)]
+    assert table_shaped == [], table_shaped
+    stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adagrad(0.05))
+    stock.build([table])
+    stock_graph = tf.function(lambda: stock.apply(grads, [table])).get_concrete_function().graph
+    assert "Sqrt" in [op.type for op in stock_graph.get_operations()
+                      if any(out.shape.as_list() == [1000, 8] for out in op.outputs
+                             if out.shape.rank is not None)]
 
 
 # ------------------------------------------------ hand-made IndexedSlices
@@ -320,10 +375,16 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference():
 # ------------------------------------------------------------ bad input
 
 
-def bad_setup():
+# A family whose kernel takes the sparse terms, and one whose table is
+# updated on its indexed rows (Adagrad's scatters).
+BAD_INNERS = {"adam": lambda: keras.optimizers.Adam(0.01),
+              "adagrad": lambda: keras.optimizers.Adagrad(0.01)}
+
+
+def bad_setup(inner="adam"):
     table = keras.Variable(np.arange(30, dtype=np.float32).reshape(10, 3), name="emb_table")
     kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
-    opt = Ours(keras.optimizers.Adam(0.01), dynamic_growth_steps=10)
+    opt = Ours(BAD_INNERS[inner](), dynamic_growth_steps=10)
     opt.build([table, kernel])
     good = [tf.IndexedSlices(tf.ones((2, 3), tf.float16), tf.constant([1, 1]),
                              tf.constant([10, 3])), tf.ones((2, 2), tf.float16)]
@@ -335,13 +396,14 @@ def snapshot(opt, variables):
     return [bits(v.numpy()) for v in variables + list(opt.variables)]
 
 
+@pytest.mark.parametrize("inner", list(BAD_INNERS))
 @pytest.mark.parametrize("mode", ["eager", "function"])
 @pytest.mark.parametrize("indices,why", [
     ([3, 10], "index past its last row"),
     ([-1, 2], "negative index"),
 ], ids=["past", "negative"])
-def test_index_out_of_range_raises_and_changes_nothing(indices, why, mode):
-    opt, variables = bad_setup()
+def test_index_out_of_range_raises_and_changes_nothing(indices, why, mode, inner):
+    opt, variables = bad_setup(inner)
     before = snapshot(opt, variables)
     grads = [tf.IndexedSlices(tf.ones((2, 3), tf.float16), tf.constant(indices),
                               tf.constant([10, 3])), tf.ones((2, 2), tf.float16)]
@@ -353,10 +415,11 @@ def test_index_out_of_range_raises_and_changes_nothing(indices, why, mode):
     assert opt.step_path.startswith("fused"), opt.step_path
 
 
-def test_slices_of_another_row_shape_raise_and_change_nothing():
+@pytest.mark.parametrize("inner", list(BAD_INNERS))
+def test_slices_of_another_row_shape_raise_and_change_nothing(inner):
     """Statically known: at once, naming the variable; known only when the
     step runs (a tf.function over unknown shapes): its run-time check."""
-    opt, variables = bad_setup()
+    opt, variables = bad_setup(inner)
     before = snapshot(opt, variables)
     bad = [tf.IndexedSlices(tf.ones((2, 4), tf.float16), tf.constant([1, 2]),
                             tf.constant([10, 3])), tf.ones((2, 2), tf.float16)]
