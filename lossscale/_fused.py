@@ -198,6 +198,16 @@ class SparseForm:
         self.rows = rows
 
 
+# A sparse gradient that Keras' global_clipnorm makes dense, for every
+# family: ``clip_by_global_norm`` multiplies each gradient by the factor,
+# and a tf.IndexedSlices times a tensor is the densified slices times it.
+# The kernel takes the densified slices as a dense gradient and multiplies
+# them by the factor as it does the others.  (clipnorm and clipvalue keep
+# a gradient sparse: TensorFlow's clip_by_norm and clip_by_value clip its
+# slices, ``_clipped_slices``.)
+DENSIFIED_BY_CLIP = SparseForm()
+
+
 class Plan:
     """One fused step: the family, the gradients (None dropped; dense ones as
     tensors, sparse ones as ``tf.IndexedSlices``) with their variables, the
@@ -215,6 +225,11 @@ class Plan:
         self.forms = forms
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
+        # Where the graph optimizer folds a schedule's own products into the
+        # decay's chain, the decay runs as Keras' own ops (so rewritten as
+        # stock's are) before the fused pass, which then decays nothing.
+        self.decay_by_ops = [bool(d) and _decay_follows_schedule(inner) for d in self.decay]
+        self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
         self.clip_scalars = []
         self.replicated = _replicas() > 1
@@ -244,15 +259,28 @@ class Plan:
         unscaled and clipped by the op, one over the sparse ones' dense
         terms; then the family's own state, when ``should_apply``.  Under a
         strategy it runs on this replica's device, over the copies there."""
+        if any(self.decay_by_ops):
+            _step.cond(should_apply, lambda: [
+                _decay_like_stock(self.inner, local_copy(self.variables[i]))
+                for i, by_ops in enumerate(self.decay_by_ops) if by_ops], lambda: None)
         dense = [i for i, form in enumerate(self.forms) if form is None]
+        densified = [i for i, form in enumerate(self.forms) if form is DENSIFIED_BY_CLIP]
         by_rows = [i for i, form in enumerate(self.forms)
                    if form is not None and form.rows is not None]
         sparse = [i for i, form in enumerate(self.forms)
-                  if form is not None and form.rows is None]
+                  if form is not None and form.rows is None and form is not DENSIFIED_BY_CLIP]
         if dense:
             given = self.grads if grads is None else grads
             self._launch(library, should_apply, dense, [given[i] for i in dense], [],
                          scale, self.learning_rate, unscale, clip=self.clip)
+        if densified:
+            dense_grads = []
+            for i in densified:
+                with tf.control_dependencies(self.checks):
+                    dense_grads.append(_densify(_unscaled_slices(
+                        self.grads[i], self.variables[i], scale, unscale)))
+            self._launch(library, should_apply, densified, dense_grads, [], scale,
+                         self.learning_rate, "none", clip=self.clip)
         if sparse:
             form = self.forms[sparse[0]]
             grads, terms = [], []
@@ -260,8 +288,8 @@ class Plan:
                 # The checks of the indices first: a bad index fails there,
                 # with the variable's name, not in the densifying op.
                 with tf.control_dependencies(self.checks):
-                    unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale,
-                                                unscale)
+                    unscaled = self._clipped_slices(i, _unscaled_slices(
+                        self.grads[i], self.variables[i], scale, unscale))
                 grad, term = form.terms(unscaled, self.learning_rate)
                 grads.append(grad)
                 if term is not None:
@@ -275,6 +303,20 @@ class Plan:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
 
+    def _clipped_slices(self, i, slices):
+        """The unscaled sparse gradient ``i`` clipped slice by slice, as
+        TensorFlow's clip_by_norm and clip_by_value (Keras' clipnorm and
+        clipvalue) clip a tf.IndexedSlices: ``(v * c) / maximum(l2norm, c)``
+        with the norm of the slices' values, ``maximum(minimum(v, c), -c)``."""
+        mode, value = self.clip or ("none", 0.0)
+        c = tf.constant(value, tf.float32)
+        if mode == "norm":
+            divisor = self.clip_scalars[i]
+            return _map_values(lambda v: (v * c) / divisor, slices)
+        if mode == "value":
+            return _map_values(lambda v: tf.maximum(tf.minimum(v, c), -c), slices)
+        return slices
+
     def _update_rows(self, which, scale, unscale):
         """The row-by-row update of the sparse gradients ``which`` (an
         applied step): each variable's weight decay as Keras' dense
@@ -282,7 +324,8 @@ class Plan:
         for i in which:
             variable = local_copy(self.variables[i])
             with tf.control_dependencies(self.checks):
-                unscaled = _unscaled_slices(self.grads[i], self.variables[i], scale, unscale)
+                unscaled = self._clipped_slices(i, _unscaled_slices(
+                    self.grads[i], self.variables[i], scale, unscale))
             if self.decay[i]:
                 _decay_like_stock(self.inner, variable)
             slots = [local_copy(v) for kind in self.family.slots(self.inner)
@@ -348,7 +391,7 @@ class Plan:
         mode = self.clip[0] if self.clip else None
         if mode not in ("norm", "global"):
             return native_ops.all_finite_grouped(self.grads)
-        sums = _squared_norms(self.grads, scale, unscale)
+        sums = _squared_norms(self.grads, scale, unscale, self.variables, mode)
         clipnorm = self.clip[1]
         if mode == "norm":
             self.clip_scalars = [_clip_by_norm_divisor(s, clipnorm) for s in sums]
@@ -558,10 +601,11 @@ def _adagrad_rows(inner):
 
 
 def _decay_like_stock(inner, variable):
-    """Keras' ``_apply_weight_decay`` of one variable, its own ops."""
+    """Keras' ``_apply_weight_decay`` of one variable (its TensorFlow
+    backend's), its own ops: in a graph, rewritten as stock's are."""
     lr = tf.cast(inner.learning_rate, variable.dtype)
     wd = tf.cast(inner.weight_decay, variable.dtype)
-    variable.assign(variable - variable * wd * lr)
+    variable.assign_sub(variable * wd * lr)
 
 
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
@@ -1032,17 +1076,19 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
             return stock(f"the inner optimizer's {attr} is not a number")
-    if (family.line.weight_decay(inner) is not None
+    steps = _accumulation_steps(inner)
+    if (family.line is not KERAS_3 and family.line.weight_decay(inner) is not None
             and not family.line.learning_rate_is_variable(inner)
-            and _grappler_reassociates_products()):
+            and _grappler_reassociates_products()) or (steps and _decay_follows_schedule(inner)):
         # Each variable's decay evaluates the schedule anew, and the graph
         # optimizer merges that product into the decay's chain of multiplies,
         # folding the schedule's constants with weight_decay (ExponentialDecay:
         # var * (pow * (initial_rate * wd))): an order set by the schedule's
-        # own ops, which the kernel does not follow.
+        # own ops, which the kernel does not follow.  Keras 3's families run
+        # that decay as Keras' own ops (``Plan.decay_by_ops``), except with
+        # accumulation, whose update steps decay on their own schedule.
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
-    steps = _accumulation_steps(inner)
     if steps and clip is not None:
         # Keras clips the average of the accumulated gradients on an update
         # step; the clip's norms here are taken on the step's own gradients.
@@ -1066,10 +1112,11 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
               or _clip_reason(clip, grads, unscale))
     if reason is None and any(isinstance(g, tf.IndexedSlices) for g in grads):
         # A sparse gradient's terms are made per row from the slices, the
-        # way Keras' update_step densifies them; what Keras does before that
-        # (clip, accumulate, all-reduce the slices) is not reproduced here.
-        sparse_with = ("clipping" if clip is not None
-                       else "gradient_accumulation_steps" if steps
+        # way Keras' update_step densifies them, or, clipped, densified as
+        # Keras' clip densifies them (DENSIFIED_BY_CLIP); what Keras does
+        # before that otherwise (accumulate, all-reduce the slices) is not
+        # reproduced here.
+        sparse_with = ("gradient_accumulation_steps" if steps
                        else "several replicas" if _replicas() > 1 else None)
         if sparse_with:
             reason = f"a sparse (IndexedSlices) gradient with {sparse_with}"
@@ -1092,7 +1139,8 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
-    forms = [family.sparse(inner, v) if isinstance(g, tf.IndexedSlices) else None
+    forms = [(DENSIFIED_BY_CLIP if _densifies(clip) else family.sparse(inner, v))
+             if isinstance(g, tf.IndexedSlices) else None
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
                                      [v for _, v in pairs], forms, clip=clip))
@@ -1113,6 +1161,11 @@ def _check_accumulable(pairs):
                 "gradients to float32 first.  No variable was changed.")
 
 
+def _densifies(clip):
+    """Whether Keras' clip ``clip`` (``clip_of``) makes sparse gradients dense."""
+    return isinstance(clip, tuple) and clip[0] == "global"
+
+
 def _step_reason(family, inner, grads, variables):
     """Why these gradients and variables cannot take ``family``'s fused step."""
     reason = _strategy_reason()
@@ -1126,7 +1179,7 @@ def _step_reason(family, inner, grads, variables):
     for g, v in pairs:
         if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
             return f"{v.name} is not mirrored (made outside the strategy's scope)"
-        if isinstance(g, tf.IndexedSlices):
+        if isinstance(g, tf.IndexedSlices) and not _densifies(clip_of(inner)):
             form = family.sparse(inner, v) if family.sparse else None
             if not isinstance(form, SparseForm):
                 return form or f"the gradient of {v.name} is sparse (IndexedSlices)"
@@ -1246,16 +1299,26 @@ def _scaled_norm_exact(scale):
                        bits <= (127 + _SCALED_NORM_MAX_SCALE_EXPONENT) << 23))
 
 
-def _squared_norms(grads, scale, unscale):
+def _squared_norms(grads, scale, unscale, variables, mode):
     """Each gradient's ``reduce_sum(square(u))`` as stock computes it, ``u``
-    the unscaled float32 gradient the inner optimizer clips."""
+    the unscaled float32 gradient the inner optimizer clips by the norm
+    ``mode``.  Of a sparse one: for ``"global"``, Keras'
+    ``ops.sum(ops.square(slices))``, the squared slices densified (a row's
+    squares added up), then summed whole; for ``"norm"``, TensorFlow's
+    clip_by_norm's sum over the slices' values."""
     def stock_sum(g):
         return tf.reduce_sum(tf.square(_unscaled_like_stock(g, scale, unscale)))
 
     sums = [None] * len(grads)
-    halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16]
     for i, g in enumerate(grads):
-        if i not in halves:
+        if isinstance(g, tf.IndexedSlices):
+            unscaled = _unscaled_slices(g, variables[i], scale, unscale)
+            sums[i] = (tf.reduce_sum(_densify(_map_values(tf.square, unscaled)))
+                       if mode == "global" else tf.reduce_sum(unscaled.values * unscaled.values))
+    halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16
+              and sums[i] is None]
+    for i, g in enumerate(grads):
+        if i not in halves and sums[i] is None:
             sums[i] = stock_sum(g)
     if halves:
         inv = 1.0 / scale
@@ -1424,6 +1487,15 @@ def _grappler_reassociates_products():
     options = tf.config.optimizer.get_experimental_options()
     return (not options.get("disable_meta_optimizer", False)
             and options.get("arithmetic_optimization", True))
+
+
+def _decay_follows_schedule(inner):
+    """Whether Keras 3's weight decay of ``inner`` multiplies by a schedule's
+    value in a graph the graph optimizer rewrites (``Plan.decay_by_ops``)."""
+    return (not _which_keras.is_tf_keras_object(inner)
+            and getattr(inner, "weight_decay", None) is not None
+            and not KERAS_3.learning_rate_is_variable(inner)
+            and _grappler_reassociates_products())
 
 
 def _decay_form(inner, variable, reassociated):

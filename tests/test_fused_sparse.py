@@ -80,11 +80,12 @@ def assert_step_path(opt, name):
         assert STOCK_REASONS[name] in opt.step_path, opt.step_path
 
 
-def embedding_lockstep(name, policy, eager, steps, seed=0):
+def embedding_lockstep(name, policy, eager, steps, seed=0, make_inner=None):
     models = [embedding_model(policy, 0), embedding_model(policy, 1)]
     models[1].set_weights(models[0].get_weights())
-    opts = [Stock(INNERS[name](), dynamic_growth_steps=10),
-            Ours(INNERS[name](), dynamic_growth_steps=10)]
+    make_inner = make_inner or INNERS[name]
+    opts = [Stock(make_inner(), dynamic_growth_steps=10),
+            Ours(make_inner(), dynamic_growth_steps=10)]
     for model, opt in zip(models, opts):
         opt.build(model.trainable_variables)
     kinds = []
@@ -123,6 +124,38 @@ def test_embedding_model_bit_identical_to_stock_every_step(policy, eager, name):
 def test_other_families_keep_the_stock_path_and_say_why(name):
     _, opts = embedding_lockstep(name, "mixed_float16", False, 12, seed=3)
     assert_step_path(opts[1], name)
+
+
+# Clip values that clip some steps and some variables and not others on
+# the embedding model's first steps (global norms there are about 0.1-2).
+SPARSE_CLIPS = {"clipnorm": 0.05, "global_clipnorm": 0.3, "clipvalue": 0.01}
+
+
+@pytest.mark.parametrize("clip", list(SPARSE_CLIPS))
+@pytest.mark.parametrize("name", ["adam", "adamw_exclude", "sgd", "sgd_momentum",
+                                  "sgd_weight_decay", "rmsprop", "adagrad_decay",
+                                  "adamax_decay", "nadam_decay", "lion_schedule"])
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
+def test_clipped_sparse_gradient_bit_identical_to_stock(policy, eager, name, clip):
+    """Keras' global_clipnorm makes a sparse gradient dense (see
+    _fused.DENSIFIED_BY_CLIP), for every family whatever its own sparse
+    form; clipnorm and clipvalue clip its slices, which then take their
+    family's sparse form.  Fused where that holds (SGD with global_clipnorm
+    in a graph keeps its own reason), the same bits either way."""
+    def make_inner():
+        inner = INNERS[name]()
+        setattr(inner, clip, SPARSE_CLIPS[clip])
+        return inner
+
+    _, opts = embedding_lockstep(name, policy, eager, 12 if eager else 40,
+                                 make_inner=make_inner)
+    path = opts[1].step_path
+    if clip != "global_clipnorm" and name in STOCK_REASONS:
+        assert STOCK_REASONS[name] in path, path
+    elif clip == "global_clipnorm" and name.startswith("sgd") and not eager:
+        assert path.startswith("stock: global_clipnorm with SGD in a graph"), path
+    else:
+        assert path.startswith("fused"), path
 
 
 @pytest.mark.parametrize("kwargs,why", [

@@ -389,19 +389,32 @@ def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):
 @pytest.mark.parametrize("make_inner", [
     lambda: keras.optimizers.SGD(schedule(), weight_decay=0.01),
     lambda: keras.optimizers.Lion(schedule(), weight_decay=0.01),
-], ids=["sgd", "lion"])
-def test_schedule_with_weight_decay_stock_in_a_graph_fused_eagerly(make_inner):
+    lambda: excluding_biases(keras.optimizers.AdamW(
+        keras.optimizers.schedules.PolynomialDecay(0.003, 100, end_learning_rate=0.0),
+        weight_decay=0.01, epsilon=1e-6)),
+    lambda: keras.optimizers.Adagrad(
+        keras.optimizers.schedules.CosineDecay(0.05, 50), weight_decay=0.02),
+], ids=["sgd", "lion", "adamw_polynomial_exclude", "adagrad_cosine"])
+def test_schedule_with_weight_decay_fused_in_a_graph_and_eagerly(make_inner):
     """In a graph the decay's product takes the schedule's constants (see
-    ``_fused.decide``): the stock path there, the fused one eagerly."""
+    ``_fused.Plan.decay_by_ops``): the decay runs as Keras' own ops there,
+    the rest fused; eagerly the kernel decays.  The same bits both ways."""
     for eager, steps in ((False, 40), (True, 16)):
         models = twin_models("mixed_float16")
         opts = [Stock(make_inner(), dynamic_growth_steps=10),
                 Ours(make_inner(), dynamic_growth_steps=10)]
         lockstep(models, opts, batches(steps, seed=9), "mixed_float16", eager=eager)
-        if eager:
-            assert_fused(opts[1])
-        else:
-            assert_stock(opts[1], "schedule_and_decay")
+        assert_fused(opts[1])
+
+
+def test_schedule_with_weight_decay_and_accumulation_stock_in_a_graph():
+    models = twin_models("mixed_float16")
+    make_inner = lambda: keras.optimizers.AdamW(  # noqa: E731
+        schedule(), weight_decay=0.01, gradient_accumulation_steps=2)
+    opts = [Stock(make_inner(), dynamic_growth_steps=10),
+            Ours(make_inner(), dynamic_growth_steps=10)]
+    lockstep(models, opts, batches(24, seed=9), "mixed_float16")
+    assert_stock(opts[1], "schedule_and_decay")
 
 
 # ------------------------------------------------------------ bad input
