@@ -35,11 +35,16 @@ are unscaled as the stock step unscales them, the per-slice terms Keras'
 conversion (``unsorted_segment_sum``, so duplicate indices add up in
 stock's order), and the kernel runs on those dense terms with no further
 unscale, in a second native op beside the dense variables' one.
+Adagrad, whose Keras update scatters its slices, updates the rows they
+index alone, with Keras' own ops (``SparseForm.rows``).  Clipped, a sparse
+gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
+(``DENSIFIED_BY_CLIP``, any family), its slices clipped under
+``clipnorm`` and ``clipvalue``.
 
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
-gradient accumulation, a sparse gradient with clipping, accumulation or
-several replicas or one its family has no form for, variable constraints or
+gradient accumulation, a sparse gradient with accumulation or several
+replicas or one its family has no form for, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
