@@ -1304,20 +1304,21 @@ def _scaled_norm_exact(scale):
                        bits <= (127 + _SCALED_NORM_MAX_SCALE_EXPONENT) << 23))
 
 
-def _squared_norms(grads, scale, unscale, variables, mode):
+def _squared_norms(grads, scale, unscale, variables=None, mode="global"):
     """Each gradient's ``reduce_sum(square(u))`` as stock computes it, ``u``
     the unscaled float32 gradient the inner optimizer clips by the norm
     ``mode``.  Of a sparse one: for ``"global"``, Keras'
     ``ops.sum(ops.square(slices))``, the squared slices densified (a row's
     squares added up), then summed whole; for ``"norm"``, TensorFlow's
-    clip_by_norm's sum over the slices' values."""
+    clip_by_norm's sum over the slices' values.  (``variables``: those of
+    the gradients, for a sparse one without a dense shape.)"""
     def stock_sum(g):
         return tf.reduce_sum(tf.square(_unscaled_like_stock(g, scale, unscale)))
 
     sums = [None] * len(grads)
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
-            unscaled = _unscaled_slices(g, variables[i], scale, unscale)
+            unscaled = _unscaled_slices(g, variables and variables[i], scale, unscale)
             sums[i] = (tf.reduce_sum(_densify(_map_values(tf.square, unscaled)))
                        if mode == "global" else tf.reduce_sum(unscaled.values * unscaled.values))
     halves = [i for i, g in enumerate(grads) if unscale == "divide" and g.dtype == tf.float16
