@@ -148,11 +148,15 @@ class Family:
       sparse: ``sparse(inner, variable)`` -> a ``SparseForm`` (how the kernel
         takes a ``tf.IndexedSlices`` gradient of ``variable``) or a string,
         why it cannot.
+      merges_global_clip: ``merges_global_clip(inner)`` -> whether the stock
+        step built here may multiply a gradient by ``global_clipnorm``'s
+        factor times the learning rate (the graph optimizer's order) rather
+        than by the factor and then the learning rate.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
                  state=None, supports=(), unsupported=None, scales_gradient=True, line=None,
-                 sparse=None):
+                 sparse=None, merges_global_clip=None):
         self.name = name
         self._keras_class = keras_class
         self.line = line or KERAS_3
@@ -165,6 +169,7 @@ class Family:
         self.unsupported = unsupported or (lambda inner: None)
         self.scales_gradient = scales_gradient
         self.sparse = sparse
+        self.merges_global_clip = merges_global_clip or (lambda inner: False)
 
     @property
     def keras_class(self):
@@ -236,6 +241,10 @@ class Plan:
         self.decay_by_ops = [bool(d) and _decay_follows_schedule(inner) for d in self.decay]
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
+        # A rank-0 gradient has nothing to broadcast: the graph optimizer
+        # leaves its chain of products alone.
+        merges = clip is not None and family.merges_global_clip(inner)
+        self.merged_clip = [merges and len(v.shape) > 0 for v in variables]
         self.clip_scalars = []
         self.replicated = _replicas() > 1
         self.scalars = None
@@ -276,16 +285,15 @@ class Plan:
                   if form is not None and form.rows is None and form is not DENSIFIED_BY_CLIP]
         if dense:
             given = self.grads if grads is None else grads
-            self._launch(library, should_apply, dense, [given[i] for i in dense], [],
-                         scale, self.learning_rate, unscale, clip=self.clip)
+            self._launch_dense(library, should_apply, dense, [given[i] for i in dense], scale,
+                               unscale)
         if densified:
             dense_grads = []
             for i in densified:
                 with tf.control_dependencies(self.checks):
                     dense_grads.append(_densify(_unscaled_slices(
                         self.grads[i], self.variables[i], scale, unscale)))
-            self._launch(library, should_apply, densified, dense_grads, [], scale,
-                         self.learning_rate, "none", clip=self.clip)
+            self._launch_dense(library, should_apply, densified, dense_grads, scale, "none")
         if sparse:
             form = self.forms[sparse[0]]
             grads, terms = [], []
@@ -307,6 +315,28 @@ class Plan:
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def _launch_dense(self, library, should_apply, which, grads, scale, unscale):
+        """The native op over dense gradients ``grads`` of the variables
+        ``which``, clipped by the plan's clip: those whose global clip the
+        graph may reorder (``merged_clip``) in an op of their own."""
+        apart = [k for k, i in enumerate(which) if not self.merged_clip[i]]
+        merged = [k for k, i in enumerate(which) if self.merged_clip[i]]
+        if apart:
+            self._launch(library, should_apply, [which[k] for k in apart],
+                         [grads[k] for k in apart], [], scale, self.learning_rate, unscale,
+                         clip=self.clip)
+        if merged:
+            # Where the graph optimizer reorders `u * factor * learning_rate`
+            # to `u * (factor * learning_rate)`, that product is these
+            # variables' learning rate and their clip factor 1 (u * 1 is u).
+            factor = self.clip_scalars[0]
+            reordered = _graph_reorders_clip(factor, self.learning_rate, len(self.grads))
+            self._launch(library, should_apply, [which[k] for k in merged],
+                         [grads[k] for k in merged], [], scale,
+                         tf.where(reordered, factor * self.learning_rate, self.learning_rate),
+                         unscale, clip=self.clip,
+                         clip_scalars=[tf.where(reordered, tf.constant(1.0), factor)])
 
     def _clipped_slices(self, i, slices):
         """The unscaled sparse gradient ``i`` clipped slice by slice, as
@@ -338,9 +368,10 @@ class Plan:
             self.forms[i].rows(unscaled, variable, slots, self.learning_rate)
 
     def _launch(self, library, should_apply, which, grads, terms, scale, learning_rate,
-                unscale, hyper=None, clip=None):
+                unscale, hyper=None, clip=None, clip_scalars=None):
         """One native op over the variables ``which`` (positions in the plan),
-        their ``grads`` and ``terms``, clipped as ``clip`` says."""
+        their ``grads`` and ``terms``, clipped as ``clip`` says (with the
+        plan's clip scalars, or ``clip_scalars``)."""
         def handles(variables):
             return [local_copy(v).handle for v in variables]
 
@@ -348,8 +379,9 @@ class Plan:
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(self.family.line.slots(self.inner, kind, variables))]
         mode, value = clip or ("none", 0.0)
-        clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
-                        else self.clip_scalars if mode == "global" else [])
+        if clip_scalars is None:
+            clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
+                            else self.clip_scalars if mode == "global" else [])
         library.loss_scale_apply_optimizer(
             should_apply, handles(variables), slots, grads, scale, learning_rate,
             self.weight_decay, self.scalars, clip_scalars, terms, family=self.family.name,
@@ -522,16 +554,25 @@ def _sgd_hyper(inner):
 
 
 def _sgd_reason(inner):
-    # SGD's only use of the gradient is `gradient * learning_rate` (Nesterov's
-    # second one merged with the first): with global_clipnorm that makes the
-    # chain `u * factor * learning_rate`, which the graph optimizer reorders
-    # to `u * (factor * learning_rate)` for each variable of more than one
-    # element, as it does the weight decay's.
-    if _grappler_reassociates_products() and clip_of(inner) is not None \
-            and clip_of(inner)[0] == "global":
-        return ("global_clipnorm with SGD in a graph (TensorFlow's graph optimizer "
-                "reorders its products)")
+    # The plan runs SGD's global clip in the graph's own order
+    # (``Plan.merged_clip``), a learning rate of `factor * lr`, which leaves
+    # no room for a weight decay's `wd * lr`.
+    if _sgd_merges_global_clip(inner) and getattr(inner, "weight_decay", None) is not None:
+        return ("global_clipnorm and weight decay with SGD in a graph (TensorFlow's graph "
+                "optimizer reorders their products)")
     return None
+
+
+def _sgd_merges_global_clip(inner):
+    """Whether the stock step built here may multiply SGD's gradients by
+    ``global_clipnorm``'s factor times the learning rate: SGD's only use of
+    a gradient is `gradient * learning_rate` (Nesterov's second one merged
+    with the first), which with the factor makes the chain `u * factor *
+    learning_rate`; in a graph the graph optimizer may reorder it to `u *
+    (factor * learning_rate)` (``_graph_reorders_clip`` tells when)."""
+    clip = clip_of(inner)
+    return (_grappler_reassociates_products() and isinstance(clip, tuple)
+            and clip[0] == "global")
 
 
 def _sgd_sparse(inner, variable):
@@ -769,7 +810,7 @@ FAMILIES = (
     Family("adam", keras.optimizers.Adam, **_ADAM),
     Family("sgd", keras.optimizers.SGD, slots=_sgd_slots, numbers=("momentum",),
            hyper=_sgd_hyper, unsupported=_sgd_reason, supports=_AROUND_UPDATE,
-           sparse=_sgd_sparse),
+           sparse=_sgd_sparse, merges_global_clip=_sgd_merges_global_clip),
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
@@ -1493,6 +1534,37 @@ def _grappler_reassociates_products():
     options = tf.config.optimizer.get_experimental_options()
     return (not options.get("disable_meta_optimizer", False)
             and options.get("arithmetic_optimization", True))
+
+
+# Lanes whose products `x * factor * lr` round differently in the two
+# orders unless the factor or the learning rate is special (a power of two,
+# a factor of 1), where the two orders agree on every value.
+_PROBE_LANES = (1.0 + np.arange(1, 257, dtype=np.float64) * (2.0**-9 + 2.0**-17)).astype(
+    np.float32)
+
+
+def _graph_reorders_clip(factor, learning_rate, gradients):
+    """Whether the graph optimizer reorders the stock SGD step's `u * factor *
+    learning_rate` to `u * (factor * learning_rate)`, as a bool tensor.
+
+    In stock's step the clipped gradients `u * factor` pass through the
+    default replica context's all-reduce (Keras' _all_reduce_sum_gradients),
+    an IdentityN, before SGD multiplies them by the learning rate.  The graph
+    optimizer removes that IdentityN, and then reorders the chain, in a
+    function whose outputs it knows; in one that returns nothing it keeps
+    it, and the chain runs as written.  Tracing cannot tell which: a probe
+    of the same chain through the same all-reduce, on lanes that round
+    differently in the two orders, is rewritten as stock's is and reads
+    back which order ran.  ``gradients``: how many the step has (stock's
+    all-reduce takes them all)."""
+    lanes = tf.constant(_PROBE_LANES)
+    # One tensor where stock's list has one, else two: an IdentityN of one
+    # tensor is an Identity, which the graph optimizer removes in any function.
+    halves = [lanes] if gradients == 1 else [lanes[:128], lanes[128:]]
+    clipped = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [x * factor for x in halves])
+    return tf.reduce_all([tf.reduce_all(tf.equal(c * learning_rate, x * (factor * learning_rate)))
+                          for c, x in zip(clipped, halves)])
 
 
 def _decay_follows_schedule(inner):

@@ -121,26 +121,82 @@ def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
     models, opts = make_pair(functools.partial(FAMILY_INNERS[name], **{clip: value}), policy,
                              dynamic_growth_steps=10)
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
-    if name.startswith("sgd") and clip == "global_clipnorm" and not eager:
-        # The graph's `u * factor * learning_rate`, reordered (see _fused._sgd_reason).
-        assert opts[1].step_path == ("stock: global_clipnorm with SGD in a graph "
-                                     "(TensorFlow's graph optimizer reorders its products)")
-    else:
-        assert_fused(opts[1])
+    assert_fused(opts[1])
     assert min(b / a for a, b in zip(scales, scales[1:])) < 1  # overflow steps were skipped
 
 
-@pytest.mark.parametrize("make_inner", [
-    lambda: keras.optimizers.SGD(0.02, global_clipnorm=0.01),
-    lambda: keras.optimizers.SGD(0.02, momentum=0.9, global_clipnorm=0.01),
-], ids=["plain", "momentum"])
-def test_sgd_global_clipnorm_fused_eagerly_stock_in_a_graph(make_inner):
-    """Eagerly the products run as written and the step is fused; in a graph
-    the step is the stock one, and the same bits."""
+SGD_GLOBAL = {
+    "plain": lambda: keras.optimizers.SGD(0.02, global_clipnorm=0.01),
+    "momentum": lambda: keras.optimizers.SGD(0.02, momentum=0.9, global_clipnorm=0.01),
+    "nesterov_cosine": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.CosineDecay(0.05, 30), momentum=0.9, nesterov=True,
+        global_clipnorm=0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(SGD_GLOBAL))
+def test_sgd_global_clipnorm_fused_eagerly_and_in_a_graph(name):
+    """SGD's `u * factor * lr`: eagerly as written; in a graph TensorFlow's
+    graph optimizer may reorder it to `u * (factor * lr)`
+    (``_fused._graph_reorders_clip``).  Fused both ways, the same bits."""
     for eager in (True, False):
-        models, opts = make_pair(make_inner, "mixed_float16", dynamic_growth_steps=10)
+        models, opts = make_pair(SGD_GLOBAL[name], "mixed_float16", dynamic_growth_steps=10)
         lockstep(models, opts, batches(12 if eager else 40), "mixed_float16", eager=eager)
-        assert opts[1].step_path.startswith("fused" if eager else "stock: global_clipnorm")
+        assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("returns", [True, False], ids=["returns_a_value", "returns_nothing"])
+@pytest.mark.parametrize("shapes", [[(), (1,), (19,), (37, 19)], [(37, 19)]],
+                         ids=["four_variables", "one_variable"])
+@pytest.mark.parametrize("name", list(SGD_GLOBAL))
+def test_sgd_global_clipnorm_in_either_kind_of_function(name, shapes, returns):
+    """The graph optimizer reorders stock's chain in a tf.function that returns
+    a value (every variable of rank >= 1) and not in one that returns nothing
+    (its gradients' all-reduce IdentityN stays, unless there is one
+    gradient): the fused step reads which, and is stock's bits in each."""
+    states = []
+    for cls in (keras.optimizers.LossScaleOptimizer, lossscale.LossScaleOptimizer):
+        rng = np.random.default_rng(7)
+        variables = [keras.Variable(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        opt = cls(SGD_GLOBAL[name](), initial_scale=1024.0, dynamic_growth_steps=3)
+        opt.build(variables)
+
+        @tf.function
+        def step(grads):
+            opt.apply(grads, variables)
+            if returns:
+                return tf.constant(0.0)
+            return None
+
+        history = []
+        for i in range(8):
+            grads = [rng.standard_normal(s).astype(np.float32) * np.float32(300.0)
+                     for s in shapes]
+            if i == 4:
+                grads[-1].reshape(-1)[0] = np.inf
+            step([tf.constant(g) for g in grads])
+            history.append([bits(np.asarray(v.numpy()))
+                            for v in variables + list(opt.variables)])
+        if cls is lossscale.LossScaleOptimizer:
+            assert_fused(opt)
+        states.append(history)
+    for i, (a, b) in enumerate(zip(*states)):
+        assert a == b, f"step {i}: {[k for k, (x, y) in enumerate(zip(a, b)) if x != y]}"
+
+
+def test_graph_reorders_clip_reads_the_order_tensorflow_ran():
+    """The probe's premise, on TensorFlow's own ops: its lanes tell the two
+    orders apart, and in a function that returns a value it reads the
+    reordered chain."""
+    factor, lr = np.float32(0.7310585), np.float32(0.0123)
+    lanes = _fused._PROBE_LANES
+    apart = ((lanes * factor) * lr).view(np.uint32)
+    merged = (lanes * (factor * lr)).view(np.uint32)
+    assert not np.array_equal(apart, merged)
+    probe = tf.function(lambda f, l: _fused._graph_reorders_clip(f, l, 5))
+    assert bool(probe(tf.constant(factor), tf.constant(lr)).numpy())
+    # A power-of-two learning rate: the two orders agree on every value.
+    assert bool(probe(tf.constant(factor), tf.constant(np.float32(2.0**-7))).numpy())
 
 
 # --------------------------------------- 16-bit gradients, a growing scale

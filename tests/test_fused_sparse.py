@@ -141,7 +141,8 @@ def test_clipped_sparse_gradient_bit_identical_to_stock(policy, eager, name, cli
     _fused.DENSIFIED_BY_CLIP), for every family whatever its own sparse
     form; clipnorm and clipvalue clip its slices, which then take their
     family's sparse form.  Fused where that holds (SGD with global_clipnorm
-    in a graph keeps its own reason), the same bits either way."""
+    and weight decay in a graph keeps its own reason), the same bits either
+    way."""
     def make_inner():
         inner = INNERS[name]()
         setattr(inner, clip, SPARSE_CLIPS[clip])
@@ -152,8 +153,8 @@ def test_clipped_sparse_gradient_bit_identical_to_stock(policy, eager, name, cli
     path = opts[1].step_path
     if clip != "global_clipnorm" and name in STOCK_REASONS:
         assert STOCK_REASONS[name] in path, path
-    elif clip == "global_clipnorm" and name.startswith("sgd") and not eager:
-        assert path.startswith("stock: global_clipnorm with SGD in a graph"), path
+    elif clip == "global_clipnorm" and name == "sgd_weight_decay" and not eager:
+        assert path.startswith("stock: global_clipnorm and weight decay with SGD"), path
     else:
         assert path.startswith("fused"), path
 
