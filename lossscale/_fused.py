@@ -148,6 +148,11 @@ class Family:
       sparse: ``sparse(inner, variable)`` -> a ``SparseForm`` (how the kernel
         takes a ``tf.IndexedSlices`` gradient of ``variable``) or a string,
         why it cannot.
+      run_time_form: ``run_time_form(inner)`` -> None, or ``(index, probe)``:
+        the hyper number at ``index``, where it is 1, is a form of the stock
+        graph that the graph optimizer applies or not by what tracing cannot
+        see (whether the function returns a value), and ``probe()`` is a
+        bool tensor that tells, at run time, which it did.
       merges_global_clip: ``merges_global_clip(inner)`` -> whether the stock
         step built here may multiply a gradient by ``global_clipnorm``'s
         factor times the learning rate (the graph optimizer's order) rather
@@ -156,7 +161,7 @@ class Family:
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
                  state=None, supports=(), unsupported=None, scales_gradient=True, line=None,
-                 sparse=None, merges_global_clip=None):
+                 sparse=None, merges_global_clip=None, run_time_form=None):
         self.name = name
         self._keras_class = keras_class
         self.line = line or KERAS_3
@@ -170,6 +175,7 @@ class Family:
         self.scales_gradient = scales_gradient
         self.sparse = sparse
         self.merges_global_clip = merges_global_clip or (lambda inner: False)
+        self.run_time_form = run_time_form or (lambda inner: None)
 
     @property
     def keras_class(self):
@@ -382,12 +388,25 @@ class Plan:
         if clip_scalars is None:
             clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
                             else self.clip_scalars if mode == "global" else [])
-        library.loss_scale_apply_optimizer(
-            should_apply, handles(variables), slots, grads, scale, learning_rate,
-            self.weight_decay, self.scalars, clip_scalars, terms, family=self.family.name,
-            hyper=[float(h) for h in (hyper or self.family.hyper)(self.inner)],
-            decay=[self.decay[i] for i in which], unscale=unscale, clip=mode,
-            clip_value=float(np.float32(value)) if mode in ("norm", "value") else 0.0)
+        def run(numbers):
+            library.loss_scale_apply_optimizer(
+                should_apply, handles(variables), slots, grads, scale, learning_rate,
+                self.weight_decay, self.scalars, clip_scalars, terms, family=self.family.name,
+                hyper=numbers, decay=[self.decay[i] for i in which], unscale=unscale,
+                clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
+                else 0.0)
+
+        numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
+        form = self.family.run_time_form(self.inner)
+        if form is None or not numbers[form[0]]:
+            run(numbers)
+            return
+        # A form of the stock step's graph that only its run tells: the
+        # kernel of each, the probe's choice run.
+        index, probe = form
+        off = list(numbers)
+        off[index] = 0.0
+        tf.cond(probe(), lambda: run(numbers), lambda: run(off))
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -673,6 +692,36 @@ def _push_down_form():
     return 1.0 if _grappler_folds_constants() else 0.0
 
 
+# Lanes (a, b) whose `(a - b) + eps` and `(eps - b) + a` round differently
+# for some lanes at every epsilon but the special ones where both orders
+# are exact on every value: b over many binades, a just above b.
+_PUSH_DOWN_RNG = np.random.default_rng(0)
+_PUSH_DOWN_B = np.exp2(_PUSH_DOWN_RNG.uniform(-30, 24, 256)).astype(np.float32)
+_PUSH_DOWN_A = (_PUSH_DOWN_B + np.exp2(_PUSH_DOWN_RNG.uniform(-40, 8, 256))).astype(np.float32)
+
+
+def _graph_pushes_down(epsilon, one):
+    """Whether the graph optimizer's constant folding turned the stock step's
+    `(v - s) + epsilon` into `(epsilon - s) + v`, as a bool tensor: it does
+    in a tf.function whose outputs it knows, not in one that returns
+    nothing.  A probe of the same chain on tensors it cannot fold (times
+    ``one``, a run-time 1) is rewritten as stock's is, and reads back which
+    form ran."""
+    a = tf.constant(_PUSH_DOWN_A) * one
+    b = tf.constant(_PUSH_DOWN_B) * one
+    pushed = (tf.constant(np.float32(epsilon)) - b) + a
+    return tf.reduce_all(tf.equal(a - b + epsilon, pushed))
+
+
+def _rmsprop_run_time_form(inner):
+    # Centered RMSprop's denominator v - a * a + epsilon (LS_RMSPROP_PUSH_DOWN).
+    if not inner.centered:
+        return None
+    return 7, lambda: _graph_pushes_down(
+        inner.epsilon, tf.cast(tf.math.is_finite(tf.cast(inner.iterations, tf.float32)),
+                               tf.float32))
+
+
 def _rsqrt_reason(inner):
     del inner
     return _tf_rsqrt_reason() if _rsqrt_form() else None
@@ -814,6 +863,7 @@ FAMILIES = (
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
+           run_time_form=_rmsprop_run_time_form,
            sparse=lambda inner, v: (
                "Keras' RMSprop divides each slice of a sparse gradient by its row's "
                "denominator (taking in the rows where that is 0 or NaN)")),

@@ -145,20 +145,15 @@ def test_sgd_global_clipnorm_fused_eagerly_and_in_a_graph(name):
         assert_fused(opts[1])
 
 
-@pytest.mark.parametrize("returns", [True, False], ids=["returns_a_value", "returns_nothing"])
-@pytest.mark.parametrize("shapes", [[(), (1,), (19,), (37, 19)], [(37, 19)]],
-                         ids=["four_variables", "one_variable"])
-@pytest.mark.parametrize("name", list(SGD_GLOBAL))
-def test_sgd_global_clipnorm_in_either_kind_of_function(name, shapes, returns):
-    """The graph optimizer reorders stock's chain in a tf.function that returns
-    a value (every variable of rank >= 1) and not in one that returns nothing
-    (its gradients' all-reduce IdentityN stays, unless there is one
-    gradient): the fused step reads which, and is stock's bits in each."""
+def either_kind_of_function_states(make_inner, shapes, returns, steps=8):
+    """Stock's and ours' variables and optimizer variables after each of
+    ``steps`` applies, in a tf.function that returns a value or nothing, on
+    variables of ``shapes`` (the fifth step overflows)."""
     states = []
     for cls in (keras.optimizers.LossScaleOptimizer, lossscale.LossScaleOptimizer):
         rng = np.random.default_rng(7)
         variables = [keras.Variable(rng.standard_normal(s).astype(np.float32)) for s in shapes]
-        opt = cls(SGD_GLOBAL[name](), initial_scale=1024.0, dynamic_growth_steps=3)
+        opt = cls(make_inner(), initial_scale=1024.0, dynamic_growth_steps=3)
         opt.build(variables)
 
         @tf.function
@@ -169,7 +164,7 @@ def test_sgd_global_clipnorm_in_either_kind_of_function(name, shapes, returns):
             return None
 
         history = []
-        for i in range(8):
+        for i in range(steps):
             grads = [rng.standard_normal(s).astype(np.float32) * np.float32(300.0)
                      for s in shapes]
             if i == 4:
@@ -180,8 +175,42 @@ def test_sgd_global_clipnorm_in_either_kind_of_function(name, shapes, returns):
         if cls is lossscale.LossScaleOptimizer:
             assert_fused(opt)
         states.append(history)
+    return states
+
+
+def assert_same_history(states):
     for i, (a, b) in enumerate(zip(*states)):
         assert a == b, f"step {i}: {[k for k, (x, y) in enumerate(zip(a, b)) if x != y]}"
+
+
+KINDS = dict(argnames="returns", argvalues=[True, False],
+             ids=["returns_a_value", "returns_nothing"])
+
+
+@pytest.mark.parametrize(**KINDS)
+@pytest.mark.parametrize("shapes", [[(), (1,), (19,), (37, 19)], [(37, 19)]],
+                         ids=["four_variables", "one_variable"])
+@pytest.mark.parametrize("name", list(SGD_GLOBAL))
+def test_sgd_global_clipnorm_in_either_kind_of_function(name, shapes, returns):
+    """The graph optimizer reorders stock's chain in a tf.function that returns
+    a value (every variable of rank >= 1) and not in one that returns nothing
+    (its gradients' all-reduce IdentityN stays, unless there is one
+    gradient): the fused step reads which, and is stock's bits in each."""
+    assert_same_history(either_kind_of_function_states(SGD_GLOBAL[name], shapes, returns))
+
+
+@pytest.mark.parametrize(**KINDS)
+@pytest.mark.parametrize("clip", [None] + CLIPS)
+@pytest.mark.parametrize("name", list(FAMILY_INNERS))
+def test_every_family_in_either_kind_of_function(name, clip, returns):
+    """What the graph optimizer rewrites can hang on whether the function
+    returns a value (centered RMSprop's `(v - s) + eps`, pushed down only
+    then: ``_fused._graph_pushes_down``): every family, with each clip and
+    none, on a rank-0, a one-element and larger variables, in both kinds."""
+    kwargs = {clip: 0.01} if clip else {}
+    assert_same_history(either_kind_of_function_states(
+        functools.partial(FAMILY_INNERS[name], **kwargs), [(), (1,), (19,), (37, 19)],
+        returns, steps=6))
 
 
 def test_graph_reorders_clip_reads_the_order_tensorflow_ran():
