@@ -17,9 +17,11 @@ matplotlib; without it the report says so and is written without them.
 The raw JSON is rewritten without indentation (same content).
 
 The README's performance headline is generated here too, never copied by
-hand: from the results of a full run (not ``--quick`` ones, and not with
-``--no-readme``) the text between the README's ``<!-- headline:start -->``
-and ``<!-- headline:end -->`` markers is rewritten by ``readme_block``.
+hand: from the results of a full run written where ``make bench`` writes
+them (``bench/results/raw.json``; not ``--quick`` ones, not a JSON elsewhere,
+as a run of a few items is, and not with ``--no-readme``) the text between
+the README's ``<!-- headline:start -->`` and ``<!-- headline:end -->``
+markers is rewritten by ``readme_block``.
 ``tests/test_readme_headline.py`` checks that the README holds what the
 committed ``bench/results/raw.json`` gives.
 """
@@ -1876,6 +1878,8 @@ def main(argv=None):
         json.dump(rep.raw, f, separators=(",", ":"))
     path = rep.write()
     print(f"report: {path}")
+    if os.path.abspath(argv[0]) != os.path.join(HERE, "results", "raw.json"):
+        readme = None   # a run of its own, not the committed results
     if readme and not rep.facts.get("quick"):
         changed = update_readme(rep, readme)
         print(f"report: README headline {'rewritten' if changed else 'unchanged'} ({readme})")
