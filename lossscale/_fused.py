@@ -41,6 +41,16 @@ gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
 (``DENSIFIED_BY_CLIP``, any family), its slices clipped under
 ``clipnorm`` and ``clipvalue``.
 
+Some of what TensorFlow's graph optimizer does to the stock step in a
+``tf.function`` hangs on whether that function returns a value (it then
+knows the function's outputs): SGD's ``u * factor * lr`` under
+``global_clipnorm`` is reordered only then (where the IdentityN of the
+gradients' all-reduce is removed), centered RMSprop's ``(v - s) + eps``
+pushed down only then.  Tracing cannot see that, so the step reads it at
+run time from a probe of the same chain, which the optimizer rewrites as it
+rewrites stock's (``_graph_reorders_clip``, ``_graph_pushes_down``), and
+runs the kernel form it names.
+
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
 gradient accumulation, a sparse gradient with accumulation or several
