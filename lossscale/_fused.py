@@ -314,12 +314,7 @@ class Plan:
             form = self.forms[sparse[0]]
             grads, terms = [], []
             for i in sparse:
-                # The checks of the indices first: a bad index fails there,
-                # with the variable's name, not in the densifying op.
-                with tf.control_dependencies(self.checks):
-                    unscaled = self._clipped_slices(i, _unscaled_slices(
-                        self.grads[i], self.variables[i], scale, unscale))
-                grad, term = form.terms(unscaled, self.learning_rate)
+                grad, term = form.terms(self._slices(i, scale, unscale), self.learning_rate)
                 grads.append(grad)
                 if term is not None:
                     terms.append(term)
@@ -354,6 +349,15 @@ class Plan:
                          unscale, clip=self.clip,
                          clip_scalars=[tf.where(reordered, tf.constant(1.0), factor)])
 
+    def _slices(self, i, scale, unscale):
+        """The sparse gradient ``i`` unscaled as stock unscales it, then
+        clipped slice by slice (``_clipped_slices``), after the checks of its
+        indices: a bad index fails there, with the variable's name, not in a
+        densifying or scattering op."""
+        with tf.control_dependencies(self.checks):
+            return self._clipped_slices(i, _unscaled_slices(self.grads[i], self.variables[i],
+                                                            scale, unscale))
+
     def _clipped_slices(self, i, slices):
         """The unscaled sparse gradient ``i`` clipped slice by slice, as
         TensorFlow's clip_by_norm and clip_by_value (Keras' clipnorm and
@@ -374,9 +378,7 @@ class Plan:
         ``_apply_weight_decay`` does it, then its family's ``rows``."""
         for i in which:
             variable = local_copy(self.variables[i])
-            with tf.control_dependencies(self.checks):
-                unscaled = self._clipped_slices(i, _unscaled_slices(
-                    self.grads[i], self.variables[i], scale, unscale))
+            unscaled = self._slices(i, scale, unscale)
             if self.decay[i]:
                 _decay_like_stock(self.inner, variable)
             slots = [local_copy(v) for kind in self.family.slots(self.inner)
