@@ -3,7 +3,7 @@
  *
  * One input describes a list of variables (gradient dtype, weight-decay
  * form, length, raw bytes of the variable, gradient, slots and, for some,
- * a gradient term: ls_param.grad_term) and a whole
+ * a gradient term: ls_param.grad_term, and an EMA: ls_param.average) and a whole
  * configuration (optimizer, unscale mode, scale and every hyperparameter as
  * raw bits, so non-finite and out-of-range values come up).  Checked:
  *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
@@ -27,7 +27,9 @@
  *   1..8   scale (double)
  *   9..16  learning rate, weight decay (float each)
  *   17..64 the family's numbers (LS_OPTIM_MAX_HYPER floats; those past its
- *          count are ignored), in family_<name>.h's order
+ *          count are ignored), in family_<name>.h's order; the last two
+ *          (57..64, past every family's count) are also the EMA's
+ *          momentum and rest
  *   65     variables: 1 + (byte & 127) % 3; bit 7: the family's fourth bit
  *          (the corpus was rewritten when it was added, and again when the
  *          clip fields were: each input kept its meaning, the unknown family
@@ -38,7 +40,9 @@
  *   then per variable 8 bytes: gradient dtype (byte % 4: float16,
  *          bfloat16, float32, float64 — refused; bit 2: the gradient's
  *          term is given, refused but for a family that takes one
- *          under LS_UNSCALE_NONE), decay (byte % 4; 3 is refused),
+ *          under LS_UNSCALE_NONE; bit 3: the variable has an average,
+ *          which inputs written before it was added may set too), decay
+ *          (byte % 4; 3 is refused),
  *          length (u16 % 1500), clip scalar (float)
  *   then the content, handed out to the buffers in order and repeated.
  */
@@ -58,7 +62,7 @@
 #define HAVE_MXCSR 1
 #endif
 
-enum { MAX_VARS = 3, NBUF = 6, TERM = 5, GUARD = 0xA5, PAD = 64 };
+enum { MAX_VARS = 3, NBUF = 7, TERM = 5, AVERAGE = 6, GUARD = 0xA5, PAD = 64 };
 
 typedef struct fuzz_input {
     const uint8_t *data;
@@ -76,10 +80,11 @@ static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
 /* One list of buffers with guard bytes around each. */
 typedef struct arena {
     ls_param params[MAX_VARS];
-    /* var, grad, 3 slots, term: PAD guard + data + PAD guard */
+    /* var, grad, 3 slots, term, average: PAD guard + data + PAD guard */
     uint8_t *blocks[MAX_VARS][NBUF];
     size_t bytes[MAX_VARS][NBUF];
     int terms[MAX_VARS];
+    int averages[MAX_VARS];
     size_t count;
 } arena;
 
@@ -116,6 +121,7 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
         for (int s = 0; s < 3; s++)
             p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
         p->grad_term = a->terms[i] ? (const float *)(void *)(a->blocks[i][TERM] + PAD) : NULL;
+        p->average = a->averages[i] ? (float *)(void *)(a->blocks[i][AVERAGE] + PAD) : NULL;
     }
 }
 
@@ -225,6 +231,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         c.hyper[0] = 0.0f;
     c.clip = byte_at(&in, 67) % 5;
     read_bytes(&in, 68, &c.clip_value, 4);
+    read_bytes(&in, 57, &c.ema_momentum, 4);
+    read_bytes(&in, 61, &c.ema_rest, 4);
     const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
 
     arena layout;
@@ -235,6 +243,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         ls_param *p = &layout.params[i];
         p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
         layout.terms[i] = (byte_at(&in, at) >> 2) & 1;
+        layout.averages[i] = (byte_at(&in, at) >> 3) & 1;
         p->decay = byte_at(&in, at + 1) % 4;
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
         read_bytes(&in, at + 4, &p->clip_scalar, 4);
@@ -244,6 +253,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
         layout.bytes[i][TERM] = layout.terms[i] ? p->length * 4 : 0;
+        layout.bytes[i][AVERAGE] = layout.averages[i] ? p->length * 4 : 0;
     }
     const size_t cut = byte_at(&in, 66) * total / 255;
 

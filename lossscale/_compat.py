@@ -181,7 +181,8 @@ def optimizer_slots(optimizer, kind, variables):
     its ``update_step`` finds them: ``"momentum"`` (SGD, RMSprop), ``"m"``,
     ``"v"``, ``"v_hat"`` (Adam; Nadam's and Lion's ``m``, ``v`` too),
     ``"velocity"``, ``"average_gradient"`` (RMSprop), ``"accumulator"``
-    (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax).  Keras keeps them in lists
+    (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax); ``"average"``, the EMA
+    copy of ``use_ema`` (None where Keras keeps none).  Keras keeps them in lists
     indexed by ``_get_variable_index``, private but SGD's."""
     slots = _slot_list(optimizer, kind)
     return [slots[optimizer._get_variable_index(v)]  # pylint: disable=protected-access
@@ -194,7 +195,8 @@ def _slot_list(optimizer, kind):
     attribute = {"momentum": "momentums", "m": "_momentums", "v": "_velocities",
                  "v_hat": "_velocity_hats", "velocity": "_velocities",
                  "average_gradient": "_average_gradients",
-                 "accumulator": "_accumulators", "adamax_m": "_m", "u": "_u"}[kind]
+                 "accumulator": "_accumulators", "adamax_m": "_m", "u": "_u",
+                 "average": "_model_variables_moving_average"}[kind]
     slots = getattr(optimizer, attribute, None)
     if slots is None:  # RMSprop keeps its momentums private
         slots = getattr(optimizer, "_" + attribute)
@@ -229,12 +231,37 @@ def increment_gradient_accumulators(optimizer, grads, accumulators):
         grads, accumulators)
 
 
-def update_moving_averages(optimizer):
+def moving_average_numbers(optimizer, dtype="float32"):
+    """This step's EMA momentum and ``1 - momentum`` (``dtype`` tensors), as
+    Keras computes them for every variable in
+    ``_update_model_variables_moving_average`` (momentum 0 on the first
+    step): ``average = momentum * average + (1 - momentum) * var``."""
+    from keras import ops
+
+    not_first_step = ops.not_equal(optimizer.iterations, 0)
+    momentum = ops.multiply(ops.cast(not_first_step, dtype), optimizer.ema_momentum)
+    return momentum, ops.subtract(1, momentum)
+
+
+def update_moving_averages(optimizer, done=()):
     """Moves the EMA of every variable ``optimizer`` was built for, as Keras
     does after each applied step with ``use_ema``
-    (``_update_model_variables_moving_average``)."""
-    optimizer._update_model_variables_moving_average(  # pylint: disable=protected-access
-        optimizer._trainable_variables)  # pylint: disable=protected-access
+    (``_update_model_variables_moving_average``), but for the variables in
+    ``done`` (moved already, by the fused op): those left, with Keras'
+    numbers and ops."""
+    variables = optimizer._trainable_variables  # pylint: disable=protected-access
+    if not done:
+        optimizer._update_model_variables_moving_average(  # pylint: disable=protected-access
+            variables)
+        return
+    from keras import ops
+
+    key = optimizer._var_key  # pylint: disable=protected-access
+    done = {key(v) for v in done}
+    for var, average in zip(variables, _slot_list(optimizer, "average")):
+        if average is not None and key(var) not in done:
+            momentum, rest = moving_average_numbers(optimizer, var.dtype)
+            average.assign(ops.add(ops.multiply(momentum, average), ops.multiply(rest, var)))
 
 
 def overwrite_with_moving_averages(optimizer):

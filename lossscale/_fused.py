@@ -21,7 +21,11 @@ EMA (``use_ema``) and gradient accumulation (``gradient_accumulation_steps``)
 wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
 ``update_step`` (see ``apply``): the accumulating steps add the unscaled
 gradients to the accumulators with TensorFlow's ops, an update step runs
-the family's op on their average, and the EMA follows every applied step.
+the family's op on their average, and the EMA follows every applied step:
+without accumulation the op itself moves each average right after its
+variable's update (``ls_param.average``, Keras' momentum and ``1 -
+momentum`` from ``_compat.moving_average_numbers``); the averages no op
+moved (accumulation, a table updated row by row, tf_keras) by Keras' ops.
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
 is every family's: the native op clips each unscaled gradient in its one
@@ -265,6 +269,11 @@ class Plan:
         self.replicated = _replicas() > 1
         self.scalars = None
         self.state = []
+        # use_ema: Keras' momentum and 1 - momentum for the op to move the
+        # averages with (``prepare_scalars``), and the variables whose
+        # average an op moved (the rest move by Keras' own ops).
+        self.ema = None
+        self.ema_done = []
 
     def sum_replicas(self, rule, scale, unscale):
         """Under several replicas, stock's order before its update: this
@@ -400,10 +409,18 @@ class Plan:
         if clip_scalars is None:
             clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
                             else self.clip_scalars if mode == "global" else [])
+        averages, ema = [], []
+        if self.ema is not None:
+            found = self.family.line.slots(self.inner, "average", variables)
+            if all(a is not None for a in found):
+                averages, ema = handles(found), self.ema
+                self.ema_done.extend(variables)
+
         def run(numbers):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
-                self.weight_decay, self.scalars, clip_scalars, terms, family=self.family.name,
+                self.weight_decay, self.scalars, clip_scalars, terms, averages, ema,
+                family=self.family.name,
                 hyper=numbers, decay=[self.decay[i] for i in which], unscale=unscale,
                 clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0)
@@ -444,6 +461,8 @@ class Plan:
         state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
         self.state = line.learning_rate_state(inner, lr) + state
+        if line.folds_moving_average(inner) and not self.replicated:
+            self.ema = list(_compat.moving_average_numbers(inner))
         return self.checks
 
     def check_finite(self, scale, unscale):
@@ -505,6 +524,12 @@ class KerasLine:
         """Why the optimizer cannot update ``variables`` itself, or None."""
         del inner, variables
         return None
+
+    def folds_moving_average(self, inner):
+        """Whether the op moves each variable's EMA right after its update
+        (Keras 3's ``use_ema`` without accumulation, whose average moves on
+        steps that only accumulate too)."""
+        return bool(getattr(inner, "use_ema", False)) and not _accumulation_steps(inner)
 
 
 KERAS_3 = KerasLine()
@@ -930,6 +955,10 @@ class _TfKerasLine(KerasLine):
         return None if unknown is None else \
             f"the inner optimizer was not built with {unknown.name}"
 
+    def folds_moving_average(self, inner):
+        # tf_keras' EMA is its own (Keras' ops after the fused op).
+        return False
+
 
 class _TfKerasLegacyLine(KerasLine):
     """``tf_keras``' legacy optimizers (``tf_keras.optimizers.legacy``):
@@ -951,6 +980,9 @@ class _TfKerasLegacyLine(KerasLine):
 
     def weight_decay(self, inner):
         return None
+
+    def folds_moving_average(self, inner):
+        return False
 
 
 TF_KERAS = _TfKerasLine()
@@ -1675,7 +1707,8 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     else:
         plan.run(library, should_apply, scale, unscale)
     if getattr(inner, "use_ema", False):
-        _step.cond(should_apply, lambda: _moving_average_step(inner), lambda: None)
+        _step.cond(should_apply, lambda: _moving_average_step(inner, plan.ema_done),
+                   lambda: None)
     iterations = local_copy(_compat.optimizer_iterations(plan.inner))
     if advance_iterations_always:
         iterations.assign_add(1)
@@ -1717,10 +1750,11 @@ def _accumulate_or_update(plan, library, scale, unscale):
     _step.cond(is_update_step, update, accumulate)
 
 
-def _moving_average_step(inner):
+def _moving_average_step(inner, done=()):
     """An applied step's EMA of an inner optimizer with ``use_ema``, after
-    its update: Keras' ``_backend_apply_gradients``, its last part."""
-    _compat.update_moving_averages(inner)
+    its update: Keras' ``_backend_apply_gradients``, its last part (but for
+    the averages of ``done``, which the fused op moved)."""
+    _compat.update_moving_averages(inner, done)
     frequency = inner.ema_overwrite_frequency
     if frequency:
         _step.cond((inner.iterations + 1) % frequency == 0,

@@ -82,6 +82,7 @@ cdef extern from "lossscale.h" nogil:
         int decay
         float clip_scalar
         const float *grad_term
+        float *average
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -96,6 +97,8 @@ cdef extern from "lossscale.h" nogil:
         float hyper[LS_OPTIM_MAX_HYPER]
         int clip
         float clip_value
+        float ema_momentum
+        float ema_rest
 
     int ls_optim_family(const char *name)
     const char *ls_optim_family_name(int family)
@@ -443,14 +446,14 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
                     list clip_scalars, ls_optim_config *config, unsigned flags,
-                    list terms=None) except -10:
+                    list terms=None, list averages=None) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(((3 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot, term
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((4 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot, term, average
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -483,6 +486,15 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].slot[1] = NULL
             params[i].slot[2] = NULL
             params[i].grad_term = NULL
+            params[i].average = NULL
+            if averages is not None:
+                average = <cnp.ndarray>averages[i]
+                _check_f32(average, <object>var, what, f"averages[{i}]")
+                params[i].average = <float *>cnp.PyArray_DATA(average)
+                bufs[nb].src = params[i].average
+                bufs[nb].dtype = LS_FLOAT32
+                bufs[nb].length = params[i].length
+                nb += 1
             if terms is not None:
                 term = <cnp.ndarray>terms[i]
                 if term.dtype != np.float32 or not cnp.PyArray_ISNOTSWAPPED(term):
@@ -671,7 +683,7 @@ def optimizer_families():
 def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
                     clip=None, clip_value=None, clip_scalars=None, terms=None,
-                    bint flush_denormals=False):
+                    averages=None, ema_momentum=None, bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
     ``lossscale.core``.  ``clip`` (every step function takes it) clips each
@@ -682,7 +694,10 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     float32 term the family takes in place of one function of the gradient
     (Adam's g * g, Adamax's |g|, Lion's g * (1 - beta_2): a sparse
     gradient's, summed per row); only for a family that takes one, with no
-    unscale (``scale=None``)."""
+    unscale (``scale=None``).  ``averages`` (with ``ema_momentum``): per
+    variable, its float32 exponential moving average, moved after the
+    update as Keras' ``use_ema`` moves it: ``m * average + (1 - m) * var``
+    in float32."""
     cdef ls_optim_config c
     cdef int f, i, want
     what = "optimizer_step_"
@@ -711,5 +726,13 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
             raise ValueError(f"{what}: terms are of gradients already unscaled; "
                              f"scale must be None")
         terms = _param_list(terms, what, "terms", len(variables))
+    if (averages is None) != (ema_momentum is None):
+        raise ValueError(f"{what}: averages and ema_momentum go together")
+    if averages is not None:
+        averages = _param_list(averages, what, "averages", len(variables))
+        c.ema_momentum = _float32(_real(ema_momentum, what, "ema_momentum"), what,
+                                  "ema_momentum")
+        # Keras' 1 - momentum: the momentum a float32, the difference too.
+        c.ema_rest = np.float32(1.0) - np.float32(c.ema_momentum)
     return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
-                           LS_FLUSH_DENORMALS if flush_denormals else 0, terms))
+                           LS_FLUSH_DENORMALS if flush_denormals else 0, terms, averages))

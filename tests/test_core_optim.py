@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from lossscale import core
-from optim_model import (BF16, CONFIGS, F32, GRAD_DTYPES, TERM_CONFIGS, core_step, flat_bits,
+from optim_model import (BF16, CONFIGS, F32, FAMILIES, GRAD_DTYPES, TERM_CONFIGS, core_step,
+                         decay_mask, flat_bits, slot_names,
                          keras_step, make_grads, make_terms, make_state, simd_runs)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
@@ -514,3 +515,100 @@ def test_bad_input_with_a_non_finite_gradient_still_raises():
     with pytest.raises(ValueError, match="learning_rate"):
         call_adam(variables, grads, slots, learning_rate=float("nan"))
     assert_unchanged(before, variables, slots)
+
+
+# ------------------------------------------------------------------ EMA
+
+EMA_FAMILIES = ["sgd_nesterov", "adamw", "rmsprop_momentum", "adagrad", "adamax", "nadam",
+                "lion", "legacy_adam"]
+# Long enough to span several of the op's EMA blocks and the library's threads.
+EMA_SHAPES = SHAPES + [(300007,)]
+
+
+def ema_step(cfg, variables, grads, slots, averages, momentum, *, lr, t, scale):
+    """``core.optimizer_step_`` with ``averages`` moved by ``momentum``."""
+    return core.optimizer_step_(cfg["opt"], variables, grads,
+                                [slots[k] for k in slot_names(cfg)],
+                                hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t),
+                                learning_rate=float(F32(lr)),
+                                weight_decay=cfg.get("weight_decay"),
+                                decay=decay_mask(cfg, len(variables)), scale=scale,
+                                averages=averages, ema_momentum=momentum)
+
+
+@pytest.mark.parametrize("name", EMA_FAMILIES)
+def test_averages_move_after_the_update_as_keras_moves_them(name):
+    """Keras' use_ema after its update: ``m * average + (1 - m) * var`` in
+    float32, ``1 - m`` a float32 difference; the first step's momentum 0.
+    Oracle: the same step without averages (the variables and slots must
+    come out the same), then numpy's float32 products and sum."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"ema/{name}".encode()))
+    variables, slots = make_state(rng, cfg, EMA_SHAPES)
+    averages = [rng.standard_normal(v.shape).astype(F32) for v in variables]
+    twin_vars, twin_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    for step, momentum in enumerate([0.0, 0.999, 0.9, 0.5]):
+        grads = make_grads(rng, EMA_SHAPES, GRAD_DTYPES["float16"], 2.0**10)
+        m = F32(momentum)
+        want = [m * a + (F32(1) - m) * v for a, v in
+                zip(averages, _stepped(cfg, twin_vars, grads, twin_slots, step))]
+        assert ema_step(cfg, variables, grads, slots, averages, momentum, lr=cfg["lr"],
+                        t=step + 1, scale=2.0**10) is True
+        for i in range(len(variables)):
+            assert_same_bits(variables[i], twin_vars[i], f"step {step}, variable {i}")
+            assert_same_bits(averages[i], want[i], f"step {step}, average {i}")
+            for k in slots:
+                assert_same_bits(slots[k][i], twin_slots[k][i], f"step {step}, {k}[{i}]")
+
+
+def _stepped(cfg, variables, grads, slots, step):
+    """The step without averages, in place; returns the new variables."""
+    assert ema_step(cfg, variables, grads, slots, None, None, lr=cfg["lr"], t=step + 1,
+                    scale=2.0**10) is True
+    return variables
+
+
+def test_averages_unchanged_by_a_skipped_step():
+    cfg = CONFIGS["adamw"]
+    rng = np.random.default_rng(5)
+    variables, slots = make_state(rng, cfg, EMA_SHAPES)
+    averages = [rng.standard_normal(v.shape).astype(F32) for v in variables]
+    grads = make_grads(rng, EMA_SHAPES, GRAD_DTYPES["float16"], 2.0**10)
+    grads[-1].reshape(-1)[-1] = np.inf
+    before = snapshot(variables, averages, slots)
+    assert ema_step(cfg, variables, grads, slots, averages, 0.9, lr=cfg["lr"], t=1,
+                    scale=2.0**10) is False
+    assert_unchanged(before, variables, averages, slots)
+
+
+@pytest.mark.parametrize("case", ["the variable itself", "a slot", "wrong shape", "float64",
+                                  "no momentum", "momentum without averages",
+                                  "non-finite momentum", "too few"])
+def test_bad_averages_raise_and_write_nothing(case):
+    cfg = CONFIGS["adam"]
+    rng = np.random.default_rng(6)
+    variables, slots = make_state(rng, cfg, SHAPES)
+    averages = [rng.standard_normal(v.shape).astype(F32) for v in variables]
+    grads = make_grads(rng, SHAPES, F32, None)
+    momentum = 0.9
+    if case == "the variable itself":
+        averages[2] = variables[2]
+    elif case == "a slot":
+        averages[1] = slots["m"][1]
+    elif case == "wrong shape":
+        averages[3] = averages[3].reshape(-1)[:-1].copy()
+    elif case == "float64":
+        averages[0] = averages[0].astype(np.float64)
+    elif case == "no momentum":
+        momentum = None
+    elif case == "momentum without averages":
+        averages = None
+    elif case == "non-finite momentum":
+        momentum = float("nan")
+    elif case == "too few":
+        averages = averages[:-1]
+    before = snapshot(variables, slots, averages or [])
+    with pytest.raises((ValueError, TypeError), match="optimizer_step_"):
+        ema_step(cfg, variables, grads, slots, averages, momentum, lr=cfg["lr"], t=1,
+                 scale=None)
+    assert_unchanged(before, variables, slots, averages or [])

@@ -431,3 +431,69 @@ def test_under_a_strategy_stock_path_as_stock_fails(name):
         with pytest.raises(RuntimeError, match="merge_call"):
             tf.function(lambda: strategy.run(replica, args=(x, y, tf.constant(1.0))))()
     assert opt.step_path == "stock: EMA or gradient accumulation under a tf.distribute strategy"
+
+
+def fused_ops_and_assigns(opt, variables):
+    """The ``LossScaleApplyOptimizer`` nodes of one traced ``apply`` (its
+    ``cond`` branches included) as ``(num_averages, num_variables)``, and
+    how many ``AssignVariableOp`` nodes it has (Keras' EMA assigns each
+    average; nothing else in an applied step of these families assigns)."""
+    grads = [tf.ones(v.shape, v.dtype) for v in variables]
+    graph = tf.function(lambda: opt.apply(grads, variables)).get_concrete_function().graph
+    gd = graph.as_graph_def()
+    nodes = list(gd.node) + [n for f in gd.library.function for n in f.node_def]
+    ops = [(n.attr["num_averages"].i, n.attr["num_variables"].i) for n in nodes
+           if n.op == "LossScaleApplyOptimizer"]
+    return ops, sum(n.op == "AssignVariableOp" for n in nodes)
+
+
+@pytest.mark.parametrize("name", list(EMA))
+def test_averages_move_in_the_fused_op(name):
+    """Without accumulation every average moves in the op that updates its
+    variable, right after it (one pass: no Keras EMA op left but the
+    overwrite's, under its own cond); with accumulation (an average moves on
+    steps that only accumulate too) Keras' own ops move them."""
+    model = build_model("mixed_float16")
+    variables = model.trainable_variables
+    inner = EMA[name]()
+    opt = lossscale.LossScaleOptimizer(inner)
+    opt.build(variables)
+    ops, assigns = fused_ops_and_assigns(opt, variables)
+    assert_fused(opt)
+    assert ops and all(averages == n for averages, n in ops), ops
+    # The same optimizer without EMA: its own assigns (Nadam's u_product).
+    plain = lossscale.LossScaleOptimizer(
+        type(inner).from_config({**inner.get_config(), "use_ema": False}))
+    plain.build(variables)
+    _, plain_assigns = fused_ops_and_assigns(plain, variables)
+    overwrite = len(variables) if inner.ema_overwrite_frequency else 0
+    assert assigns == plain_assigns + overwrite
+    both = BOTH["adam_schedule"]()
+    opt = lossscale.LossScaleOptimizer(both)
+    opt.build(variables)
+    ops, assigns = fused_ops_and_assigns(opt, variables)
+    assert ops and all(averages == 0 for averages, _ in ops), ops
+    assert assigns >= len(variables)
+
+
+SPARSE_EMA = {"adam": lambda: opt_.Adam(0.01, use_ema=True, ema_momentum=0.9),
+              "adagrad": lambda: opt_.Adagrad(0.05, use_ema=True, ema_momentum=0.8,
+                                              ema_overwrite_frequency=5),
+              "adamw_clip": lambda: opt_.AdamW(0.01, weight_decay=0.01, global_clipnorm=0.3,
+                                               use_ema=True)}
+
+
+@pytest.mark.parametrize("name", list(SPARSE_EMA))
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
+def test_embedding_model_with_ema_bit_identical_to_stock(policy, eager, name):
+    """An embedding table's sparse gradient beside dense ones: its average
+    moves in the op over its dense terms (Adam), in the op over its
+    densified gradient (global_clipnorm) or by Keras' ops after its rows
+    (Adagrad); every average as stock's after every step."""
+    from test_fused_sparse import embedding_lockstep
+
+    _, opts = embedding_lockstep(None, policy, eager, 16 if eager else 48,
+                                 make_inner=SPARSE_EMA[name])
+    assert_fused(opts[1])
+    averages = opts[1].inner_optimizer._model_variables_moving_average
+    assert all(np.any(a.numpy() != 0) for a in averages)

@@ -579,23 +579,70 @@ def test_update_uninitialized_variable_is_an_error():
                               max_loss_scale=float("inf"))
 
 
-@pytest.mark.parametrize("twice", ["variable", "slot", "variable as its slot"])
+@pytest.mark.parametrize("twice", ["variable", "slot", "variable as its slot", "average",
+                                   "variable as its average", "slot as an average"])
 def test_fused_step_refuses_a_variable_passed_twice(twice):
     """The fused step's op names a variable that comes twice (once it took the
-    process down) and changes nothing."""
+    process down), among the variables, slots and EMA averages, and changes
+    nothing."""
     module, _ = _loader.load()
     a = tf.Variable(np.arange(4, dtype=np.float32), name="a")
     b = tf.Variable(np.ones(4, np.float32), name="b")
     ma = tf.Variable(np.zeros(4, np.float32), name="ma")
     mb = tf.Variable(np.zeros(4, np.float32), name="mb")
-    variables, slots = {"variable": ([a, a], [ma, mb]), "slot": ([a, b], [ma, ma]),
-                        "variable as its slot": ([a, b], [ma, a])}[twice]
-    before = [v.numpy().copy() for v in (a, b, ma, mb)]
+    ea = tf.Variable(np.full(4, 2.0, np.float32), name="ea")
+    eb = tf.Variable(np.full(4, 3.0, np.float32), name="eb")
+    variables, slots, averages = {
+        "variable": ([a, a], [ma, mb], []), "slot": ([a, b], [ma, ma], []),
+        "variable as its slot": ([a, b], [ma, a], []), "average": ([a, b], [ma, mb], [ea, ea]),
+        "variable as its average": ([a, b], [ma, mb], [ea, b]),
+        "slot as an average": ([a, b], [ma, mb], [mb, eb])}[twice]
+    before = [v.numpy().copy() for v in (a, b, ma, mb, ea, eb)]
     grads = [tf.ones(4), tf.ones(4)]
+    ema = [tf.constant(0.9), tf.constant(0.1)] if averages else []
     with pytest.raises(tf.errors.InvalidArgumentError, match="passed twice"):
         module.loss_scale_apply_optimizer(
             tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
-            grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], [], [], family="sgd",
-            hyper=[0.9, 0.0], decay=[0, 0], unscale="divide")
-    for v, want in zip((a, b, ma, mb), before):
+            grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], [], [],
+            [e.handle for e in averages], ema, family="sgd", hyper=[0.9, 0.0], decay=[0, 0],
+            unscale="divide")
+    for v, want in zip((a, b, ma, mb, ea, eb), before):
         assert_same_bits(v.numpy(), want)
+
+
+def test_fused_step_averages_checked_before_anything_moves():
+    """EMA averages: one per variable with the op's two numbers, each an
+    initialized float32 variable of its variable's shape, or an error naming
+    it and no write; then each moves as Keras moves it after the update."""
+    module, _ = _loader.load()
+    w = tf.Variable(np.arange(4, dtype=np.float32), name="w")
+    m = tf.Variable(np.zeros(4, np.float32), name="m")
+    good = tf.Variable(np.full(4, 2.0, np.float32), name="good")
+    short = tf.Variable(np.zeros(3, np.float32), name="short")
+    wide = tf.Variable(np.zeros(4, np.float64), name="wide")
+
+    def call(averages, ema):
+        module.loss_scale_apply_optimizer(
+            tf.constant(True), [w.handle], [m.handle], [tf.ones(4)], tf.constant(1.0),
+            tf.constant(0.5), tf.constant(0.0), [], [], [], [a.handle for a in averages],
+            [tf.constant(x) for x in ema], family="sgd", hyper=[0.9, 0.0], decay=[0],
+            unscale="divide")
+
+    before = [v.numpy().copy() for v in (w, m, good)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'short[^']*' has shape"):
+        call([short], [0.9, 0.1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'wide[^']*' must be float32"):
+        call([wide], [0.9, 0.1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="2 EMA numbers"):
+        call([good], [0.9])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="2 EMA numbers"):
+        call([], [0.9, 0.1])
+    for v, want in zip((w, m, good), before):
+        assert_same_bits(v.numpy(), want)
+    momentum = np.float32(0.75)
+    rest = np.float32(1) - momentum
+    call([good], [momentum, rest])
+    # SGD with momentum from zero: m = -g * lr, w = w + m.
+    want_w = np.arange(4, dtype=np.float32) + (-np.float32(0.5))
+    assert_same_bits(w.numpy(), want_w)
+    assert_same_bits(good.numpy(), momentum * np.full(4, 2.0, np.float32) + rest * want_w)

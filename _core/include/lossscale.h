@@ -333,8 +333,12 @@ typedef enum ls_clip_mode {
  * (family_<name>.h says which: Adam's g * g, Adamax's |g|, Lion's
  * g * (1 - beta_2)), for a sparse gradient whose slices Keras maps, then
  * sums per row; only the families that ls_optim_takes_term names accept
- * one, and then the gradient is taken as it is (LS_UNSCALE_NONE).  No two
- * buffers may overlap. */
+ * one, and then the gradient is taken as it is (LS_UNSCALE_NONE).
+ * `average`, when not NULL, is the variable's exponential moving average
+ * (Keras' use_ema), a float32 buffer of `length` moved right after the
+ * variable's update: average = ema_momentum * average + ema_rest * var,
+ * with the configuration's two numbers (Keras' momentum and 1 - momentum).
+ * No two buffers may overlap. */
 typedef struct ls_param {
     float *var;
     const void *grad;
@@ -345,6 +349,7 @@ typedef struct ls_param {
     float clip_scalar; /* LS_CLIP_NORM, LS_CLIP_GLOBAL: this variable's clip
                           number (any value: IEEE arithmetic, as Keras') */
     const float *grad_term;
+    float *average;
 } ls_param;
 
 typedef struct ls_optim_config {
@@ -358,6 +363,8 @@ typedef struct ls_optim_config {
     float hyper[LS_OPTIM_MAX_HYPER]; /* the family's numbers, in its order */
     int clip;               /* ls_clip_mode */
     float clip_value;       /* LS_CLIP_VALUE, LS_CLIP_NORM: finite, > 0 */
+    float ema_momentum;     /* for params with an average: any value (IEEE */
+    float ema_rest;         /* arithmetic, as Keras'), rest = 1 - momentum  */
 } ls_optim_config;
 
 /* The slots per variable a configuration updates (a family's count may

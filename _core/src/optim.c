@@ -119,17 +119,16 @@ static int check_param(const ls_param *p, int nslots, int terms)
     if (p->length == 0)
         return LS_OK;
     const size_t gsize = ls_dtype_size(p->grad_dtype);
-    /* The term, when given, is checked as the last buffer. */
-    const void *bufs[6] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2], NULL};
-    size_t bytes[6] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
-                       p->length * 4, p->length * 4};
-    const size_t align[6] = {4, gsize, 4, 4, 4, 4};
+    /* The term and the average, when given, are checked after the slots. */
+    const void *bufs[7] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2], NULL, NULL};
+    size_t bytes[7] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
+                       p->length * 4, p->length * 4, p->length * 4};
+    const size_t align[7] = {4, gsize, 4, 4, 4, 4, 4};
     int used = 2 + nslots;
-    if (p->grad_term != NULL) {
-        bufs[used] = p->grad_term;
-        bytes[used] = p->length * 4;
-        used++;
-    }
+    if (p->grad_term != NULL)
+        bufs[used++] = p->grad_term;
+    if (p->average != NULL)
+        bufs[used++] = p->average;
     if (p->length > SIZE_MAX / 4)
         return LS_ERR_ARG;
     for (int i = 0; i < used; i++) {
@@ -167,6 +166,7 @@ typedef struct optim_job {
     size_t count;
     int family;
     unsigned flags;
+    float ema_momentum, ema_rest;
     ls_optim_args args[LS_NUM_DTYPES];
 } optim_job;
 
@@ -218,8 +218,26 @@ static void job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *pa
     j->count = count;
     j->family = c->family;
     j->flags = flags;
+    j->ema_momentum = c->ema_momentum;
+    j->ema_rest = c->ema_rest;
     resolve(c, flags, j->args);
 }
+
+/* Elements [lo, hi) of a variable's EMA moved toward the variable as Keras
+ * moves it: momentum * average + rest * var, each product rounded, then
+ * the sum (-ffp-contract=off: no fused multiply-add).  The same code for
+ * every kernel set. */
+static void move_average(const ls_param *p, size_t lo, size_t hi, float momentum, float rest)
+{
+    float *average = p->average;
+    const float *var = p->var;
+    for (size_t k = lo; k < hi; k++)
+        average[k] = momentum * average[k] + rest * var[k];
+}
+
+/* A variable with an average is updated in blocks this long, each block's
+ * average moved right after it, while the block's new values are in cache. */
+enum { EMA_BLOCK = 4096 };
 
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
@@ -236,7 +254,16 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         ls_optim_args a = j->args[p->grad_dtype];
         a.decay = p->decay;
         a.clip_scalar = p->clip_scalar;
-        j->kernels->fn[j->family][p->grad_dtype](p, lo, hi, &a);
+        const ls_optim_fn fn = j->kernels->fn[j->family][p->grad_dtype];
+        if (p->average == NULL) {
+            fn(p, lo, hi, &a);
+            continue;
+        }
+        for (size_t b = lo; b < hi; b += EMA_BLOCK) {
+            const size_t e = hi - b < EMA_BLOCK ? hi : b + EMA_BLOCK;
+            fn(p, b, e, &a);
+            move_average(p, b, e, j->ema_momentum, j->ema_rest);
+        }
     }
     ls_fpenv_leave(&env);
 }

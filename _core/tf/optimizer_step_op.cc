@@ -44,6 +44,13 @@ tf::Status ScalarShapes(InferenceContext* c) {
     const int first = 1 + n + k + n;
     for (int i = first; i < first + 3 + scalars + clip_scalars; ++i)
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+    int terms = 0, averages = 0, ema = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr("num_terms", &terms));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_averages", &averages));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_ema", &ema));
+    const int ema_first = first + 3 + scalars + clip_scalars + terms + averages;
+    for (int i = ema_first; i < ema_first + ema; ++i)
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     return tf::OkStatus();
 }
 
@@ -58,6 +65,8 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("scalars: num_scalars * float")
     .Input("clip_scalars: num_clip_scalars * float")
     .Input("terms: num_terms * float")
+    .Input("averages: num_averages * resource")
+    .Input("ema: num_ema * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
@@ -70,6 +79,8 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Attr("clip: {'none', 'value', 'norm', 'global'} = 'none'")
     .Attr("clip_value: float = 0")
     .Attr("num_clip_scalars: int >= 0 = 0")
+    .Attr("num_averages: int >= 0 = 0")
+    .Attr("num_ema: int >= 0 = 0")
     .SetIsStateful()
     .SetShapeFn(ScalarShapes)
     .Doc(R"doc(
@@ -90,6 +101,11 @@ clipnorm), one per variable); 'global' g * `clip_scalars`' one factor.
 that takes one): what the family takes in place of one function of the
 gradient (Adam's g * g, Adamax's |g|, Lion's g * (1 - beta_2)), a sparse
 gradient's slices mapped, then summed per row, as Keras densifies them.
+
+`averages`, none or one per variable (then `ema` is Keras' EMA momentum and
+1 - momentum): each variable's exponential moving average, moved right
+after the variable's update, average = momentum * average + (1 - momentum)
+* var, as Keras' use_ema moves it.
 )doc");
 
 int ClipMode(const std::string& name) {
@@ -129,6 +145,15 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("unscale", &unscale));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("clip", &clip));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_clip_scalars", &num_clip_scalars_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_averages", &num_averages_));
+        int ema = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_ema", &ema));
+        OP_REQUIRES(ctx, (num_averages_ == 0 && ema == 0) ||
+                             (num_averages_ == num_variables_ && ema == 2),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: averages are none or one per variable, "
+                        "then with 2 EMA numbers; got ", num_averages_, " averages for ",
+                        num_variables_, " variables and ", ema, " numbers"));
         OP_REQUIRES(ctx, static_cast<int>(decay_.size()) == num_variables_,
                     tf::errors::InvalidArgument("decay has ", decay_.size(),
                                                 " entries for ", num_variables_, " variables"));
@@ -191,6 +216,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_scalars_ = 0;
     int num_clip_scalars_ = 0;
     int num_terms_ = 0;
+    int num_averages_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     ls_optim_config config_;
 
@@ -206,16 +232,25 @@ class FusedStepOp : public tf::OpKernel {
         config.scale = ScalarInput(ctx, first_scalar);
         config.learning_rate = ScalarInput(ctx, first_scalar + 1);
 
-        // Every resource: the variables, then each slot list in order.
+        // Every resource: the variables, then each slot list in order, then
+        // the averages.
         std::vector<int> inputs;
         for (int i = 1; i < grads_first; ++i)
             inputs.push_back(i);
+        const int averages_first =
+            first_scalar + 3 + num_scalars_ + num_clip_scalars_ + num_terms_;
+        for (int i = 0; i < num_averages_; ++i)
+            inputs.push_back(averages_first + i);
+        if (num_averages_ > 0) {
+            config.ema_momentum = ScalarInput(ctx, averages_first + num_averages_);
+            config.ema_rest = ScalarInput(ctx, averages_first + num_averages_ + 1);
+        }
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
         OP_REQUIRES(ctx, twice < 0,
                     tf::errors::InvalidArgument(type_string(),
-                                                ": a variable or slot is passed twice (",
+                                                ": a variable, slot or average is passed twice (",
                                                 NameOf(ctx, inputs[twice]), ")"));
         vars.Lock(ctx);
 
@@ -228,10 +263,16 @@ class FusedStepOp : public tf::OpKernel {
                         tf::errors::InvalidArgument("gradient of ", NameOf(ctx, 1 + i),
                                                     " has unsupported dtype ",
                                                     tf::DataTypeString(g.dtype())));
-            for (int s = 0; s * n + i < grads_first - 1; ++s) {
-                tf::Var* var = vars.var(s * n + i);
+            // The variable, its slots, its average.
+            std::vector<int> mine;
+            for (int s = 0; s * n + i < grads_first - 1; ++s)
+                mine.push_back(s * n + i);
+            if (num_averages_ > 0)
+                mine.push_back(grads_first - 1 + i);
+            for (int t : mine) {
+                tf::Var* var = vars.var(t);
                 const tf::Tensor* value = var->tensor();
-                const std::string what = NameOf(ctx, inputs[s * n + i]);
+                const std::string what = NameOf(ctx, inputs[t]);
                 OP_REQUIRES(ctx, var->is_initialized,
                             tf::errors::FailedPrecondition(type_string(), ": ", what,
                                                            " is not initialized"));
@@ -277,6 +318,8 @@ class FusedStepOp : public tf::OpKernel {
             params[i].var = Floats(vars.var(i));
             for (int s = 1; s * n + i < grads_first - 1; ++s)
                 params[i].slot[s - 1] = Floats(vars.var(s * n + i));
+            if (num_averages_ > 0)
+                params[i].average = Floats(vars.var(grads_first - 1 + i));
         }
         // Validated once (buffers included), then split over the pool.
         const int rc = ls_optim_update_with(params.data(), params.size(), &config,
