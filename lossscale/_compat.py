@@ -274,8 +274,22 @@ def overwrite_with_moving_averages(optimizer):
 
 def uses_weight_decay(optimizer, variable):
     """Whether Keras applies ``weight_decay`` to ``variable`` (not excluded
-    by ``exclude_from_weight_decay``)."""
+    by ``exclude_from_weight_decay``).  Keras' TensorFlow backend asks about
+    the ``tf.Variable`` under a Keras variable (its ``_apply_weight_decay``),
+    whose name is the variable's path (``"dense/kernel:0"``, not
+    ``"kernel"``), so a ``var_names`` pattern is matched against the path;
+    and Keras keeps the first answer for the variable: the question must be
+    asked as stock asks it."""
+    value = getattr(variable, "value", None)
+    if _is_keras_variable(variable) and isinstance(value, tf.Variable):
+        variable = value
     return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+def _is_keras_variable(variable):
+    import keras  # pylint: disable=import-outside-toplevel
+
+    return isinstance(variable, keras.Variable)
 
 
 def check_variables_are_known(optimizer, variables):

@@ -99,6 +99,11 @@ def excluding_biases(opt):
     return opt
 
 
+def excluding_layer(opt):
+    opt.exclude_from_weight_decay(var_names=["conv2d"])
+    return opt
+
+
 def adamw_excluding_biases(**kw):
     return excluding_biases(keras.optimizers.AdamW(**kw))
 
@@ -112,6 +117,11 @@ INNERS = {
     "adam": lambda: keras.optimizers.Adam(0.003),
     "adam_amsgrad_schedule": lambda: keras.optimizers.Adam(schedule(), amsgrad=True),
     "adamw_exclude": lambda: adamw_excluding_biases(learning_rate=0.003, weight_decay=0.004),
+    # A pattern that matches a layer's name: Keras' TensorFlow backend
+    # matches it against the variable's path ("conv2d/kernel:0"), not its
+    # name ("kernel"), as KerasHub's BERT recipe excludes "layer_norm".
+    "adamw_exclude_layer": lambda: excluding_layer(
+        keras.optimizers.AdamW(learning_rate=0.003, weight_decay=0.004)),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.003),
     "rmsprop_momentum_schedule": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.9),
     "rmsprop_centered_decay_exclude": lambda: excluding_biases(
