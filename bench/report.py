@@ -284,6 +284,25 @@ def _r(x):
     return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
 
 
+
+def real_models_note(ex):
+    """The recipe's real-model lockstep (``test_recipes.real_lockstep``) for
+    its exactness cell: each KerasHub model's verdict, and its path where
+    the model's step took another one than the battery's."""
+    real = (ex or {}).get("real_models")
+    if not real:
+        return ""
+    if "skipped" in real:
+        return "; real models not run (no keras_hub)"
+    parts = []
+    for arch, r in real.items():
+        name = {"bert": "BERT", "gpt2": "GPT-2"}.get(arch, arch)
+        verdict = "bit-identical" if r["exact"] else "**DIFFERENT** (steps " + ", ".join(
+            str(i + 1) for i in r["mismatched_steps"]) + ")"
+        path = "" if r["step_path"] == ex.get("step_path") else f", `{r['step_path']}`"
+        parts.append(f"{name} {verdict}{path}, {r['applied']} of {r['steps']} applied")
+    return "; KerasHub `fit`: " + "; ".join(parts)
+
 def fmt_ratio(r, spread=True):
     if r is None:
         return "—"
@@ -711,7 +730,12 @@ class Report:
                   "`tf.function` on the same small variable list (an embedding table with an "
                   "`IndexedSlices` gradient with repeated indices for the sparse recipes), the "
                   f"gradients of step {check['overflow_step'] + 1} times infinity; every "
-                  "variable and optimizer variable compared bit for bit after every step.  "
+                  "variable and optimizer variable compared bit for bit after every step; "
+                  "then the same on two small KerasHub models built from a config, a "
+                  "`BertTextClassifier` (sparse embedding gradients, LayerNorm variables "
+                  "named as BERT's recipes exclude them from weight decay) and a "
+                  "`GPT2CausalLM` (tied embedding, dense gradient), trained with "
+                  "`train_on_batch` from a scale whose first steps overflow.  "
                   if check else "")
                + "*Time*: `apply` in `tf.function` on scaled gradients made in the graph "
                "(making them alone taken off), the scale fixed; torch's nearest equivalent "
@@ -752,9 +776,12 @@ class Report:
                 exact = "—"
             elif ex["exact"]:
                 exact = "bit-identical"
-            else:
+            elif ex["mismatched_steps"]:
                 steps = ", ".join(str(i + 1) for i in ex["mismatched_steps"])
                 exact = f"**DIFFERENT** (steps {steps})"
+            else:
+                exact = "**DIFFERENT**"
+            exact += real_models_note(ex)
             if ex is not None:
                 self.recipe_exact.append((case.split("/")[0], ex["exact"]))
             ours = self.get("recipes", case, "ours")

@@ -14,6 +14,15 @@ policy.  For every recipe:
   every step every variable and every optimizer variable must be bit for
   bit the same; the ``ours`` item fails when they are not (a drop-in that is
   not exact is a bug), after its timing;
+* **exactness on real models**: the same comparison on two small KerasHub
+  models built from a config (random weights, nothing downloaded), trained
+  with ``train_on_batch`` under mixed_float16 for ``REAL_STEPS`` steps from
+  a scale of 2**24, whose first steps overflow and are skipped: a
+  ``BertTextClassifier`` (its word-, position- and segment-embedding
+  gradients are ``IndexedSlices``; its LayerNorm variables are named as
+  BERT's recipes exclude them from weight decay) and a ``GPT2CausalLM``
+  (its tied token embedding gets a dense gradient).  Skipped, with a line
+  saying so, where ``keras_hub`` is not installed;
 * **apply time**: ``apply`` in ``tf.function`` on scaled gradients made in
   the graph (``tfgraph.py``; making them alone is timed before every sample
   and subtracted by the report), scale fixed at 2**8: ResNet-50's parameter
@@ -63,6 +72,13 @@ CHECK_DENSE = {"dense_kernel": (37, 19), "dense_bias": (19,), "LayerNorm_gamma":
                "LayerNorm_beta": (19,), "conv_kernel": (3, 3, 4, 5)}
 CHECK_TABLE = (50, 8)
 CHECK_INDICES = [3, 7, 3, 0, 49, 7, 7, 12]
+
+# The lockstep on real models.
+REAL_STEPS = 10
+REAL_SCALE = 2.0 ** 24
+REAL_CONFIG = dict(vocabulary_size=3000, num_layers=2, num_heads=2, hidden_dim=64,
+                   intermediate_dim=128, max_sequence_length=64, dropout=0.0)
+REAL_BATCH = (8, 32)
 
 # The timed workloads: the word-embedding table of BERT-base and a batch of tokens.
 TOKENS = (32, 512)
@@ -289,6 +305,58 @@ def lockstep(recipe):
             "optimizer_variables": {p: len(s[0]) if s else None for p, s in states.items()}}
 
 
+def _real_model(arch):
+    hub, _ = harness.optional("keras_hub")
+    keras.utils.set_random_seed(0)
+    if arch == "bert":
+        backbone = hub.models.BertBackbone(**REAL_CONFIG)
+        return hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None,
+                                             dropout=0.0)
+    backbone = hub.models.GPT2Backbone(**REAL_CONFIG)
+    return hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def _real_batch(arch):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, REAL_CONFIG["vocabulary_size"], REAL_BATCH).astype(np.int32)
+    x = {"token_ids": tokens, "padding_mask": np.ones(REAL_BATCH, bool)}
+    if arch == "bert":
+        x["segment_ids"] = np.zeros(REAL_BATCH, np.int32)
+        return x, rng.integers(0, 2, REAL_BATCH[0]).astype(np.int32)
+    return x, rng.integers(0, REAL_CONFIG["vocabulary_size"], REAL_BATCH).astype(np.int32)
+
+
+def real_lockstep(recipe):
+    """Ours and stock ``train_on_batch`` side by side on each KerasHub model:
+    ``{arch: {exact, mismatched_steps, step_path, applied, steps}}``, or
+    ``{"skipped": why}`` without KerasHub."""
+    hub, why = harness.optional("keras_hub")
+    if hub is None:
+        return {"skipped": why}
+    out = {}
+    for arch in ("bert", "gpt2"):
+        x, y = _real_batch(arch)
+        models, states = {}, {}
+        for peer in ("stock", "ours"):
+            model = models[peer] = _real_model(arch)
+            model.compile(optimizer=wrap(peer, recipe.inner(), initial_scale=REAL_SCALE,
+                                         dynamic_growth_steps=CHECK_GROWTH),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            states[peer] = []
+            for _ in range(REAL_STEPS):
+                model.train_on_batch(x, y)
+                states[peer].append([harness.bits(v) for v in
+                                     list(model.variables) + list(model.optimizer.variables)])
+        ours = models["ours"].optimizer
+        out[arch] = {
+            "exact": states["stock"] == states["ours"],
+            "mismatched_steps": [i for i, (a, b) in enumerate(zip(states["stock"],
+                                                                  states["ours"])) if a != b],
+            "step_path": ours.step_path, "steps": REAL_STEPS,
+            "applied": int(ours.inner_optimizer._iterations.numpy())}
+    return out
+
+
 # ------------------------------------------------------------ the timed step
 
 
@@ -316,6 +384,10 @@ class Data:
         self.case = case
         self.recipe = BY_NAME[case.split("/")[0]]
         self.exactness = lockstep(self.recipe)
+        real = real_lockstep(self.recipe)
+        self.exactness["real_models"] = real
+        self.exactness["exact"] = self.exactness["exact"] and all(
+            r["exact"] for k, r in real.items() if k != "skipped")
         inner = self.recipe.inner()
         self.accumulates = bool(inner.gradient_accumulation_steps)
         self.family = type(inner).__name__
@@ -469,7 +541,8 @@ def test_recipe(benchmark, case, peer, rnd):
         assert e["exact"], (
             f"{data.recipe.name}: ours differs from stock Keras bit for bit at steps "
             f"{e['mismatched_steps']} of {e['steps']} (0-based; step path "
-            f"{e['step_path']}){'; ' + e['error'] if e['error'] else ''}")
+            f"{e['step_path']}){'; ' + e['error'] if e['error'] else ''}; real models: "
+            f"{e['real_models']}")
     if rnd == 0 and not data.accumulates:
         assert m.applied() > 0, f"{peer} skipped its steps on finite gradients"
 
