@@ -25,7 +25,7 @@ the family's op on their average, and the EMA follows every applied step:
 without accumulation the op itself moves each average right after its
 variable's update (``ls_param.average``, Keras' momentum and ``1 -
 momentum`` from ``_compat.moving_average_numbers``); the averages no op
-moved (accumulation, a table updated row by row, tf_keras) by Keras' ops.
+moved (accumulation, tf_keras) by Keras' ops.
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
 is every family's: the native op clips each unscaled gradient in its one
@@ -33,16 +33,19 @@ gradient load, with the factors ``Plan.check_finite`` computes (the
 section "clipping" below says how, and what it costs).
 
 A sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) takes the
-fused step where its family declares how (``Family.sparse``): its values
-are unscaled as the stock step unscales them, the per-slice terms Keras'
-``update_step`` densifies are summed per row by TensorFlow's own
-conversion (``unsorted_segment_sum``, so duplicate indices add up in
-stock's order), and the kernel runs on those dense terms with no further
-unscale, in a second native op beside the dense variables' one.
-Adagrad, whose Keras update scatters its slices, updates the rows they
-index alone, with Keras' own ops (``SparseForm.rows``).  Clipped, a sparse
+fused step where its family declares how (``Family.sparse``): the native
+op takes the slices and their rows as they came, and sums them per row a
+block at a time, in cache (``ls_param.indices``): each slice value
+unscaled and clipped as the stock step unscales and clips it, then a row's
+slices added in their order onto 0, as TensorFlow's conversion
+(``unsorted_segment_sum``) adds the per-slice terms Keras' ``update_step``
+densifies -- the gradient and the family's term (Adam's squares) alike --
+so that no dense gradient is ever made.  Adagrad, whose Keras update
+scatters its slices, takes them as it scatters them: the op updates the
+rows they index alone, slice by slice in their order.  Clipped, a sparse
 gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
-(``DENSIFIED_BY_CLIP``, any family), its slices clipped under
+(``DENSIFIED_BY_CLIP``, any family: the row sums clipped, or TensorFlow's
+conversion where the family takes no slices), its slices clipped under
 ``clipnorm`` and ``clipvalue``.
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
@@ -208,34 +211,38 @@ class Family:
 
 class SparseForm:
     """How a family's kernel takes a sparse gradient, as Keras' ``update_step``
-    treats a ``tf.IndexedSlices``: ``terms(unscaled, lr)`` -> ``(grad,
-    term)``, the dense float32 tensors the kernel reads as the gradient and
-    in place of the one function of it its family_<name>.h names (None: the
-    kernel computes it), made from the gradient with its values unscaled;
-    ``learning_rate(lr)`` and ``hyper(inner)``, the learning rate and the
-    constants the kernel then takes.
+    treats a ``tf.IndexedSlices``: the native op takes the slices and sums
+    them per row a block at a time (``ls_param.indices``), each slice value
+    unscaled and clipped as a dense one, times ``slice_factor(lr)`` (None:
+    1), the term its family_<name>.h names summed alike; ``learning_rate(lr)``
+    and ``hyper(inner)``, the learning rate and the constants the kernel
+    then takes.
 
-    Or, for a family whose Keras update applies the slices row by row
-    (scatters), ``rows(unscaled, variable, slots, lr)``: that update on the
-    rows the gradient indexes alone, with Keras' own TensorFlow ops in its
-    order, where every other row's result is provably what stock leaves
-    (no dense term, no kernel)."""
+    Adagrad's kernel (the core's row family), whose Keras update applies
+    the slices row by row (scatters), takes them so: the rows they index
+    alone, slice by slice."""
 
-    def __init__(self, terms=None, learning_rate=None, hyper=None, rows=None):
-        self.terms = terms
+    def __init__(self, slice_factor=None, learning_rate=None, hyper=None):
+        self.slice_factor = slice_factor
         self.learning_rate = learning_rate or (lambda lr: lr)
         self.hyper = hyper
-        self.rows = rows
 
 
 # A sparse gradient that Keras' global_clipnorm makes dense, for every
 # family: ``clip_by_global_norm`` multiplies each gradient by the factor,
 # and a tf.IndexedSlices times a tensor is the densified slices times it.
 # The kernel takes the densified slices as a dense gradient and multiplies
-# them by the factor as it does the others.  (clipnorm and clipvalue keep
+# them by the factor as it does the others: the native op sums the slices
+# itself where the family takes them (``NATIVE_SPARSE``), TensorFlow's
+# conversion densifies them for the others.  (clipnorm and clipvalue keep
 # a gradient sparse: TensorFlow's clip_by_norm and clip_by_value clip its
-# slices, ``_clipped_slices``.)
+# slices, as the op clips each slice value.)
 DENSIFIED_BY_CLIP = SparseForm()
+
+# The families whose native kernels take a sparse gradient's slices (the
+# core's LS_OPTIM_SPARSE_FAMILIES: an element's update reads that element
+# alone).
+NATIVE_SPARSE = ("sgd", "adam", "adamax", "lion")
 
 
 class Plan:
@@ -302,12 +309,13 @@ class Plan:
             _step.cond(should_apply, lambda: [
                 _decay_like_stock(self.inner, local_copy(self.variables[i]))
                 for i, by_ops in enumerate(self.decay_by_ops) if by_ops], lambda: None)
-        dense = [i for i, form in enumerate(self.forms) if form is None]
-        densified = [i for i, form in enumerate(self.forms) if form is DENSIFIED_BY_CLIP]
-        by_rows = [i for i, form in enumerate(self.forms)
-                   if form is not None and form.rows is not None]
+        native = self.family.name in NATIVE_SPARSE
+        dense = [i for i, form in enumerate(self.forms)
+                 if form is None or (form is DENSIFIED_BY_CLIP and native)]
+        densified = [i for i, form in enumerate(self.forms)
+                     if form is DENSIFIED_BY_CLIP and not native]
         sparse = [i for i, form in enumerate(self.forms)
-                  if form is not None and form.rows is None and form is not DENSIFIED_BY_CLIP]
+                  if form is not None and form is not DENSIFIED_BY_CLIP]
         if dense:
             given = self.grads if grads is None else grads
             self._launch_dense(library, should_apply, dense, [given[i] for i in dense], scale,
@@ -321,17 +329,10 @@ class Plan:
             self._launch_dense(library, should_apply, densified, dense_grads, scale, "none")
         if sparse:
             form = self.forms[sparse[0]]
-            grads, terms = [], []
-            for i in sparse:
-                grad, term = form.terms(self._slices(i, scale, unscale), self.learning_rate)
-                grads.append(grad)
-                if term is not None:
-                    terms.append(term)
-            self._launch(library, should_apply, sparse, grads, terms, scale,
-                         form.learning_rate(self.learning_rate), "none", form.hyper)
-        if by_rows:
-            _step.cond(should_apply, lambda: self._update_rows(by_rows, scale, unscale),
-                       lambda: None)
+            factor = form.slice_factor(self.learning_rate) if form.slice_factor else None
+            self._launch(library, should_apply, sparse, [self.grads[i] for i in sparse], scale,
+                         form.learning_rate(self.learning_rate), unscale, form.hyper,
+                         clip=self.clip, slice_factor=factor)
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
@@ -344,7 +345,7 @@ class Plan:
         merged = [k for k, i in enumerate(which) if self.merged_clip[i]]
         if apart:
             self._launch(library, should_apply, [which[k] for k in apart],
-                         [grads[k] for k in apart], [], scale, self.learning_rate, unscale,
+                         [grads[k] for k in apart], scale, self.learning_rate, unscale,
                          clip=self.clip)
         if merged:
             # Where the graph optimizer reorders `u * factor * learning_rate`
@@ -353,54 +354,34 @@ class Plan:
             factor = self.clip_scalars[0]
             reordered = _graph_reorders_clip(factor, self.learning_rate, len(self.grads))
             self._launch(library, should_apply, [which[k] for k in merged],
-                         [grads[k] for k in merged], [], scale,
+                         [grads[k] for k in merged], scale,
                          tf.where(reordered, factor * self.learning_rate, self.learning_rate),
                          unscale, clip=self.clip,
                          clip_scalars=[tf.where(reordered, tf.constant(1.0), factor)])
 
-    def _slices(self, i, scale, unscale):
-        """The sparse gradient ``i`` unscaled as stock unscales it, then
-        clipped slice by slice (``_clipped_slices``), after the checks of its
-        indices: a bad index fails there, with the variable's name, not in a
-        densifying or scattering op."""
-        with tf.control_dependencies(self.checks):
-            return self._clipped_slices(i, _unscaled_slices(self.grads[i], self.variables[i],
-                                                            scale, unscale))
-
-    def _clipped_slices(self, i, slices):
-        """The unscaled sparse gradient ``i`` clipped slice by slice, as
-        TensorFlow's clip_by_norm and clip_by_value (Keras' clipnorm and
-        clipvalue) clip a tf.IndexedSlices: ``(v * c) / maximum(l2norm, c)``
-        with the norm of the slices' values, ``maximum(minimum(v, c), -c)``."""
-        mode, value = self.clip or ("none", 0.0)
-        c = tf.constant(value, tf.float32)
-        if mode == "norm":
-            divisor = self.clip_scalars[i]
-            return _map_values(lambda v: (v * c) / divisor, slices)
-        if mode == "value":
-            return _map_values(lambda v: tf.maximum(tf.minimum(v, c), -c), slices)
-        return slices
-
-    def _update_rows(self, which, scale, unscale):
-        """The row-by-row update of the sparse gradients ``which`` (an
-        applied step): each variable's weight decay as Keras' dense
-        ``_apply_weight_decay`` does it, then its family's ``rows``."""
-        for i in which:
-            variable = local_copy(self.variables[i])
-            unscaled = self._slices(i, scale, unscale)
-            if self.decay[i]:
-                _decay_like_stock(self.inner, variable)
-            slots = [local_copy(v) for kind in self.family.slots(self.inner)
-                     for v in self.family.line.slots(self.inner, kind, [self.variables[i]])]
-            self.forms[i].rows(unscaled, variable, slots, self.learning_rate)
-
-    def _launch(self, library, should_apply, which, grads, terms, scale, learning_rate,
-                unscale, hyper=None, clip=None, clip_scalars=None):
-        """One native op over the variables ``which`` (positions in the plan),
-        their ``grads`` and ``terms``, clipped as ``clip`` says (with the
-        plan's clip scalars, or ``clip_scalars``)."""
+    def _launch(self, library, should_apply, which, grads, scale, learning_rate, unscale,
+                hyper=None, clip=None, clip_scalars=None, slice_factor=None):
+        """One native op over the variables ``which`` (positions in the plan)
+        and their ``grads``, clipped as ``clip`` says (with the
+        plan's clip scalars, or ``clip_scalars``).  A sparse gradient goes in
+        as its slices and their rows, after the checks of its indices (a
+        bad index fails there, with the variable's name), each slice value
+        times ``slice_factor`` (None: 1) before a row's sum."""
         def handles(variables):
             return [local_copy(v).handle for v in variables]
+
+        sparse = [k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        indices = []
+        if sparse:
+            grads = list(grads)
+            with tf.control_dependencies(self.checks):
+                for k in sparse:
+                    indices.append(tf.cast(grads[k].indices, tf.int64))
+                    grads[k] = tf.identity(grads[k].values)
+            slice_factor = [tf.constant(1.0, tf.float32) if slice_factor is None
+                            else tf.cast(slice_factor, tf.float32)]
+        else:
+            slice_factor = []
 
         variables = [self.variables[i] for i in which]
         slots = [h for kind in self.family.slots(self.inner)
@@ -419,11 +400,10 @@ class Plan:
         def run(numbers):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
-                self.weight_decay, self.scalars, clip_scalars, terms, averages, ema,
-                family=self.family.name,
-                hyper=numbers, decay=[self.decay[i] for i in which], unscale=unscale,
-                clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
-                else 0.0)
+                self.weight_decay, self.scalars, clip_scalars, [], averages, ema, indices,
+                slice_factor, family=self.family.name, hyper=numbers,
+                decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
+                else 0.0, sparse=sparse)
 
         numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
         form = self.family.run_time_form(self.inner)
@@ -642,7 +622,7 @@ def _sgd_sparse(inner, variable):
                 f"(scatter_sub) to {variable.name}")
     if _decay_form(inner, variable, False):
         return f"SGD's weight decay of {variable.name}, whose gradient is sparse"
-    return SparseForm(lambda g, lr: (_densify(_map_values(lambda x: x * lr, g)), None),
+    return SparseForm(slice_factor=lambda lr: lr,
                       learning_rate=lambda lr: tf.constant(1.0, tf.float32))
 
 
@@ -667,7 +647,7 @@ def _adam_sparse(inner, variable):
     # Keras' Adam.update_step on an IndexedSlices: ops.subtract(g, m)
     # densifies the gradient, ops.subtract(ops.square(g), v) its squares
     # (each slice squared, then a row's slices summed); the rest is dense.
-    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.square, g))))
+    return SparseForm()
 
 
 def _adagrad_sparse(inner, variable):
@@ -686,20 +666,10 @@ def _adagrad_sparse(inner, variable):
     if not float(np.float32(inner.epsilon)) >= float(np.finfo(np.float32).tiny):
         return ("Keras' Adagrad with a sparse gradient and an epsilon that is not a "
                 f"positive normal float32 number ({variable.name})")
-    return SparseForm(rows=_adagrad_rows(inner))
-
-
-def _adagrad_rows(inner):
-    def rows(g, variable, slots, lr):
-        accumulator, = slots
-        accumulator.scatter_add(_map_values(tf.square, g))
-        divisor = tf.sqrt(tf.gather(accumulator, g.indices) + tf.cast(inner.epsilon,
-                                                                     tf.float32))
-        # Stock divides by a Gather of its Sqrt; a Div whose divisor is the
-        # Sqrt itself would become a multiply by Rsqrt in a graph.
-        divisor = tf.gather(divisor, tf.range(tf.shape(divisor)[0]))
-        variable.scatter_sub(_map_values(lambda x: (lr * x) / divisor, g))
-    return rows
+    # The core's row family: the op scatters the slices as Keras does, and
+    # divides by the square root itself (never TensorFlow's Rsqrt: stock
+    # divides by a Gather of its Sqrt, which the graph optimizer leaves).
+    return SparseForm(hyper=lambda inner: [inner.epsilon, 0.0])
 
 
 def _decay_like_stock(inner, variable):
@@ -830,7 +800,7 @@ def _adamax_sparse(inner, variable):
     # Keras' Adamax.update_step on an IndexedSlices: ops.subtract(g, m)
     # densifies the gradient, ops.maximum(beta_2 * u, ops.abs(g)) the
     # magnitudes (each slice's, then a row's slices summed).
-    return SparseForm(lambda g, lr: (_densify(g), _densify(_map_values(tf.abs, g))))
+    return SparseForm()
 
 
 def _float32_complement(x):
@@ -877,18 +847,14 @@ def _lion_sparse(inner, variable):
     # then a row's summed), and so does the moment's g * (1 - beta_2): the
     # first sums are the kernel's gradient, at a (1 - beta_1) of 1 (x * 1
     # is x), the second its term.
-    def terms(g, lr):
-        beta_1 = tf.cast(inner.beta_1, tf.float32)
-        beta_2 = tf.cast(inner.beta_2, tf.float32)
-        return (_densify(_map_values(lambda x: x * (1.0 - beta_1), g)),
-                _densify(_map_values(lambda x: x * (1.0 - beta_2), g)))
-
     def hyper(inner):
         h = _lion_hyper(inner)
         h[1] = 1.0
         return h
 
-    return SparseForm(terms, hyper=hyper)
+    return SparseForm(slice_factor=lambda lr: tf.constant(_float32_complement(inner.beta_1),
+                                                          tf.float32),
+                      hyper=hyper)
 
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (

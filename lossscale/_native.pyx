@@ -38,6 +38,7 @@ cdef extern from "lossscale.h" nogil:
         LS_ERR_ARG
         LS_ERR_DTYPE
         LS_ERR_SIMD
+        LS_ERR_MEMORY
 
     int ls_simd_count()
     const char *ls_simd_name(int level)
@@ -83,6 +84,9 @@ cdef extern from "lossscale.h" nogil:
         float clip_scalar
         const float *grad_term
         float *average
+        const int64_t *indices
+        size_t slices
+        size_t row_length
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -99,12 +103,15 @@ cdef extern from "lossscale.h" nogil:
         float clip_value
         float ema_momentum
         float ema_rest
+        float slice_factor
 
     int ls_optim_family(const char *name)
     const char *ls_optim_family_name(int family)
     int ls_optim_family_count()
     int ls_optim_hyper_count(int family)
     int ls_optim_takes_term(int family)
+    int ls_optim_takes_sparse(int family)
+    const char *ls_optim_sparse_problem(const ls_optim_config *config)
     int ls_optim_slot_count(const ls_optim_config *config)
 
     enum:
@@ -143,6 +150,8 @@ def _check_status(int rc):
         raise RuntimeError(ls_simd_error().decode())
     if rc == LS_ERR_DTYPE:
         raise TypeError("unsupported dtype")
+    if rc == LS_ERR_MEMORY:
+        raise MemoryError("lossscale: out of memory")
     raise ValueError("lossscale: invalid argument")
 
 
@@ -414,7 +423,7 @@ def _float32(double x, str what, str name):
     return float(f)
 
 
-def _param_list(arrays, str what, str name, Py_ssize_t n):
+def _param_list(arrays, str what, str name, Py_ssize_t n, bint allow_none=False):
     if isinstance(arrays, np.ndarray) or not isinstance(arrays, (list, tuple)):
         raise TypeError(f"{what}: {name} must be a list or tuple of numpy arrays, got "
                         f"{type(arrays).__name__}")
@@ -422,7 +431,7 @@ def _param_list(arrays, str what, str name, Py_ssize_t n):
         raise ValueError(f"{what}: got {len(arrays)} {name} for {n} variables; they must "
                          f"pair up one to one")
     for i, a in enumerate(arrays):
-        if not isinstance(a, np.ndarray):
+        if not isinstance(a, np.ndarray) and not (allow_none and a is None):
             raise TypeError(f"{what}: {name}[{i}] is {type(a).__name__}, not a numpy array")
     return list(arrays)
 
@@ -446,14 +455,14 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
                     list clip_scalars, ls_optim_config *config, unsigned flags,
-                    list terms=None, list averages=None) except -10:
+                    list terms=None, list averages=None, list indices=None) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(((4 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot, term, average
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((5 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot, term, average, index
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -469,9 +478,12 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             if code not in (LS_FLOAT16, LS_BFLOAT16, LS_FLOAT32) or not cnp.PyArray_ISNOTSWAPPED(grad):
                 raise TypeError(f"{what}: grads[{i}] has dtype {grad.dtype}; expected "
                                 f"float16, bfloat16 or float32 (native byte order)")
-            if (<object>grad).shape != (<object>var).shape:
+            index = None if indices is None else indices[i]
+            if index is None and (<object>grad).shape != (<object>var).shape:
                 raise ValueError(f"{what}: grads[{i}] has shape {(<object>grad).shape}, its "
                                  f"variable has shape {(<object>var).shape}")
+            if index is not None:
+                _check_slices(what, i, <object>var, <object>grad, <object>index)
             if not cnp.PyArray_IS_C_CONTIGUOUS(grad):
                 raise ValueError(f"{what}: grads[{i}] is not C-contiguous")
             if (<size_t>cnp.PyArray_DATA(grad)) % (4 if code == LS_FLOAT32 else 2):
@@ -487,6 +499,17 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].slot[2] = NULL
             params[i].grad_term = NULL
             params[i].average = NULL
+            params[i].indices = NULL
+            params[i].slices = 0
+            params[i].row_length = 0
+            if index is not None and params[i].length > 0:
+                params[i].indices = <const int64_t *>cnp.PyArray_DATA(index)
+                params[i].slices = <size_t>cnp.PyArray_SIZE(index)
+                params[i].row_length = params[i].length // <size_t>(<object>var).shape[0]
+                bufs[nb].src = <void *>params[i].indices
+                bufs[nb].dtype = LS_FLOAT64  # its 8-byte elements, for the overlap check
+                bufs[nb].length = params[i].slices
+                nb += 1
             if averages is not None:
                 average = <cnp.ndarray>averages[i]
                 _check_f32(average, <object>var, what, f"averages[{i}]")
@@ -517,7 +540,7 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             nb += 1
             bufs[nb].src = params[i].grad
             bufs[nb].dtype = <ls_dtype>code
-            bufs[nb].length = params[i].length
+            bufs[nb].length = <size_t>cnp.PyArray_SIZE(grad)
             nb += 1
             for k in range(nslots):
                 slot = <cnp.ndarray>slots[k][1][i]
@@ -535,6 +558,20 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
     finally:
         free(params)
         free(bufs)
+
+
+def _check_slices(what, i, var, grad, index):
+    """A sparse gradient's slices ``grad`` and ``index`` (int64, one per
+    slice, each a row of ``var``) against ``var``."""
+    if not isinstance(index, np.ndarray) or index.dtype != np.int64 or index.ndim != 1 \
+            or not index.flags.c_contiguous or not index.dtype.isnative:
+        raise TypeError(f"{what}: indices[{i}] must be a 1-D C-contiguous int64 array")
+    if var.ndim < 1 or grad.shape != (index.size,) + var.shape[1:]:
+        raise ValueError(f"{what}: grads[{i}] has shape {grad.shape}; the slices of "
+                         f"{index.size} indices into a variable of shape {var.shape} "
+                         f"have shape {(index.size,) + var.shape[1:]}")
+    if index.size and (index.min() < 0 or index.max() >= var.shape[0]):
+        raise ValueError(f"{what}: indices[{i}] has an index outside [0, {var.shape[0]})")
 
 
 cdef _prepare(str what, bytes family, variables, grads, learning_rate, weight_decay, decay,
@@ -674,16 +711,19 @@ cdef _set_family(ls_optim_config *c, bytes name):
     c.num_hyper = ls_optim_hyper_count(c.family)
 
 
-def optimizer_families():
-    """``{name: number of hyperparameters}`` of the core's fused families."""
+def optimizer_families(bint sparse=False):
+    """``{name: number of hyperparameters}`` of the core's fused families;
+    with ``sparse``, those that take a sparse gradient."""
     return {ls_optim_family_name(f).decode(): ls_optim_hyper_count(f)
-            for f in range(ls_optim_family_count())}
+            for f in range(ls_optim_family_count())
+            if not sparse or ls_optim_takes_sparse(f)}
 
 
 def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
                     clip=None, clip_value=None, clip_scalars=None, terms=None,
-                    averages=None, ema_momentum=None, bint flush_denormals=False):
+                    averages=None, ema_momentum=None, indices=None, slice_factor=None,
+                    bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
     ``lossscale.core``.  ``clip`` (every step function takes it) clips each
@@ -697,9 +737,16 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     unscale (``scale=None``).  ``averages`` (with ``ema_momentum``): per
     variable, its float32 exponential moving average, moved after the
     update as Keras' ``use_ema`` moves it: ``m * average + (1 - m) * var``
-    in float32."""
+    in float32.  ``indices`` (for a family ``optimizer_families(sparse=True)``
+    names): per variable, None (its gradient dense) or the int64 rows of
+    its sparse gradient's slices (its ``grads`` entry then holds them, one
+    per index): the update runs on the dense gradient TensorFlow's
+    IndexedSlices conversion makes of them, each slice value unscaled and
+    (but under ``"global"``) clipped, times ``slice_factor`` (default 1),
+    a row's slices added in order onto 0, the family's term summed alike."""
     cdef ls_optim_config c
     cdef int f, i, want
+    cdef const char *problem
     what = "optimizer_step_"
     names = optimizer_families()
     if family not in names:
@@ -734,5 +781,22 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                                   "ema_momentum")
         # Keras' 1 - momentum: the momentum a float32, the difference too.
         c.ema_rest = np.float32(1.0) - np.float32(c.ema_momentum)
+    c.slice_factor = 1.0
+    if indices is None and slice_factor is not None:
+        raise ValueError(f"{what}: slice_factor goes with indices (a sparse gradient's)")
+    if indices is not None:
+        if not ls_optim_takes_sparse(c.family):
+            raise ValueError(f"{what}: {family} takes no sparse gradient")
+        if terms is not None:
+            raise ValueError(f"{what}: a sparse gradient's terms are summed from its "
+                             f"slices; terms must be None")
+        indices = _param_list(indices, what, "indices", len(variables), allow_none=True)
+        if slice_factor is not None:
+            c.slice_factor = _float32(_real(slice_factor, what, "slice_factor"), what,
+                                      "slice_factor")
+        problem = ls_optim_sparse_problem(&c)
+        if problem != NULL:
+            raise ValueError(f"{what}: sparse gradients: {problem.decode()}")
     return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
-                           LS_FLUSH_DENORMALS if flush_denormals else 0, terms, averages))
+                           LS_FLUSH_DENORMALS if flush_denormals else 0, terms, averages,
+                           indices))

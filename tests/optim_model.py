@@ -8,7 +8,9 @@ clip numbers given, ``_apply_weight_decay``, then each optimizer's
 in Keras' order, so each result is rounded on its own as TensorFlow's
 op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
 the IEEE (``flush_denormals=False``) model.  Also here: the cases the tests
-share with their subprocesses, and one call of the core for a case.
+share with their subprocesses, one call of the core for a case, and the
+step on a sparse gradient (its slices densified as TensorFlow densifies an
+IndexedSlices, then this model).
 """
 
 import ml_dtypes
@@ -174,7 +176,8 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
     dict name -> list of arrays; ``lr`` the float32 learning rate of this
     step, ``t`` Adam's ``iterations + 1``; ``terms``, per variable, what
     the family takes in place of one function of g (Adam's g * g, Adamax's
-    |g|, Lion's g * (1 - beta_2): a sparse gradient's, summed per row)."""
+    |g|, Lion's g * (1 - beta_2): a sparse gradient's, summed per row), or
+    None for a variable whose family computes its own."""
     lr = F32(lr)
     out_vars = [v.copy() for v in variables]
     out_slots = {k: [a.copy() for a in arrays] for k, arrays in slots.items()}
@@ -190,7 +193,7 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
             out_vars[i] = FAMILIES[cfg["opt"]]["update"](
                 cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
                 lambda name, value, i=i: out_slots[name].__setitem__(i, value),
-                **({} if terms is None else {"terms": terms[i]}))
+                **({} if terms is None or terms[i] is None else {"terms": terms[i]}))
     return out_vars, out_slots
 
 
@@ -355,17 +358,24 @@ def _nadam_hyper(cfg, lr, t):
             cfg["epsilon"]] + [float(x) for x in nadam_scalars(cfg, t)]
 
 
+def _lion_c1(cfg):
+    """The number Lion's kernel multiplies g by in its sign: 1 - beta_1, or
+    ``c1`` where given (1 for a sparse gradient whose slices carry 1 -
+    beta_1 as their slice factor)."""
+    return F32(cfg["c1"]) if "c1" in cfg else F32(1) - F32(cfg["beta_1"])
+
+
 def _lion_update(cfg, g, w, slots, lr, t, store, terms=None):
     beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
     m = slots["m"]
-    w = w - lr * tf_sign(m * beta_1 + g * (F32(1) - beta_1))
+    w = w - lr * tf_sign(m * beta_1 + g * _lion_c1(cfg))
     store("m", m * beta_2 + (g * (F32(1) - beta_2) if terms is None else terms))
     return w
 
 
 def _lion_hyper(cfg, lr, t):
     beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
-    return [float(beta_1), float(F32(1) - beta_1), float(beta_2), float(F32(1) - beta_2)]
+    return [float(beta_1), float(_lion_c1(cfg)), float(beta_2), float(F32(1) - beta_2)]
 
 
 # tf_keras' legacy optimizers: TensorFlow's training_ops.cc functors (and,
@@ -481,10 +491,11 @@ FAMILIES = {
 
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
-              flush_denormals=False, terms=None):
+              flush_denormals=False, terms=None, indices=None, slice_factor=None):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
-    other family and for ``terms``."""
+    other family and for ``terms`` or sparse gradients (``indices``, with
+    ``slice_factor``)."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
@@ -494,11 +505,12 @@ def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="di
         if clip != "value":
             scalars = clip_scalars(cfg, len(variables))
             common["clip_scalars"] = scalars[0] if clip == "global" else scalars
-    if terms is not None:
+    if terms is not None or indices is not None:
+        sparse = {} if indices is None else {"indices": indices, "slice_factor": slice_factor}
         return core.optimizer_step_(cfg["opt"], variables, grads,
                                     [slots[k] for k in slot_names(cfg)],
                                     hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t),
-                                    terms=terms, **common)
+                                    terms=terms, **sparse, **common)
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
                               momentum=cfg["momentum"], nesterov=cfg["nesterov"], **common)
@@ -644,3 +656,217 @@ def flat_bits(variables, slots):
     """Every variable then every slot (by name), as one uint32 array."""
     arrays = variables + [a for k in sorted(slots) for a in slots[k]]
     return np.concatenate([a.reshape(-1) for a in arrays]).view(np.uint32)
+
+
+# ---------------------------------------------------------- sparse gradients
+# A sparse gradient (TensorFlow's IndexedSlices: slices and the rows they
+# belong to) feeds the families whose update of an element reads that
+# element alone.  Keras' ops densify it as TensorFlow converts an
+# IndexedSlices (UnsortedSegmentSum: each row's slices added in their order
+# onto 0); where an op maps the slices first (Adam's square, Adamax's abs,
+# Lion's g * (1 - beta_2)), the mapped values are summed the same way.
+
+# The configurations a sparse gradient may feed, weight decay on (every
+# third variable excluded).
+SPARSE_CONFIGS = {
+    "sgd": dict(CONFIGS["sgd"], weight_decay=0.01, mask=True),
+    "sgd_momentum": dict(CONFIGS["sgd_momentum"], weight_decay=0.01, mask=True),
+    "sgd_nesterov": dict(CONFIGS["sgd_nesterov"], weight_decay=0.02, mask=True),
+    "adam": dict(CONFIGS["adam"], weight_decay=0.004, mask=True),
+    "adam_amsgrad": dict(CONFIGS["adam_amsgrad"], weight_decay=0.004, mask=True),
+    "adamw_amsgrad_odd": CONFIGS["adamw_amsgrad_odd"],
+    "adamax": dict(CONFIGS["adamax"], weight_decay=0.004, mask=True),
+    "adamax_decay_odd": CONFIGS["adamax_decay_odd"],
+    "lion": dict(CONFIGS["lion"], weight_decay=0.004, mask=True),
+    "lion_decay_odd": CONFIGS["lion_decay_odd"],
+}
+
+# Each sparse family under each of Keras' clips (values near the unscaled
+# gradients' magnitudes, so that some are clipped and some not).
+SPARSE_CLIP_CONFIGS = {
+    f"{base}_clip{mode}": dict(SPARSE_CONFIGS[base], clip=(mode, value))
+    for base in ("sgd_nesterov", "adam_amsgrad", "adamax", "lion")
+    for mode, value in (("value", 0.03), ("norm", 0.05), ("global", None))}
+
+
+def keras_sparse_form(cfg, lr):
+    """``(cfg, lr, slice_factor)`` as Keras' update runs on slices: SGD's
+    slices times the learning rate (``gradient * lr`` keeps them sparse),
+    then a kernel learning rate of 1; Lion's times 1 - beta_1, then a
+    kernel 1 - beta_1 of 1; the others' as they are."""
+    if cfg["opt"] == "sgd":
+        return cfg, F32(1), F32(lr)
+    if cfg["opt"] == "lion":
+        return dict(cfg, c1=1.0), F32(lr), F32(1) - F32(cfg["beta_1"])
+    return cfg, F32(lr), None
+
+
+def sparse_forms(cfg, lr):
+    """``{form: (cfg, lr, slice_factor)}``: Keras' (``keras_sparse_form``)
+    and a slice factor of 0.37; under the global clip, which takes none,
+    the configuration as it is."""
+    if cfg.get("clip") is not None and cfg["clip"][0] == "global":
+        return {"global": (cfg, F32(lr), None)}
+    return {"keras": keras_sparse_form(cfg, lr), "odd": (cfg, F32(lr), F32(0.37))}
+
+
+def slice_term(cfg, u):
+    """What the family sums per row in place of a function of the dense
+    gradient (``keras_step``'s ``terms``), of slice values ``u``: Adam's
+    squares, Adamax's magnitudes, Lion's u * (1 - beta_2); None for SGD."""
+    if cfg["opt"] == "adam":
+        return u * u
+    if cfg["opt"] == "adamax":
+        return np.abs(u)
+    if cfg["opt"] == "lion":
+        return u * (F32(1) - F32(cfg["beta_2"]))
+    return None
+
+
+def densify(values, indices, rows):
+    """TensorFlow's conversion of an IndexedSlices to a tensor of ``rows``
+    rows, in float32: each slice added onto its row in slice order, every
+    row starting at +0 (so 0 + -0 is +0; a row no slice names stays +0)."""
+    out = np.zeros((rows,) + values.shape[1:], F32)
+    with np.errstate(all="ignore"):
+        for k, row in enumerate(indices):
+            out[row] = out[row] + values[k]
+    return out
+
+
+def sparse_keras_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,
+                      mode="divide", slice_factor=None):
+    """Keras' step where ``indices[i]`` (not None) makes ``grads[i]`` the
+    slices of a sparse gradient: each slice value unscaled and clipped as a
+    dense gradient's, times ``slice_factor``, then densified, its term
+    summed alike; under the global clip the sums are clipped instead and
+    the family computes its own term.  ``(variables, slots)`` after it."""
+    n = len(variables)
+    global_clip = cfg.get("clip") is not None and cfg["clip"][0] == "global"
+    inner = cfg if global_clip else {k: v for k, v in cfg.items() if k != "clip"}
+    factor = F32(1) if slice_factor is None else F32(slice_factor)
+    dense, terms = [], []
+    with np.errstate(all="ignore"):
+        for i, (w, grad, index) in enumerate(zip(variables, grads, indices)):
+            u = unscaled(grad, scale, mode)
+            if not global_clip:
+                u = clipped(cfg, u, i, n)
+            if index is None:
+                dense.append(u)
+                terms.append(None)
+                continue
+            dense.append(densify(u * factor, index, w.shape[0]))
+            term = None if global_clip else slice_term(cfg, u)
+            terms.append(None if term is None else densify(term, index, w.shape[0]))
+    return keras_step(inner, variables, dense, slots, lr=lr, t=t, terms=terms)
+
+
+def make_indices(rng, rows, count):
+    """``count`` row indices as an IndexedSlices may hold them: in no order,
+    with repeats (one row an eighth of them), and a quarter of the rows
+    (when there are 4 or more) never named."""
+    named = rng.choice(rows, size=rows - rows // 4, replace=False)
+    index = rng.choice(named, size=count)
+    if count >= 8:
+        index[rng.choice(count, size=count // 8, replace=False)] = named[0]
+    return index.astype(np.int64)
+
+
+def make_slices(rng, shape, count, dtype, scale, *, special=False):
+    """``count`` slices of rows of a variable of ``shape`` as a scaled loss
+    makes them (``make_grads``), some of them -0."""
+    if count == 0:
+        return np.zeros((0,) + tuple(shape[1:]), dtype)
+    values = make_grads(rng, [(count,) + tuple(shape[1:])], dtype, scale, special=special)[0]
+    flat = values.reshape(-1)
+    flat[rng.integers(0, flat.size, max(1, flat.size // 20))] = -0.0
+    return values
+
+
+# Sparse gradients of every SIMD tail length, rows of one element and
+# several, a variable of several of the core's 4096-element blocks whose
+# rows straddle them, one with no slice, and a dense gradient among them.
+SPARSE_SIMD_SHAPES = ([((n,), n + n // 2) for n in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 65)]
+                      + [((13, 7), 20), ((9, 16), 9), ((6, 5), 0), ((300, 37), 500),
+                         ((47,), None)])
+SPARSE_SIMD_UNSCALES = [(None, "divide"), (3.0, "divide"), (1000.0, "multiply")]
+
+
+def sparse_simd_runs():
+    """Each sparse configuration (plain, clipped) under each grad dtype and
+    unscale, flushing or not, as ``(key, cfg, flush_denormals, variables,
+    slots, steps)``; ``steps`` yields ``(t, grads, kwargs)`` for
+    ``SIMD_STEPS`` steps, ``kwargs`` the learning rate, unscale, indices and
+    slice factor (``sparse_forms``).  Slices of subnormal and huge values
+    among them."""
+    seed = 20_000
+    shapes = [s for s, _ in SPARSE_SIMD_SHAPES]
+    for name, cfg in list(SPARSE_CONFIGS.items()) + list(SPARSE_CLIP_CONFIGS.items()):
+        for form, (run_cfg, lr, factor) in sparse_forms(cfg, cfg["lr"]).items():
+            for dtype in GRAD_DTYPES:
+                for scale, mode in SPARSE_SIMD_UNSCALES:
+                    for flush in (False, True):
+                        seed += 1
+                        rng = np.random.default_rng(seed)
+                        variables, slots = make_state(rng, run_cfg, shapes, special=True)
+                        yield (f"{name}/{form}/{dtype}/{mode}-{scale}/flush={flush}", run_cfg,
+                               flush, variables, slots,
+                               _sparse_simd_steps(rng, GRAD_DTYPES[dtype], scale, mode, lr,
+                                                  factor))
+
+
+def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor):
+    for step in range(SIMD_STEPS):
+        grads, indices = [], []
+        for shape, count in SPARSE_SIMD_SHAPES:
+            if count is None:
+                grads.append(make_grads(rng, [shape], dtype, scale, special=True)[0])
+                indices.append(None)
+                continue
+            indices.append(make_indices(rng, shape[0], count))
+            grads.append(make_slices(rng, shape, count, dtype, scale, special=True))
+        yield step + 1, grads, dict(lr=lr, scale=scale, mode=mode, indices=indices,
+                                    slice_factor=factor)
+
+
+# Adagrad takes a sparse gradient as Keras' update scatters it: the squared
+# slices added to the accumulator's rows one by one (ResourceScatterAdd),
+# then each slice's (lr * u) / sqrt(accumulator + epsilon), with the
+# accumulator's new rows, subtracted from the variable's one by one
+# (ResourceScatterSub); rows no slice names are left as they are.
+SPARSE_ROW_CONFIGS = {
+    "adagrad": CONFIGS["adagrad"],
+    "adagrad_decay_odd": CONFIGS["adagrad_decay_odd"],
+    "adagrad_clipvalue": dict(CONFIGS["adagrad"], clip=("value", 0.03)),
+    "adagrad_clipnorm": dict(CONFIGS["adagrad_decay_odd"], clip=("norm", 0.05)),
+}
+
+
+def adagrad_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,
+                      mode="divide"):
+    """Keras' Adagrad step where ``indices[i]`` (not None) makes ``grads[i]``
+    the slices of a sparse gradient (each slice value unscaled and clipped
+    as a dense gradient's), scattered as Keras scatters them; the dense ones
+    as ``keras_step``.  ``(variables, slots)`` after it."""
+    lr = F32(lr)
+    eps = F32(cfg["epsilon"])
+    n = len(variables)
+    variables = [v.copy() for v in variables]
+    acc = [a.copy() for a in slots["accumulator"]]
+    mask = decay_mask(cfg, n)
+    with np.errstate(all="ignore"):
+        for i, index in enumerate(indices):
+            w = variables[i]
+            if mask is not None and mask[i]:
+                w = w - (w * F32(cfg["weight_decay"])) * lr
+            u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
+            if index is None:
+                w = _adagrad_update(cfg, u, w, {"accumulator": acc[i]}, lr, t,
+                                    lambda name, value, i=i: acc.__setitem__(i, value))
+            else:
+                for k, row in enumerate(index):
+                    acc[i][row] = acc[i][row] + u[k] * u[k]
+                for k, row in enumerate(index):
+                    w[row] = w[row] - (lr * u[k]) / np.sqrt(acc[i][row] + eps)
+            variables[i] = w
+    return variables, {"accumulator": acc}

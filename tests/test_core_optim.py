@@ -8,6 +8,9 @@ A non-finite gradient anywhere must leave every array as it was.  Each SIMD
 level this CPU runs is forced in its own subprocess (``LOSSSCALE_SIMD``) and
 must give the scalar level's bits, subnormals and huge values included, with
 and without flushing.  Bad input raises a clear error and writes nothing.
+Sparse gradients (``indices``: an IndexedSlices' slices and rows) against
+the same model on the slices densified as TensorFlow densifies them, the
+densifying itself checked against TensorFlow.
 """
 
 import os
@@ -18,9 +21,12 @@ import numpy as np
 import pytest
 
 from lossscale import core
-from optim_model import (BF16, CONFIGS, F32, FAMILIES, GRAD_DTYPES, TERM_CONFIGS, core_step,
-                         decay_mask, flat_bits, slot_names,
-                         keras_step, make_grads, make_terms, make_state, simd_runs)
+from optim_model import (BF16, CONFIGS, F32, FAMILIES, GRAD_DTYPES, SPARSE_CLIP_CONFIGS,
+                         SPARSE_CONFIGS, TERM_CONFIGS, core_step, decay_mask, densify,
+                         flat_bits, slot_names, keras_step, make_grads, make_indices,
+                         make_slices, make_terms, make_state, simd_runs, sparse_forms,
+                         sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
+                         adagrad_rows_step)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -612,3 +618,513 @@ def test_bad_averages_raise_and_write_nothing(case):
         ema_step(cfg, variables, grads, slots, averages, momentum, lr=cfg["lr"], t=1,
                  scale=None)
     assert_unchanged(before, variables, slots, averages or [])
+
+
+# ----------------------------------------------------------- sparse gradients
+# ``indices``: a variable's gradient as an IndexedSlices' slices and rows.
+# Oracle: ``optim_model.sparse_keras_step``, the slices unscaled and
+# clipped in numpy, densified in float32 in slice order as TensorFlow's
+# conversion densifies them (checked against TensorFlow itself below), the
+# family's term summed alike, then the dense Keras model.
+
+# (shape, slices; None: a dense gradient): a variable of several of the
+# core's 4096-element blocks with rows straddling their edges (37 floats a
+# row), long enough for the library's threads to split it; one of a single
+# row, rows of one element and of a 3 x 4 block, one with no slice at all;
+# dense gradients among them.
+SPARSE_LAYOUT = [((4001, 37), 5000), ((300, 37), 400), ((7,), 12), ((5, 3, 4), 9),
+                 ((1, 37), 3), ((6, 5), 0), ((33,), None), ((10, 3), None)]
+SPARSE_UNSCALES = [(None, "divide"), (2.0**10, "divide"), (3.0, "divide"), (1000.0, "multiply")]
+
+
+@pytest.fixture
+def split_threads():
+    """Four threads at most: the long variable is cut between two (the
+    planner's 2**16 elements a thread), mid-row."""
+    assert sum(int(np.prod(s)) for s, _ in SPARSE_LAYOUT) >= 2 * 2**16
+    core.set_num_threads(4)
+    yield
+    core.set_num_threads(0)
+
+
+def sparse_grads(rng, layout, dtype, scale, *, special=False):
+    """``(grads, indices)`` for ``layout``: slices and their rows where it
+    names a count, else a dense gradient and None."""
+    grads, indices = [], []
+    for shape, count in layout:
+        if count is None:
+            grads.append(make_grads(rng, [shape], dtype, scale, special=special)[0])
+            indices.append(None)
+        else:
+            indices.append(make_indices(rng, shape[0], count))
+            grads.append(make_slices(rng, shape, count, dtype, scale, special=special))
+    return grads, indices
+
+
+def assert_sparse_cases_cover(indices, layout):
+    """The cases the sparse tests rely on: repeated rows, rows no slice
+    names, indices out of order."""
+    repeats = gaps = disorder = False
+    for index, (shape, count) in zip(indices, layout):
+        if index is None or count == 0:
+            continue
+        named = np.unique(index)
+        repeats |= named.size < index.size
+        gaps |= named.size < shape[0]
+        disorder |= bool(np.any(np.diff(index) < 0))
+    assert repeats and gaps and disorder
+
+
+def assert_states_equal(variables, slots, want_vars, want_slots, what):
+    for i, (got, want) in enumerate(zip(variables, want_vars)):
+        assert_same_bits(got, want, f"{what}: variable {i}")
+    for k in want_slots:
+        for i, (got, want) in enumerate(zip(slots[k], want_slots[k])):
+            assert_same_bits(got, want, f"{what}: {k}[{i}]")
+
+
+def run_sparse_steps(cfg, layout, dtype, scale, mode, *, form, seed, special=False,
+                     steps=STEPS):
+    """``steps`` steps through the core and the model, each compared."""
+    rng = np.random.default_rng(seed)
+    run_cfg, lr, factor = sparse_forms(cfg, cfg["lr"])[form]
+    variables, slots = make_state(rng, run_cfg, [s for s, _ in layout], special=special)
+    want_vars, want_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    for step in range(1, steps + 1):
+        grads, indices = sparse_grads(rng, layout, dtype, scale, special=special)
+        assert_sparse_cases_cover(indices, layout)
+        kwargs = dict(lr=lr, t=step, scale=scale, mode=mode, indices=indices,
+                      slice_factor=factor)
+        want_vars, want_slots = sparse_keras_step(run_cfg, want_vars, grads, want_slots,
+                                                  **kwargs)
+        assert core_step(core, run_cfg, variables, grads, slots, **kwargs) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+@pytest.mark.parametrize("scale,mode", SPARSE_UNSCALES,
+                         ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", list(SPARSE_CONFIGS))
+def test_sparse_steps_match_keras_bit_for_bit(split_threads, name, dtype, scale, mode):
+    """Keras' form of each family (SGD's slices times the learning rate,
+    Lion's times 1 - beta_1), weight decay on, dense gradients alongside."""
+    run_sparse_steps(SPARSE_CONFIGS[name], SPARSE_LAYOUT, GRAD_DTYPES[dtype], scale, mode,
+                     form="keras", seed=zlib.crc32(f"sparse/{name}/{dtype}/{scale}".encode()))
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", list(SPARSE_CONFIGS))
+def test_sparse_slice_factor_matches_keras(split_threads, name, dtype):
+    """A slice factor other than 1 (and other than Keras' own) with the
+    family's usual numbers."""
+    run_sparse_steps(SPARSE_CONFIGS[name], SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10,
+                     "divide", form="odd",
+                     seed=zlib.crc32(f"sparse-factor/{name}/{dtype}".encode()))
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", list(SPARSE_CLIP_CONFIGS))
+def test_sparse_clips_match_keras(split_threads, name, dtype):
+    """clipvalue and clipnorm clip each slice value (TensorFlow's clips keep
+    a gradient sparse); the global clip multiplies the row sums, and a term
+    family squares (or takes the magnitude of) the clipped sums."""
+    cfg = SPARSE_CLIP_CONFIGS[name]
+    form = "global" if cfg["clip"][0] == "global" else "keras"
+    run_sparse_steps(cfg, SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10, "divide", form=form,
+                     seed=zlib.crc32(f"sparse-clip/{name}/{dtype}".encode()))
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", ["sgd_nesterov", "adam_amsgrad", "adamax", "lion"])
+def test_sparse_subnormal_and_huge_values_match_keras(name, dtype):
+    """Slices of subnormal and huge values (rows whose sums overflow among
+    them: the slices are what is checked, not their sums), IEEE mode."""
+    run_sparse_steps(SPARSE_CONFIGS[name], SPARSE_LAYOUT[1:], GRAD_DTYPES[dtype], 3.0,
+                     "divide", form="keras", special=True, steps=2,
+                     seed=zlib.crc32(f"sparse-special/{name}/{dtype}".encode()))
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamax_decay_odd", "lion"])
+def test_dense_and_sparse_gradients_of_every_dtype_in_one_call(name):
+    """Each variable's gradient of its own dtype, dense or sparse."""
+    cfg = SPARSE_CONFIGS[name]
+    layout = [((40, 9), 50), ((40, 9), None), ((30,), 31), ((30,), None), ((8, 2, 3), 11),
+              ((8, 2, 3), None)]
+    dtypes = [F32, np.dtype(np.float16), BF16, F32, np.dtype(np.float16), BF16]
+    rng = np.random.default_rng(zlib.crc32(f"sparse-mixed/{name}".encode()))
+    run_cfg, lr, factor = sparse_forms(cfg, cfg["lr"])["keras"]
+    variables, slots = make_state(rng, run_cfg, [s for s, _ in layout])
+    for step in (1, 2):
+        grads, indices = [], []
+        for (shape, count), dtype in zip(layout, dtypes):
+            g, index = sparse_grads(rng, [(shape, count)], dtype, 2.0**12)
+            grads += g
+            indices += index
+        kwargs = dict(lr=lr, t=step, scale=2.0**12, mode="divide", indices=indices,
+                      slice_factor=factor)
+        want_vars, want_slots = sparse_keras_step(run_cfg, variables, grads, slots, **kwargs)
+        assert core_step(core, run_cfg, variables, grads, slots, **kwargs) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+def test_densify_is_tensorflows_indexed_slices_conversion():
+    """The model's densify against TensorFlow's own conversion of an
+    IndexedSlices (UnsortedSegmentSum), bit for bit: repeated rows in slice
+    order, -0 slices (0 + -0 is +0), rows no slice names, sums that
+    overflow; normal values (TensorFlow's CPU flushes subnormals)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(17)
+    for shape, count in [((300, 37), 900), ((7,), 40), ((5, 3, 4), 20), ((4, 6), 0)]:
+        index = make_indices(rng, shape[0], count)
+        values = (rng.standard_normal((count,) + shape[1:]) * 10.0**rng.integers(
+            -3, 4, (count,) + shape[1:])).astype(F32)
+        flat = values.reshape(-1)
+        if flat.size:
+            flat[rng.integers(0, flat.size, flat.size // 10)] = -0.0
+            flat[rng.integers(0, flat.size, flat.size // 50)] = np.float32(3e38)
+        want = tf.convert_to_tensor(tf.IndexedSlices(
+            tf.constant(values), tf.constant(index), tf.constant(shape, tf.int64))).numpy()
+        assert_same_bits(densify(values, index, shape[0]), want, f"{shape}")
+
+
+def test_negative_zero_slices_sum_to_positive_zero():
+    """A row whose slices are all -0 gets +0 (0 + -0), as TensorFlow's sum
+    makes it: seen on variables of -0, where w - (+0 * lr) keeps -0 and
+    w - (-0 * lr) would make +0.  Rows with no slice keep -0 too."""
+    import tensorflow as tf
+
+    cfg = CONFIGS["sgd"]
+    variables = [np.full((6, 3), -0.0, F32)]
+    index = np.array([4, 1, 4, 2], np.int64)
+    slices = np.full((4, 3), -0.0, F32)
+    dense = tf.convert_to_tensor(tf.IndexedSlices(tf.constant(slices), tf.constant(index),
+                                                  tf.constant([6, 3], tf.int64))).numpy()
+    assert_same_bits(dense, np.zeros((6, 3), F32), "TensorFlow's sum")
+    want_vars, _ = sparse_keras_step(cfg, variables, [slices], {}, indices=[index], lr=0.5, t=1)
+    assert_same_bits(want_vars[0], variables[0], "model")
+    assert core_step(core, cfg, variables, [slices], {}, lr=0.5, t=1, indices=[index]) is True
+    assert_same_bits(variables[0], want_vars[0], "core")
+
+
+@pytest.mark.parametrize("name", ["sgd_nesterov", "adam_amsgrad", "adamax", "lion_decay_odd"])
+def test_sparse_averages_move_after_the_update(split_threads, name):
+    """``averages`` on variables with sparse gradients (the long one over
+    many blocks, each block's sums gathered then its average moved): the
+    update the model makes, then ``m * average + (1 - m) * var``."""
+    cfg = SPARSE_CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"sparse-ema/{name}".encode()))
+    run_cfg, lr, factor = sparse_forms(cfg, cfg["lr"])["keras"]
+    variables, slots = make_state(rng, run_cfg, [s for s, _ in SPARSE_LAYOUT])
+    averages = [rng.standard_normal(v.shape).astype(F32) for v in variables]
+    for step, momentum in enumerate([0.0, 0.999, 0.9], start=1):
+        grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES["bfloat16"], 2.0**10)
+        want_vars, want_slots = sparse_keras_step(run_cfg, variables, grads, slots, lr=lr,
+                                                  t=step, scale=2.0**10, indices=indices,
+                                                  slice_factor=factor)
+        m = F32(momentum)
+        want_avg = [m * a + (F32(1) - m) * v for a, v in zip(averages, want_vars)]
+        assert core.optimizer_step_(
+            run_cfg["opt"], variables, grads, [slots[k] for k in slot_names(run_cfg)],
+            hyper=FAMILIES[run_cfg["opt"]]["hyper"](run_cfg, lr, step),
+            learning_rate=float(lr), weight_decay=run_cfg.get("weight_decay"),
+            decay=decay_mask(run_cfg, len(variables)), scale=2.0**10, indices=indices,
+            slice_factor=factor, averages=averages, ema_momentum=momentum) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+        for i, (got, want) in enumerate(zip(averages, want_avg)):
+            assert_same_bits(got, want, f"step {step}: average {i}")
+
+
+# (variable, slice, element of the slice): the first slice, one of the row
+# every eighth slice names, the last element of the last slice, the long
+# variable's middle.
+SPARSE_BAD_POSITIONS = [(1, 0, 0), (1, "repeated", 5), (1, -1, -1), (0, 2500, 20)]
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad", "adamax", "lion"])
+def test_non_finite_slice_writes_nothing(split_threads, name, dtype, bad):
+    cfg = SPARSE_CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"sparse-bad/{name}/{dtype}".encode()))
+    run_cfg, lr, factor = sparse_forms(cfg, cfg["lr"])["keras"]
+    variables, slots = make_state(rng, run_cfg, [s for s, _ in SPARSE_LAYOUT])
+    grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10)
+    kwargs = dict(lr=lr, t=3, scale=2.0**10, indices=indices, slice_factor=factor)
+    for tensor, k, element in SPARSE_BAD_POSITIONS:
+        if k == "repeated":  # a slice of the row named most, its last one
+            rows, counts = np.unique(indices[tensor], return_counts=True)
+            k = int(np.flatnonzero(indices[tensor] == rows[np.argmax(counts)])[-1])
+        g = grads[tensor][k].reshape(-1)
+        keep = g[element].copy()
+        g[element] = bad
+        before = snapshot(variables, grads, slots, given(indices))
+        assert core_step(core, run_cfg, variables, grads, slots, **kwargs) is False, (tensor, k)
+        assert_unchanged(before, variables, grads, slots, given(indices))
+        g[element] = keep
+    # One in a sparse gradient, one in a dense one.
+    grads[3].reshape(-1)[-1] = bad
+    grads[6].reshape(-1)[0] = -bad
+    before = snapshot(variables, grads, slots, given(indices))
+    assert core_step(core, run_cfg, variables, grads, slots, **kwargs) is False
+    assert_unchanged(before, variables, grads, slots, given(indices))
+
+
+def given(arrays):
+    """The entries of a list that are not None."""
+    return [a for a in arrays if a is not None]
+
+
+# ------------------------------------------------- sparse: every SIMD level
+
+SPARSE_WORKER = textwrap.dedent(r'''
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from lossscale import core
+    from optim_model import core_step, flat_bits, sparse_simd_runs
+
+    res = {"level": np.array(core.simd_level())}
+    for key, cfg, flush, variables, slots, steps in sparse_simd_runs():
+        for t, grads, kwargs in steps:
+            assert core_step(core, cfg, variables, grads, slots, t=t,
+                             flush_denormals=flush, **kwargs) is True, key
+        res[key] = flat_bits(variables, slots)
+    np.savez(sys.argv[1], **res)
+''')
+
+
+@pytest.fixture(scope="module")
+def sparse_level_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("optim_sparse_simd")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    return {level: run_level_child(level, d / f"{level}.npz", ("-c", SPARSE_WORKER),
+                                   (tests_dir,))
+            for level in levels_here()}
+
+
+@pytest.mark.parametrize("level", optimizer_sets())
+def test_sparse_level_matches_scalar(sparse_level_results, level):
+    """The sums are the core's own scalar code; the kernel each level runs
+    on them must give the scalar level's bits, flushing or not."""
+    if level not in sparse_level_results:
+        pytest.skip(f"this CPU does not run {level} (best: {core.simd_best()})")
+    got, ref = sparse_level_results[level], sparse_level_results["scalar"]
+    assert str(got["level"]) == level and str(ref["level"]) == "scalar"
+    assert set(got) == set(ref) and len(ref) > 1
+    bad = []
+    for key in sorted(ref):
+        if key != "level" and not np.array_equal(got[key], ref[key]):
+            i = int(np.flatnonzero(got[key] != ref[key])[0])
+            bad.append(f"{key} at {i}: {got[key][i]:#010x} vs scalar {ref[key][i]:#010x}")
+    assert not bad, f"{level} differs from scalar in {len(bad)} cases: {bad[:8]}"
+
+
+def test_sparse_scalar_level_matches_keras_model(sparse_level_results):
+    """The scalar run's IEEE results, recomputed here with the numpy model."""
+    ref = sparse_level_results["scalar"]
+    checked = 0
+    for key, cfg, flush, variables, slots, steps in sparse_simd_runs():
+        if flush:
+            continue
+        for t, grads, kwargs in steps:
+            variables, slots = sparse_keras_step(cfg, variables, grads, slots, t=t, **kwargs)
+        want = flat_bits(variables, slots)
+        if not np.array_equal(ref[key], want):
+            i = int(np.flatnonzero(ref[key] != want)[0])
+            raise AssertionError(f"{key} at {i}: scalar {ref[key][i]:#010x}, "
+                                 f"Keras model {want[i]:#010x}")
+        checked += 1
+    assert checked == (len(ref) - 1) // 2
+
+
+# ------------------------------------------------------ sparse: bad input
+
+
+def sparse_setup(name="adam_amsgrad"):
+    """A sparse gradient of a (6, 4) variable (5 slices, float16) and a dense
+    one of a (5,) variable, with the family's state."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(31)
+    variables, slots = make_state(rng, cfg, [(6, 4), (5,)])
+    grads = [make_slices(rng, (6, 4), 5, np.dtype(np.float16), 1000.0),
+             make_grads(rng, [(5,)], np.dtype(np.float16), 1000.0)[0]]
+    indices = [np.array([3, 0, 3, 5, 1], np.int64), None]
+    return cfg, variables, grads, slots, indices
+
+
+def call_sparse(cfg, variables, grads, slots, index_list, **overrides):
+    kw = dict(hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, cfg["lr"], 1),
+              learning_rate=cfg["lr"], scale=1000.0, indices=index_list)
+    kw.update(overrides)
+    return core.optimizer_step_(cfg["opt"], variables, grads,
+                                [slots[k] for k in slot_names(cfg)], **kw)
+
+
+def _set(lst, i, value):
+    lst[i] = value
+
+
+# (id, what to break: f(grads, indices) -> keyword overrides or None,
+#  exception, pattern the message must match)
+SPARSE_BAD_CASES = [
+    ("index_is_rows", lambda G, I: _set(I[0], 3, 6), ValueError,
+     r"indices\[0\] has an index outside \[0, 6\)"),
+    ("index_negative", lambda G, I: _set(I[0], 0, -1), ValueError,
+     r"indices\[0\] has an index outside \[0, 6\)"),
+    ("index_huge", lambda G, I: _set(I[0], 4, 2**62), ValueError, r"indices\[0\].*outside"),
+    ("indices_int32", lambda G, I: _set(I, 0, I[0].astype(np.int32)), TypeError,
+     r"indices\[0\] must be a 1-D C-contiguous int64 array"),
+    ("indices_uint64", lambda G, I: _set(I, 0, I[0].astype(np.uint64)), TypeError,
+     r"indices\[0\].*int64"),
+    ("indices_2d", lambda G, I: _set(I, 0, I[0].reshape(5, 1)), TypeError,
+     r"indices\[0\].*1-D"),
+    ("indices_strided", lambda G, I: _set(I, 0, np.repeat(I[0], 2)[::2]), TypeError,
+     r"indices\[0\].*C-contiguous"),
+    ("indices_byteswapped", lambda G, I: _set(I, 0, I[0].astype(">i8")), TypeError,
+     r"indices\[0\].*int64"),
+    ("indices_entry_a_list", lambda G, I: _set(I, 0, [3, 0, 3, 5, 1]), TypeError,
+     r"indices\[0\] is list"),
+    ("slices_row_shape", lambda G, I: _set(G, 0, np.zeros((5, 3), np.float16)), ValueError,
+     r"grads\[0\] has shape \(5, 3\).*\(5, 4\)"),
+    ("more_slices_than_indices", lambda G, I: _set(G, 0, np.zeros((6, 4), np.float16)),
+     ValueError, r"grads\[0\] has shape \(6, 4\).*5 indices"),
+    ("fewer_slices_than_indices", lambda G, I: _set(G, 0, G[0][:4].copy()), ValueError,
+     r"grads\[0\] has shape \(4, 4\).*5 indices"),
+    ("slices_flattened", lambda G, I: _set(G, 0, G[0].reshape(-1).copy()), ValueError,
+     r"grads\[0\] has shape \(20,\)"),
+    ("dense_gradient_given_indices", lambda G, I: _set(I, 1, np.arange(4, dtype=np.int64)),
+     ValueError, r"grads\[1\] has shape \(5,\).*4 indices.*have shape \(4,\)"),
+    ("too_few_indices", lambda G, I: I.pop(), ValueError, r"got 1 indices for 2 variables"),
+    ("too_many_indices", lambda G, I: I.append(None), ValueError,
+     r"got 3 indices for 2 variables"),
+    ("indices_an_array", lambda G, I: {"indices": np.zeros((2, 5), np.int64)}, TypeError,
+     r"indices must be a list"),
+    ("terms_with_indices", lambda G, I: {"scale": None, "terms": [np.ones((6, 4), F32),
+                                                                  np.ones(5, F32)]},
+     ValueError, r"terms must be None"),
+    ("slice_factor_nan", lambda G, I: {"slice_factor": float("nan")}, ValueError,
+     r"slice_factor.*finite"),
+    ("slice_factor_inf", lambda G, I: {"slice_factor": float("-inf")}, ValueError,
+     r"slice_factor.*finite"),
+    ("slice_factor_overflows_float32", lambda G, I: {"slice_factor": 1e39}, ValueError,
+     r"slice_factor"),
+    ("slice_factor_string", lambda G, I: {"slice_factor": "0.5"}, TypeError, r"slice_factor"),
+    ("slice_factor_under_global_clip",
+     lambda G, I: {"clip": "global", "clip_scalars": 0.5, "slice_factor": 0.5}, ValueError,
+     r"global clip.*slice factor must be 1"),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE_BAD_CASES, ids=[c[0] for c in SPARSE_BAD_CASES])
+def test_sparse_bad_input_raises_and_writes_nothing(case):
+    cfg, variables, grads, slots, indices = sparse_setup()
+    overrides = case[1](grads, indices) or {}
+    before = snapshot(variables, slots, grads, given(indices))
+    with pytest.raises(case[2], match=r"optimizer_step_: .*" + case[3]):
+        call_sparse(cfg, variables, grads, slots, indices, **overrides)
+    assert_unchanged(before, variables, slots, grads, given(indices))
+
+
+@pytest.mark.parametrize("name", ["rmsprop_momentum", "nadam", "legacy_adam"])
+def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
+    """Families whose update reads more than its element take no slices;
+    even all-dense ``indices``."""
+    assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
+    assert set(core.optimizer_families(sparse=True)) == {"sgd", "adam", "adamax", "lion",
+                                                         "adagrad"}
+    cfg, variables, grads, slots, indices = sparse_setup(name)
+    before = snapshot(variables, slots, grads, given(indices))
+    for given_indices in (indices, [None, None]):
+        with pytest.raises(ValueError, match=f"{cfg['opt']} takes no sparse gradient"):
+            call_sparse(cfg, variables, grads, slots, given_indices)
+    assert_unchanged(before, variables, slots, grads, given(indices))
+
+
+def test_sparse_bad_input_with_a_non_finite_slice_still_raises():
+    """Validation comes before the finite check: a bad call never returns False."""
+    cfg, variables, grads, slots, indices = sparse_setup()
+    grads[0][2, 1] = np.nan
+    indices[0][1] = 6
+    before = snapshot(variables, slots, grads, given(indices))
+    with pytest.raises(ValueError, match="outside"):
+        call_sparse(cfg, variables, grads, slots, indices)
+    assert_unchanged(before, variables, slots, grads, given(indices))
+
+
+def test_sparse_gradient_of_a_scalar_variable_is_refused():
+    cfg = CONFIGS["sgd_momentum"]
+    variables, slots = [np.ones((), F32)], {"momentum": [np.zeros((), F32)]}
+    before = snapshot(variables, slots)
+    with pytest.raises(ValueError, match=r"grads\[0\] has shape"):
+        call_sparse(cfg, variables, [np.ones((1,), F32)], slots,
+                    [np.zeros(1, np.int64)], scale=None)
+    assert_unchanged(before, variables, slots)
+
+
+# ------------------------------------------------- sparse: Adagrad's rows
+
+
+@pytest.mark.parametrize("scale,mode", SPARSE_UNSCALES,
+                         ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", list(SPARSE_ROW_CONFIGS))
+def test_adagrad_scatters_sparse_gradients_as_keras(split_threads, name, dtype, scale, mode):
+    """Adagrad's slices scattered as Keras scatters them (squares onto the
+    accumulator one by one, then each slice's step with the accumulator's
+    new rows), weight decay on every row, clips per slice, dense gradients
+    alongside; several blocks and threads, rows cut between them."""
+    cfg = SPARSE_ROW_CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"sparse-rows/{name}/{dtype}/{scale}".encode()))
+    variables, slots = make_state(rng, cfg, [s for s, _ in SPARSE_LAYOUT])
+    want_vars, want_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    for step in range(1, STEPS + 1):
+        grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10)
+        assert_sparse_cases_cover(indices, SPARSE_LAYOUT)
+        lr = lr_at(cfg, step)
+        want_vars, want_slots = adagrad_rows_step(cfg, want_vars, grads, want_slots,
+                                                  indices=indices, lr=lr, t=step,
+                                                  scale=scale, mode=mode)
+        assert core_step(core, cfg, variables, grads, slots, lr=lr, t=step, scale=scale,
+                         mode=mode, indices=indices) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+def test_adagrad_rows_differ_from_the_densified_update():
+    """The oracle tells the two forms apart: a row named twice gets two
+    steps (each slice's), not one step of their sum."""
+    cfg = SPARSE_ROW_CONFIGS["adagrad"]
+    rng = np.random.default_rng(5)
+    variables, slots = make_state(rng, cfg, [(4, 3)])
+    slices = np.full((2, 3), 0.5, np.float32)
+    index = np.array([1, 1], np.int64)
+    rows, _ = adagrad_rows_step(cfg, variables, [slices], slots, indices=[index], lr=0.5, t=1)
+    dense, _ = keras_step(cfg, variables, [densify(slices, index, 4)], slots, lr=0.5, t=1)
+    assert rows[0][1].tobytes() != dense[0][1].tobytes()
+    assert core_step(core, cfg, variables, [slices], slots, lr=0.5, t=1,
+                     indices=[index]) is True
+    assert variables[0].tobytes() == rows[0].tobytes()
+
+
+@pytest.mark.parametrize("case", ["rsqrt", "global", "factor"])
+def test_adagrad_sparse_forms_it_cannot_take_are_refused(case):
+    """Adagrad's slices divide by a true square root, are clipped slice by
+    slice and take no factor: TensorFlow's Rsqrt form, the global clip (its
+    row sums) and a slice factor are refused, and nothing moves."""
+    cfg = CONFIGS["adagrad"]
+    rng = np.random.default_rng(9)
+    variables, slots = make_state(rng, cfg, [(6, 4)])
+    grads = [make_slices(rng, (6, 4), 5, np.dtype(np.float16), 1000.0)]
+    index = [np.array([3, 0, 3, 5, 1], np.int64)]
+    before = snapshot(variables, slots, grads, index)
+    kw = dict(hyper=[cfg["epsilon"], 0.0], learning_rate=cfg["lr"], scale=1000.0,
+              indices=index)
+    if case == "rsqrt":
+        kw["hyper"] = [cfg["epsilon"], 1.0]
+    elif case == "global":
+        kw.update(clip="global", clip_scalars=0.5)
+    else:
+        kw["slice_factor"] = 0.5
+    with pytest.raises(ValueError):
+        core.optimizer_step_("adagrad", variables, grads, [slots["accumulator"]], **kw)
+    assert_unchanged(before, variables, slots, grads, index)

@@ -4,7 +4,10 @@ Oracles: TensorFlow computing ``g * tf.cast(1 / scale, g.dtype)`` and
 ``reduce_all(is_finite(...))`` itself (with its CPU flushing of subnormals),
 ``tf.compat.v1.mixed_precision.DynamicLossScale`` and Keras 3's stock
 ``LossScaleOptimizer`` for the update rules, and a float32 numpy model of
-the documented rule where TensorFlow has no reference (the extensions).
+the documented rule where TensorFlow has no reference (the extensions); for
+the fused step's sparse gradients, ``optim_model``'s Keras model on the
+slices densified as TensorFlow's own IndexedSlices conversion densifies
+them.
 """
 
 import threading
@@ -17,6 +20,9 @@ import tensorflow as tf
 
 from helpers import UINT, assert_same_bits
 from lossscale import _loader, ops
+from optim_model import (CONFIGS, FAMILIES, decay_mask, densify, keras_sparse_form,
+                         make_grads, make_indices, make_slices, make_state, slot_names,
+                         sparse_keras_step, unscaled)
 from rule_model import keras3_step, tf24_step
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -604,8 +610,8 @@ def test_fused_step_refuses_a_variable_passed_twice(twice):
         module.loss_scale_apply_optimizer(
             tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
             grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], [], [],
-            [e.handle for e in averages], ema, family="sgd", hyper=[0.9, 0.0], decay=[0, 0],
-            unscale="divide")
+            [e.handle for e in averages], ema, [], [], family="sgd", hyper=[0.9, 0.0],
+            decay=[0, 0], unscale="divide")
     for v, want in zip((a, b, ma, mb, ea, eb), before):
         assert_same_bits(v.numpy(), want)
 
@@ -625,8 +631,8 @@ def test_fused_step_averages_checked_before_anything_moves():
         module.loss_scale_apply_optimizer(
             tf.constant(True), [w.handle], [m.handle], [tf.ones(4)], tf.constant(1.0),
             tf.constant(0.5), tf.constant(0.0), [], [], [], [a.handle for a in averages],
-            [tf.constant(x) for x in ema], family="sgd", hyper=[0.9, 0.0], decay=[0],
-            unscale="divide")
+            [tf.constant(x) for x in ema], [], [], family="sgd", hyper=[0.9, 0.0],
+            decay=[0], unscale="divide")
 
     before = [v.numpy().copy() for v in (w, m, good)]
     with pytest.raises(tf.errors.InvalidArgumentError, match="'short[^']*' has shape"):
@@ -646,3 +652,157 @@ def test_fused_step_averages_checked_before_anything_moves():
     want_w = np.arange(4, dtype=np.float32) + (-np.float32(0.5))
     assert_same_bits(w.numpy(), want_w)
     assert_same_bits(good.numpy(), momentum * np.full(4, 2.0, np.float32) + rest * want_w)
+
+
+# ------------------------------------------------ fused step: sparse gradients
+
+# (shape, slices; None: dense): sparse gradients around a dense one, one
+# over several of the core's blocks with rows straddling them.
+OP_SPARSE_LAYOUT = [((300, 37), 450), ((33,), None), ((5, 3, 4), 9)]
+
+
+def subnormal(a):
+    a = np.asarray(a, np.float32)
+    return bool(np.any((a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)))
+
+
+def sparse_op_call(module, variables, slots, grads, indices, *, family, hyper, sparse,
+                   slice_factor=(1.0,), scale=1024.0, learning_rate=0.001, weight_decay=0.0,
+                   decay=None, clip="none", clip_scalars=()):
+    """The raw fused step, its gradients ``grads`` (slices where ``sparse``
+    names the variable, with ``indices``, one per sparse variable)."""
+    module.loss_scale_apply_optimizer(
+        tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
+        [tf.constant(g) for g in grads], tf.constant(scale, tf.float32),
+        tf.constant(learning_rate, tf.float32), tf.constant(weight_decay, tf.float32), [],
+        [tf.constant(c, tf.float32) for c in clip_scalars], [], [], [],
+        [tf.constant(i) for i in indices], [tf.constant(f, tf.float32) for f in slice_factor],
+        family=family, hyper=hyper, decay=decay or [0] * len(variables), unscale="divide",
+        clip=clip, sparse=sparse)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad", "adamw", "lion"])
+def test_fused_step_sparse_gradients_match_the_numpy_model(name):
+    """Slices of float16 gradients and their rows (repeated, out of order,
+    rows never named) through the raw op, Keras' form of each family (SGD's
+    slices times the learning rate, Lion's times 1 - beta_1), weight decay
+    as Keras applies it: ``optim_model``'s Keras step on the slices
+    densified (first checked against TensorFlow's own conversion of the
+    IndexedSlices).  No value is subnormal, so the op's flushing of
+    subnormals (TensorFlow's CPU arithmetic) changes nothing."""
+    module, _ = _loader.load()
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(len(name))
+    shapes = [shape for shape, _ in OP_SPARSE_LAYOUT]
+    run_cfg, lr, factor = keras_sparse_form(cfg, cfg["lr"])
+    values, slot_values = make_state(rng, run_cfg, shapes)
+    variables = [tf.Variable(v, name=f"w{i}") for i, v in enumerate(values)]
+    slots = [tf.Variable(a) for k in slot_names(run_cfg) for a in slot_values[k]]
+    mask = decay_mask(run_cfg, len(shapes))
+    for step in (1, 2, 3):
+        grads, indices = [], []
+        for shape, count in OP_SPARSE_LAYOUT:
+            if count is None:
+                grads.append(make_grads(rng, [shape], np.dtype(np.float16), 1024.0)[0])
+                indices.append(None)
+            else:
+                indices.append(make_indices(rng, shape[0], count))
+                grads.append(make_slices(rng, shape, count, np.dtype(np.float16), 1024.0))
+        for shape, g, index in zip(shapes, grads, indices):
+            if index is not None:
+                u = unscaled(g, 1024.0, "divide")
+                dense = tf.convert_to_tensor(tf.IndexedSlices(
+                    tf.constant(u), tf.constant(index), tf.constant(shape, tf.int64)))
+                assert_same_bits(densify(u, index, shape[0]), dense.numpy(), "densify")
+        values, slot_values = sparse_keras_step(run_cfg, values, grads, slot_values,
+                                                indices=indices, lr=lr, t=step, scale=1024.0,
+                                                slice_factor=factor)
+        assert not any(subnormal(a) for a in values + [b for k in slot_values
+                                                       for b in slot_values[k]])
+        sparse = [i for i, index in enumerate(indices) if index is not None]
+        sparse_op_call(module, variables, slots, grads, [indices[i] for i in sparse],
+                       family=run_cfg["opt"],
+                       hyper=FAMILIES[run_cfg["opt"]]["hyper"](run_cfg, lr, step),
+                       sparse=sparse, slice_factor=[1.0 if factor is None else factor],
+                       learning_rate=lr, weight_decay=run_cfg.get("weight_decay", 0.0),
+                       decay=[1 if m else 0 for m in mask] if mask else None)
+        for i, v in enumerate(variables):
+            assert_same_bits(v.numpy(), values[i], f"step {step}: variable {i}")
+        got_slots = iter(slots)
+        for k in slot_names(run_cfg):
+            for i in range(len(shapes)):
+                assert_same_bits(next(got_slots).numpy(), slot_values[k][i],
+                                 f"step {step}: {k}[{i}]")
+
+
+def sparse_op_setup():
+    """Adam over a (6, 4) variable with a sparse gradient (5 slices) and a
+    (5,) one with a dense gradient; ``(variables, slots, grads, indices)``."""
+    rng = np.random.default_rng(41)
+    w0 = tf.Variable(rng.standard_normal((6, 4)).astype(np.float32), name="emb")
+    w1 = tf.Variable(rng.standard_normal(5).astype(np.float32), name="bias")
+    slots = [tf.Variable(np.full(v.shape, x, np.float32)) for x in (0.1, 0.01)
+             for v in (w0, w1)]
+    grads = [rng.standard_normal((5, 4)).astype(np.float16),
+             rng.standard_normal(5).astype(np.float16)]
+    return [w0, w1], slots, grads, [np.array([3, 0, 3, 5, 1], np.int64)]
+
+
+ADAM_HYPER = [0.1, 0.001, 1e-7, 0.0, 0.001]
+CORE_REFUSAL = (r"}} LossScaleApplyOptimizer: (invalid argument \(core status -1\)"
+                r"|.*(sparse|slice factor|slice_factor))")
+
+# (id, what to break: f(grads, indices) -> op keyword overrides or None, pattern)
+SPARSE_OP_BAD = [
+    ("index_is_rows", lambda G, I: I[0].__setitem__(2, 6),
+     r"sparse gradient of variable 'emb[^']*' has index 6, outside \[0, 6\)"),
+    ("index_negative", lambda G, I: I[0].__setitem__(0, -1),
+     r"sparse gradient of variable 'emb[^']*' has index -1, outside \[0, 6\)"),
+    ("slices_of_another_row_shape", lambda G, I: G.__setitem__(0, np.ones((5, 3), np.float16)),
+     r"sparse gradient of variable 'emb[^']*' has slices of shape \[5,3\] for rows of "
+     r"the variable of shape \[6,4\]"),
+    ("slices_of_another_rank", lambda G, I: G.__setitem__(0, np.ones(20, np.float16)),
+     r"sparse gradient of variable 'emb[^']*' has slices of shape \[20\]"),
+    ("fewer_indices_than_slices", lambda G, I: I.__setitem__(0, I[0][:4].copy()),
+     r"sparse gradient of variable 'emb[^']*' has 4 indices for 5 slices"),
+    ("more_indices_than_slices", lambda G, I: I.__setitem__(0, np.arange(6, dtype=np.int64)),
+     r"has 6 indices for 5 slices"),
+    ("sparse_not_ascending", lambda G, I: (I.append(np.arange(5, dtype=np.int64)),
+                                           {"sparse": [1, 0]})[1],
+     r"sparse must name variables in ascending order, each once"),
+    ("sparse_twice", lambda G, I: (I.append(I[0].copy()), {"sparse": [0, 0]})[1],
+     r"ascending order, each once"),
+    ("sparse_past_the_variables", lambda G, I: {"sparse": [2]}, r"ascending order, each once"),
+    ("sparse_negative", lambda G, I: {"sparse": [-1]}, r"ascending order, each once"),
+    ("sparse_names_fewer_than_indices", lambda G, I: {"sparse": []},
+     r"sparse names 0 variables for 1 indices"),
+    ("no_slice_factor", lambda G, I: {"slice_factor": []}, r"0 slice factors \(one when any\)"),
+    ("two_slice_factors", lambda G, I: {"slice_factor": [1.0, 1.0]},
+     r"2 slice factors \(one when any\)"),
+    # Refused by the core's own checks (its status; or a message of the op's).
+    ("family_takes_no_sparse", lambda G, I: {"family": "nadam",
+                                            "hyper": [0.1, 0.001, 1e-7] + [0.5] * 5},
+     CORE_REFUSAL),
+    ("slice_factor_nan", lambda G, I: {"slice_factor": [float("nan")]}, CORE_REFUSAL),
+    ("slice_factor_under_global_clip", lambda G, I: {"slice_factor": [0.5], "clip": "global",
+                                                    "clip_scalars": [0.5]},
+     CORE_REFUSAL),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE_OP_BAD, ids=[c[0] for c in SPARSE_OP_BAD])
+def test_fused_step_sparse_bad_input_raises_and_changes_nothing(case):
+    module, _ = _loader.load()
+    variables, slots, grads, indices = sparse_op_setup()
+    kw = dict(family="adam", hyper=ADAM_HYPER, sparse=[0])
+    kw.update(case[1](grads, indices) or {})
+    before = [v.numpy().copy() for v in variables + slots]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=case[2]):
+        sparse_op_call(module, variables, slots, grads, indices, **kw)
+    for v, want in zip(variables + slots, before):
+        assert_same_bits(v.numpy(), want)
+    # The same call unbroken goes through.
+    variables, slots, grads, indices = sparse_op_setup()
+    sparse_op_call(module, variables, slots, grads, indices, family="adam", hyper=ADAM_HYPER,
+                   sparse=[0])
+    assert not np.array_equal(variables[0].numpy(), before[0])

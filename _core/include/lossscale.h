@@ -50,7 +50,8 @@ typedef enum ls_status {
     LS_OK = 0,
     LS_ERR_ARG = -1,   /* bad argument (NULL pointer, bad length, bad flag) */
     LS_ERR_DTYPE = -2, /* unknown dtype */
-    LS_ERR_SIMD = -3   /* LOSSSCALE_SIMD names a level this CPU lacks or an unknown one */
+    LS_ERR_SIMD = -3,  /* LOSSSCALE_SIMD names a level this CPU lacks or an unknown one */
+    LS_ERR_MEMORY = -4 /* out of memory (a sparse gradient's rows), nothing written */
 } ls_status;
 
 /*
@@ -285,6 +286,8 @@ int ls_optim_family_count(void);
 int ls_optim_hyper_count(int family);
 /* 1 when `family` takes a gradient term (ls_param.grad_term), else 0. */
 int ls_optim_takes_term(int family);
+/* 1 when `family` takes a sparse gradient (ls_param.indices), else 0. */
+int ls_optim_takes_sparse(int family);
 
 /* Keras applies weight decay as `var - var * wd * lr`.  Run op by op (eager)
  * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
@@ -350,6 +353,31 @@ typedef struct ls_param {
                           number (any value: IEEE arithmetic, as Keras') */
     const float *grad_term;
     float *average;
+    /* A sparse gradient (TensorFlow's IndexedSlices), when `indices` is not
+     * NULL: `grad` holds `slices` slices of `row_length` elements each,
+     * slice k the gradient of row indices[k] of the variable (`length` is
+     * rows * row_length, every index in [0, rows), repeats allowed), and
+     * the update runs as on the dense gradient Keras' ops make of it: each
+     * slice element unscaled (and, but under LS_CLIP_GLOBAL, clipped) as a
+     * dense one is, times the configuration's slice_factor, then a row's
+     * slices summed in their order onto 0 (TensorFlow's UnsortedSegmentSum:
+     * rows no slice names are 0); the term the family takes (see
+     * grad_term, which must then be NULL) is summed the same way from the
+     * same values.  Under LS_CLIP_GLOBAL the sums are clipped instead, as
+     * Keras clips a densified gradient, and the family computes its own
+     * term.  Only the families whose update of an element reads that
+     * element alone take one (ls_optim_takes_sparse); the sums are made a
+     * block at a time, in cache, never as a whole dense gradient.
+     * Adagrad takes one as Keras' update scatters it instead: every
+     * element's weight decay, then, for each row a slice names, the
+     * accumulator plus each slice's squares in their order, then the
+     * variable minus each slice's (lr * g) / sqrt(accumulator + epsilon)
+     * in their order (a true division: its Rsqrt form is refused, as are
+     * LS_CLIP_GLOBAL and a slice_factor other than 1); other rows stay as
+     * they are. */
+    const int64_t *indices;
+    size_t slices;
+    size_t row_length;
 } ls_param;
 
 typedef struct ls_optim_config {
@@ -365,6 +393,9 @@ typedef struct ls_optim_config {
     float clip_value;       /* LS_CLIP_VALUE, LS_CLIP_NORM: finite, > 0 */
     float ema_momentum;     /* for params with an average: any value (IEEE */
     float ema_rest;         /* arithmetic, as Keras'), rest = 1 - momentum  */
+    float slice_factor;     /* for sparse params: each slice value's factor
+                               before the row sums (SGD's learning rate, Lion's
+                               1 - beta_1; 1 for the others: x * 1 is x); finite */
 } ls_optim_config;
 
 /* The slots per variable a configuration updates (a family's count may
@@ -378,6 +409,11 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
 /* The configuration's part of ls_optim_validate: LS_OK, or LS_ERR_ARG with
  * a short reason in *why (may be NULL). */
 int ls_optim_config_check(const ls_optim_config *config, const char **why);
+
+/* Why ls_optim_validate refuses every sparse gradient (ls_param.indices)
+ * under this configuration (the family takes none, the slice factor, ...),
+ * or NULL. */
+const char *ls_optim_sparse_problem(const ls_optim_config *config);
 
 /*
  * One optimizer step over the list: first a read-only check that every

@@ -7,6 +7,7 @@
  * nothing is written unless it passes.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -45,6 +46,27 @@ int ls_optim_takes_term(int family)
     LS_OPTIM_TERM_FAMILIES(LS_TAKES_TERM)
 #undef LS_TAKES_TERM
     return 0;
+}
+
+/* 1 when `family` takes a sparse gradient row by row (LS_OPTIM_ROW_FAMILIES). */
+static int row_family(int family)
+{
+#define LS_ROW_FAMILY(f)                                                                \
+    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+        return 1;
+    LS_OPTIM_ROW_FAMILIES(LS_ROW_FAMILY)
+#undef LS_ROW_FAMILY
+    return 0;
+}
+
+int ls_optim_takes_sparse(int family)
+{
+#define LS_TAKES_SPARSE(f)                                                              \
+    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+        return 1;
+    LS_OPTIM_SPARSE_FAMILIES(LS_TAKES_SPARSE)
+#undef LS_TAKES_SPARSE
+    return row_family(family);
 }
 
 const char *ls_optim_family_name(int family)
@@ -106,6 +128,47 @@ static int disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
     return x + abytes <= y || y + bbytes <= x;
 }
 
+/* A sparse gradient's own checks (ls_param.indices): its shape, the family,
+ * every index a row. */
+const char *ls_optim_sparse_problem(const ls_optim_config *c)
+{
+    const char *problem = config_problem(c);
+    if (problem != NULL)
+        return problem;
+    if (!ls_optim_takes_sparse(c->family))
+        return "the family takes no sparse gradient (sgd, adam, adamax, lion and adagrad do)";
+    if (!ls_optim_finite(c->slice_factor))
+        return "the slice factor must be finite";
+    if (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f)
+        return "the global clip clips a sparse gradient's row sums: the slice factor must be 1";
+    if (row_family(c->family) && (c->clip == LS_CLIP_GLOBAL || c->slice_factor != 1.0f ||
+                                  c->hyper[LS_ADAGRAD_RSQRT] != 0.0f))
+        return "adagrad takes a sparse gradient as Keras scatters it: divided by a true "
+               "square root (no Rsqrt form), clipped slice by slice (not the global clip), "
+               "with a slice factor of 1";
+    return NULL;
+}
+
+static int check_sparse(const ls_param *p, const ls_optim_config *c)
+{
+    if (ls_optim_sparse_problem(c) != NULL || p->grad_term != NULL)
+        return LS_ERR_ARG;
+    if (p->row_length == 0 || p->length % p->row_length != 0 ||
+        p->slices > SIZE_MAX / 8 / p->row_length || (uintptr_t)p->indices % 8 != 0)
+        return LS_ERR_ARG;
+    const int64_t rows = (int64_t)(p->length / p->row_length);
+    for (size_t k = 0; k < p->slices; k++)
+        if (p->indices[k] < 0 || p->indices[k] >= rows)
+            return LS_ERR_ARG;
+    return LS_OK;
+}
+
+/* How many gradient elements a param's `grad` holds. */
+static size_t grad_length(const ls_param *p)
+{
+    return p->indices != NULL ? p->slices * p->row_length : p->length;
+}
+
 /* `terms`: whether the configuration accepts ls_param.grad_term. */
 static int check_param(const ls_param *p, int nslots, int terms)
 {
@@ -119,23 +182,30 @@ static int check_param(const ls_param *p, int nslots, int terms)
     if (p->length == 0)
         return LS_OK;
     const size_t gsize = ls_dtype_size(p->grad_dtype);
-    /* The term and the average, when given, are checked after the slots. */
-    const void *bufs[7] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2], NULL, NULL};
-    size_t bytes[7] = {p->length * 4, p->length * gsize, p->length * 4, p->length * 4,
-                       p->length * 4, p->length * 4, p->length * 4};
-    const size_t align[7] = {4, gsize, 4, 4, 4, 4, 4};
-    int used = 2 + nslots;
-    if (p->grad_term != NULL)
-        bufs[used++] = p->grad_term;
-    if (p->average != NULL)
-        bufs[used++] = p->average;
     if (p->length > SIZE_MAX / 4)
         return LS_ERR_ARG;
+    /* The term, the average and a sparse gradient's indices, when given,
+     * are checked after the slots. */
+    const void *bufs[8] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
+    size_t bytes[8] = {p->length * 4, grad_length(p) * gsize, p->length * 4, p->length * 4,
+                       p->length * 4};
+    size_t align[8] = {4, gsize, 4, 4, 4};
+    int used = 2 + nslots;
+    if (p->grad_term != NULL) {
+        bufs[used] = p->grad_term, bytes[used] = p->length * 4, align[used++] = 4;
+    }
+    if (p->average != NULL) {
+        bufs[used] = p->average, bytes[used] = p->length * 4, align[used++] = 4;
+    }
+    if (p->indices != NULL)
+        bufs[used] = p->indices, bytes[used] = p->slices * 8, align[used++] = 8;
     for (int i = 0; i < used; i++) {
+        if (bytes[i] == 0) /* a sparse gradient of no slices: no bytes to read */
+            continue;
         if (bufs[i] == NULL || (uintptr_t)bufs[i] % align[i] != 0)
             return LS_ERR_ARG;
         for (int j = 0; j < i; j++)
-            if (!disjoint(bufs[i], bytes[i], bufs[j], bytes[j]))
+            if (bytes[j] != 0 && !disjoint(bufs[i], bytes[i], bufs[j], bytes[j]))
                 return LS_ERR_ARG;
     }
     return LS_OK;
@@ -152,14 +222,25 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
     /* A term comes from a gradient already unscaled. */
     const int terms =
         ls_optim_takes_term(config->family) && config->unscale == LS_UNSCALE_NONE;
-    for (size_t i = 0; i < count; i++)
+    for (size_t i = 0; i < count; i++) {
         if ((rc = check_param(&params[i], nslots, terms)) != LS_OK)
             return rc;
+        if (params[i].indices != NULL && (rc = check_sparse(&params[i], config)) != LS_OK)
+            return rc;
+    }
     return LS_OK;
 }
 
+/* A sparse gradient's slices grouped by row, each row's in their order:
+ * the slices of row r are order[start[r] .. start[r + 1]). */
+typedef struct sparse_rows {
+    size_t *start;
+    size_t *order;
+} sparse_rows;
+
 /* A step ready to run over any range: validated, its kernels chosen and
- * its configuration resolved per gradient dtype, once. */
+ * its configuration resolved per gradient dtype, once; the rows of each
+ * sparse gradient (NULL when there is none). */
 typedef struct optim_job {
     const ls_optim_kernels *kernels;
     const ls_param *params;
@@ -167,6 +248,10 @@ typedef struct optim_job {
     int family;
     unsigned flags;
     float ema_momentum, ema_rest;
+    float slice_factor;
+    int slice_term;     /* LS_SLICE_*: how the family's term is made */
+    float slice_term_k; /* LS_SLICE_SCALED's factor */
+    sparse_rows *rows;
     ls_optim_args args[LS_NUM_DTYPES];
 } optim_job;
 
@@ -210,8 +295,72 @@ static void resolve(const ls_optim_config *c, unsigned flags, ls_optim_args args
     ls_fpenv_leave(&env);
 }
 
-static void job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *params,
-                     size_t count, const ls_optim_config *c, unsigned flags)
+/* How a term family (LS_OPTIM_TERM_FAMILIES) makes its term of a slice
+ * value (family_<name>.h says what its term replaces). */
+static void slice_term_of(const ls_optim_config *c, int *kind, float *k)
+{
+    const char *name = ls_optim_family_name(c->family);
+    *kind = LS_SLICE_NO_TERM;
+    *k = 0.0f;
+    if (strcmp(name, "adam") == 0)
+        *kind = LS_SLICE_SQUARE;
+    else if (strcmp(name, "adamax") == 0)
+        *kind = LS_SLICE_ABS;
+    else if (strcmp(name, "lion") == 0)
+        *kind = LS_SLICE_SCALED, *k = c->hyper[LS_LION_C2];
+}
+
+/* Groups every sparse gradient's slices by row (a counting sort, stable):
+ * LS_OK, or LS_ERR_MEMORY with nothing allocated. */
+static int group_rows(optim_job *j)
+{
+    size_t words = 0;
+    int any = 0;
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_param *p = &j->params[i];
+        if (p->indices != NULL && p->length > 0) {
+            words += p->length / p->row_length + 1 + p->slices;
+            any = 1;
+        }
+    }
+    j->rows = NULL;
+    if (!any)
+        return LS_OK;
+    if (words > (SIZE_MAX - j->count * sizeof(sparse_rows)) / sizeof(size_t))
+        return LS_ERR_MEMORY;
+    char *memory = malloc(j->count * sizeof(sparse_rows) + words * sizeof(size_t));
+    if (memory == NULL)
+        return LS_ERR_MEMORY;
+    j->rows = (sparse_rows *)(void *)memory;
+    size_t *next = (size_t *)(void *)(memory + j->count * sizeof(sparse_rows));
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_param *p = &j->params[i];
+        sparse_rows *r = &j->rows[i];
+        r->start = r->order = NULL;
+        if (p->indices == NULL || p->length == 0)
+            continue;
+        const size_t rows = p->length / p->row_length;
+        r->start = next;
+        r->order = next + rows + 1;
+        next += rows + 1 + p->slices;
+        memset(r->start, 0, (rows + 1) * sizeof(size_t));
+        for (size_t k = 0; k < p->slices; k++)
+            r->start[(size_t)p->indices[k] + 1]++;
+        for (size_t row = 0; row < rows; row++)
+            r->start[row + 1] += r->start[row];
+        /* Each slice at its row's next place (start[row] moves past it),
+         * then every start back one row. */
+        for (size_t k = 0; k < p->slices; k++)
+            r->order[r->start[(size_t)p->indices[k]]++] = k;
+        for (size_t row = rows; row > 0; row--)
+            r->start[row] = r->start[row - 1];
+        r->start[0] = 0;
+    }
+    return LS_OK;
+}
+
+static int job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *params,
+                    size_t count, const ls_optim_config *c, unsigned flags)
 {
     j->kernels = k;
     j->params = params;
@@ -220,8 +369,13 @@ static void job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *pa
     j->flags = flags;
     j->ema_momentum = c->ema_momentum;
     j->ema_rest = c->ema_rest;
+    j->slice_factor = c->slice_factor;
+    slice_term_of(c, &j->slice_term, &j->slice_term_k);
     resolve(c, flags, j->args);
+    return group_rows(j);
 }
+
+static void job_free(optim_job *j) { free(j->rows); }
 
 /* Elements [lo, hi) of a variable's EMA moved toward the variable as Keras
  * moves it: momentum * average + rest * var, each product rounded, then
@@ -236,8 +390,110 @@ static void move_average(const ls_param *p, size_t lo, size_t hi, float momentum
 }
 
 /* A variable with an average is updated in blocks this long, each block's
- * average moved right after it, while the block's new values are in cache. */
-enum { EMA_BLOCK = 4096 };
+ * average moved right after it, while the block's new values are in cache;
+ * so is one with a sparse gradient, each block's sums gathered first. */
+enum { BLOCK = 4096 };
+
+/* Elements [b, e) of a sparse gradient's dense form (ls_param.indices),
+ * into g[0 .. e - b), and its term into t (when not NULL): each row's
+ * slices, every value unscaled and clipped by `sa`, times the factor,
+ * added in their order onto 0, as UnsortedSegmentSum adds them. */
+static void gather_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                        size_t b, size_t e, const ls_optim_args *sa, float *g, float *t)
+{
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    const int kind = t != NULL ? j->slice_term : LS_SLICE_NO_TERM;
+    for (size_t row = b / n; row * n < e; row++) {
+        const size_t first = row * n < b ? b - row * n : 0;
+        const size_t last = e - row * n < n ? e - row * n : n;
+        float *gd = g + (row * n + first - b);
+        float *td = t != NULL ? t + (row * n + first - b) : NULL;
+        memset(gd, 0, (last - first) * sizeof(float));
+        if (td != NULL)
+            memset(td, 0, (last - first) * sizeof(float));
+        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+            const char *src = (const char *)p->grad + (r->order[k] * n + first) * size;
+            j->kernels->slice_add(src, last - first, p->grad_dtype, sa, j->slice_factor, kind,
+                                  j->slice_term_k, gd, td);
+        }
+    }
+}
+
+/* Elements [lo, hi) of a variable whose gradient is sparse: a block at a
+ * time, its dense gradient (and term) gathered in cache, then the family's
+ * float32 kernel on the block as on a dense gradient already unscaled
+ * (clipped under LS_CLIP_GLOBAL, which clips the sums), then its average. */
+static void run_sparse(const optim_job *j, const ls_param *p, const sparse_rows *r, size_t lo,
+                       size_t hi, const ls_optim_args *a)
+{
+    const int global = a->clip == LS_CLIP_GLOBAL;
+    ls_optim_args sa = *a; /* each slice value's unscale and clip */
+    if (global)
+        sa.clip = LS_CLIP_NONE;
+    ls_optim_args ka = j->args[LS_FLOAT32]; /* the kernel's, on the sums */
+    ka.decay = a->decay;
+    ka.clip_scalar = a->clip_scalar;
+    ka.grad_mode = LS_GRAD_AS_IS;
+    ka.factor = 1.0f;
+    if (!global)
+        ka.clip = LS_CLIP_NONE;
+    const ls_optim_fn fn = j->kernels->fn[j->family][LS_FLOAT32];
+    float g[BLOCK], t[BLOCK];
+    float *const term = !global && j->slice_term != LS_SLICE_NO_TERM ? t : NULL;
+    for (size_t b = lo; b < hi; b += BLOCK) {
+        const size_t e = hi - b < BLOCK ? hi : b + BLOCK;
+        gather_rows(j, p, r, b, e, &sa, g, term);
+        ls_param view = *p;
+        view.var = p->var + b;
+        view.grad = g;
+        view.grad_dtype = LS_FLOAT32;
+        for (int s = 0; s < 3; s++)
+            view.slot[s] = p->slot[s] != NULL ? p->slot[s] + b : NULL;
+        view.length = e - b;
+        view.grad_term = term;
+        view.average = NULL;
+        view.indices = NULL;
+        fn(&view, 0, e - b, &ka);
+        if (p->average != NULL)
+            move_average(p, b, e, j->ema_momentum, j->ema_rest);
+    }
+}
+
+/* Elements [lo, hi) of an Adagrad variable (LS_OPTIM_ROW_FAMILIES) whose
+ * gradient is sparse, as Keras' update scatters it: every element's weight
+ * decay; then, for each row a slice names, the accumulator plus each
+ * slice's squares in their order (ResourceScatterAdd), and the variable
+ * minus each slice's (lr * g) / sqrt(accumulator + epsilon) in their order
+ * (ResourceScatterSub, the accumulator's new value); then the average. */
+static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r, size_t lo,
+                     size_t hi, const ls_optim_args *a)
+{
+    float *const var = p->var, *const acc = p->slot[0];
+    const size_t n = p->row_length;
+    const float eps = a->h[LS_ADAGRAD_EPSILON];
+    if (a->decay != LS_DECAY_NONE)
+        for (size_t k = lo; k < hi; k++)
+            var[k] = ls_optim_decay1(var[k], a);
+    for (size_t row = lo / n; row * n < hi; row++) {
+        const size_t first = row * n < lo ? lo - row * n : 0;
+        const size_t last = hi - row * n < n ? hi - row * n : n;
+        float *const vr = var + row * n, *const ar = acc + row * n;
+        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+            const size_t at = r->order[k] * n;
+            for (size_t c = first; c < last; c++) {
+                const float u = ls_optim_grad1(p, at + c, a);
+                ar[c] += u * u;
+            }
+        }
+        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+            const size_t at = r->order[k] * n;
+            for (size_t c = first; c < last; c++)
+                vr[c] -= (a->lr * ls_optim_grad1(p, at + c, a)) / sqrtf(ar[c] + eps);
+        }
+    }
+    if (p->average != NULL)
+        move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
+}
 
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
@@ -254,13 +510,17 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         ls_optim_args a = j->args[p->grad_dtype];
         a.decay = p->decay;
         a.clip_scalar = p->clip_scalar;
+        if (p->indices != NULL) {
+            (row_family(j->family) ? run_rows : run_sparse)(j, p, &j->rows[i], lo, hi, &a);
+            continue;
+        }
         const ls_optim_fn fn = j->kernels->fn[j->family][p->grad_dtype];
         if (p->average == NULL) {
             fn(p, lo, hi, &a);
             continue;
         }
-        for (size_t b = lo; b < hi; b += EMA_BLOCK) {
-            const size_t e = hi - b < EMA_BLOCK ? hi : b + EMA_BLOCK;
+        for (size_t b = lo; b < hi; b += BLOCK) {
+            const size_t e = hi - b < BLOCK ? hi : b + BLOCK;
             fn(p, b, e, &a);
             move_average(p, b, e, j->ema_momentum, j->ema_rest);
         }
@@ -274,12 +534,16 @@ static int job_range(const void *ctx, size_t begin, size_t end)
     return 1;
 }
 
-void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
-                  const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
+int ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                 const ls_optim_config *c, unsigned flags, size_t begin, size_t end)
 {
     optim_job j;
-    job_init(&j, k, params, count, c, flags);
+    const int rc = job_init(&j, k, params, count, c, flags);
+    if (rc != LS_OK)
+        return rc;
     job_run(&j, begin, end);
+    job_free(&j);
+    return 1;
 }
 
 static size_t total_length(const ls_param *params, size_t count)
@@ -316,8 +580,7 @@ int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_con
         return rc;
     if (begin > end || end > total_length(params, count))
         return LS_ERR_ARG;
-    ls_optim_run(k, params, count, config, flags, begin, end);
-    return 1;
+    return ls_optim_run(k, params, count, config, flags, begin, end);
 }
 
 int ls_optim_update_with(const ls_param *params, size_t count, const ls_optim_config *config,
@@ -328,9 +591,11 @@ int ls_optim_update_with(const ls_param *params, size_t count, const ls_optim_co
     if (k == NULL)
         return rc;
     optim_job job;
-    job_init(&job, k, params, count, config, flags);
+    if ((rc = job_init(&job, k, params, count, config, flags)) != LS_OK)
+        return rc;
     rc = (parallel ? parallel : ls_own_threads)(host, job_range, &job,
                                                 total_length(params, count));
+    job_free(&job);
     return rc < 0 ? rc : 1;
 }
 
@@ -348,15 +613,18 @@ int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *c
         size_t n = count - first < CHUNK ? count - first : CHUNK;
         for (size_t i = 0; i < n; i++) {
             const ls_param *p = &params[first + i];
-            grads[i] = (ls_buffer){p->grad, NULL, p->length, p->grad_dtype};
+            grads[i] = (ls_buffer){p->grad, NULL, grad_length(p), p->grad_dtype};
         }
         rc = ls_all_finite(grads, n, flags);
         if (rc != 1)
             return rc; /* 0: not finite, nothing written; < 0: error */
     }
     optim_job job;
-    job_init(&job, k, params, count, config, flags);
-    return ls_run_parallel(job_range, &job, total_length(params, count));
+    if ((rc = job_init(&job, k, params, count, config, flags)) != LS_OK)
+        return rc;
+    rc = ls_run_parallel(job_range, &job, total_length(params, count));
+    job_free(&job);
+    return rc;
 }
 
 #define LS_FITS(family)                                                                    \

@@ -142,6 +142,33 @@ static inline float ls_optim_sign(float a)
     return 0.0f < m ? copysignf(1.0f, a) : m;
 }
 
+/* A sparse gradient's (ls_param.indices) term of one slice value u, by the
+ * kind its family takes: none, u * u (Adam), |u| (Adamax), u * k (Lion's
+ * u * (1 - beta_2)). */
+enum { LS_SLICE_NO_TERM, LS_SLICE_SQUARE, LS_SLICE_ABS, LS_SLICE_SCALED };
+
+static inline float ls_optim_slice_term1(float u, int kind, float k)
+{
+    return kind == LS_SLICE_SQUARE ? u * u : kind == LS_SLICE_ABS ? fabsf(u) : u * k;
+}
+
+/* Element c of a slice stored at `src` in dt: unscaled and clipped by `a`
+ * (ls_optim_grad1's arithmetic), times `factor`, added to g[c], its term
+ * to t[c] (unless LS_SLICE_NO_TERM). */
+static inline void ls_optim_slice_add1(const void *src, size_t c, ls_dtype dt,
+                                       const ls_optim_args *a, float factor, int kind, float k,
+                                       float *g, float *t)
+{
+    const float u = ls_optim_clip1(ls_optim_unscale1(ls_optim_load_grad(src, c, dt), dt, a), a);
+    g[c] += u * factor;
+    if (kind != LS_SLICE_NO_TERM)
+        t[c] += ls_optim_slice_term1(u, kind, k);
+}
+
+/* ls_optim_slice_add1 over c in [0, n): one slice onto a row's sums. */
+typedef void (*ls_slice_fn)(const void *src, size_t n, ls_dtype dt, const ls_optim_args *a,
+                            float factor, int kind, float k, float *g, float *t);
+
 static inline float ls_optim_decay1(float w, const ls_optim_args *a)
 {
     if (a->decay == LS_DECAY_OP_BY_OP)
@@ -242,10 +269,12 @@ enum { LS_OPTIM_NUM_FAMILIES = 0 LS_OPTIM_FAMILIES(LS_OPTIM_ONE) };
 #undef LS_OPTIM_ONE
 
 /* A kernel set's fused optimizer kernels: by family id (the order of
- * LS_OPTIM_FAMILIES), then by gradient dtype (float64: NULL). */
+ * LS_OPTIM_FAMILIES), then by gradient dtype (float64: NULL); and its
+ * ls_slice_fn. */
 typedef struct ls_optim_kernels {
     const char *name;
     ls_optim_fn fn[LS_OPTIM_NUM_FAMILIES][LS_NUM_DTYPES];
+    ls_slice_fn slice_add; /* a sparse gradient's slices onto its row sums */
 } ls_optim_kernels;
 
 /* ls_optim_<set> of every set built here (kernel_sets.def's optim column;
@@ -257,9 +286,10 @@ typedef struct ls_optim_kernels {
 
 /* The optimizer kernels of a level (dispatch.c's table), NULL when this CPU
  * cannot run it; and a run of `k` over [begin, end) of validated arguments,
- * on the calling thread (the entry points and the fuzz target use it). */
+ * on the calling thread (the entry points and the fuzz target use it): 1,
+ * or LS_ERR_MEMORY with nothing written. */
 const ls_optim_kernels *ls_optim_kernels_at(int level);
-void ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
-                  const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
+int ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
+                 const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
 
 #endif /* LOSSSCALE_OPTIM_H */

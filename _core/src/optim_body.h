@@ -193,8 +193,35 @@ LS_INLINE void LS_FN(moments)(float *ms, float *vs, size_t i, LS_V g, LS_V gg, L
     LS_OPTIM_DEFINE_DTYPE(family, f32, LS_FLOAT32)
 LS_OPTIM_FAMILIES(LS_OPTIM_DEFINE)
 
+/* ls_optim_slice_add1 on LS_VW lanes; the tail, and float16/bfloat16
+ * slices under TensorFlow 2.4's rounded multiply, by the reference. */
+static void LS_KFN(slice_add)(const void *src, size_t n, ls_dtype dt, const ls_optim_args *a,
+                              float factor, int kind, float k, float *g, float *t)
+{
+    size_t c = 0;
+    if (a->grad_mode != LS_GRAD_MUL_ROUNDED || dt == LS_FLOAT32) {
+        const LS_V f = v_set1(a->factor), times = v_set1(factor), kv = v_set1(k),
+                   value = v_set1(a->clip_value), neg_value = v_set1(-a->clip_value),
+                   scalar = v_set1(a->clip_scalar);
+        for (; c + LS_VW <= n; c += LS_VW) {
+            const LS_V u = LS_FN(clip)(LS_FN(grad)(src, c, dt, a->grad_mode, f), a->clip, value,
+                                       neg_value, scalar);
+            v_store(g + c, v_add(v_load(g + c), v_mul(u, times)));
+            if (kind == LS_SLICE_NO_TERM)
+                continue;
+            const LS_V term = kind == LS_SLICE_SQUARE ? v_mul(u, u)
+                              : kind == LS_SLICE_ABS  ? v_abs(u)
+                                                      : v_mul(u, kv);
+            v_store(t + c, v_add(v_load(t + c), term));
+        }
+    }
+    for (; c < n; c++)
+        ls_optim_slice_add1(src, c, dt, a, factor, kind, k, g, t);
+}
+
 #define LS_OPTIM_ROW(family) {LS_KFN(family##_f16), LS_KFN(family##_bf16), LS_KFN(family##_f32), NULL},
 const ls_optim_kernels LS_CAT(ls_optim_, LS_SET) = {
     LS_SET_NAME,
     {LS_OPTIM_FAMILIES(LS_OPTIM_ROW)},
+    LS_KFN(slice_add),
 };

@@ -27,3 +27,13 @@
  * then summed per row, as Keras densifies them; each family_<name>.h says
  * which function). */
 #define LS_OPTIM_TERM_FAMILIES(X) X(adam) X(adamax) X(lion)
+
+/* The families a sparse gradient (ls_param.indices) may feed: their update
+ * of an element reads that element alone, so the core hands them the row
+ * sums a block at a time (optim.c's slice_term_of says how each term
+ * family's term is made of one slice value). */
+#define LS_OPTIM_SPARSE_FAMILIES(X) X(sgd) X(adam) X(adamax) X(lion)
+
+/* The families whose Keras update applies a sparse gradient row by row
+ * (scatters it) and that take one so (optim.c's run_rows): Adagrad. */
+#define LS_OPTIM_ROW_FAMILIES(X) X(adagrad)

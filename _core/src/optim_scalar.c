@@ -13,8 +13,16 @@
     }
 LS_OPTIM_FAMILIES(LS_SCALAR_DEFINE)
 
+static void slice_add_scalar(const void *src, size_t n, ls_dtype dt, const ls_optim_args *a,
+                             float factor, int kind, float k, float *g, float *t)
+{
+    for (size_t c = 0; c < n; c++)
+        ls_optim_slice_add1(src, c, dt, a, factor, kind, k, g, t);
+}
+
 #define LS_SCALAR_ROW(family) {family##_scalar, family##_scalar, family##_scalar, NULL},
 const ls_optim_kernels ls_optim_scalar = {
     "scalar",
     {LS_OPTIM_FAMILIES(LS_SCALAR_ROW)},
+    slice_add_scalar,
 };

@@ -49,6 +49,8 @@ inline tf::Status CoreError(int rc, const char* what) {
     switch (rc) {
     case LS_ERR_DTYPE:
         return tf::errors::InvalidArgument(what, ": unsupported dtype");
+    case LS_ERR_MEMORY:
+        return tf::errors::ResourceExhausted(what, ": out of memory");
     case LS_ERR_SIMD:
         return tf::errors::InvalidArgument(what, ": ", ls_simd_error());
     default:

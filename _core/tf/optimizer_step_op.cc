@@ -51,6 +51,13 @@ tf::Status ScalarShapes(InferenceContext* c) {
     const int ema_first = first + 3 + scalars + clip_scalars + terms + averages;
     for (int i = ema_first; i < ema_first + ema; ++i)
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+    int sparse = 0, factors = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr("num_sparse", &sparse));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_slice_factors", &factors));
+    for (int i = ema_first + ema; i < ema_first + ema + sparse; ++i)
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+    for (int i = ema_first + ema + sparse; i < ema_first + ema + sparse + factors; ++i)
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     return tf::OkStatus();
 }
 
@@ -67,6 +74,8 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("terms: num_terms * float")
     .Input("averages: num_averages * resource")
     .Input("ema: num_ema * float")
+    .Input("indices: num_sparse * int64")
+    .Input("slice_factor: num_slice_factors * float")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
@@ -81,6 +90,9 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Attr("num_clip_scalars: int >= 0 = 0")
     .Attr("num_averages: int >= 0 = 0")
     .Attr("num_ema: int >= 0 = 0")
+    .Attr("sparse: list(int) = []")
+    .Attr("num_sparse: int >= 0 = 0")
+    .Attr("num_slice_factors: int >= 0 = 0")
     .SetIsStateful()
     .SetShapeFn(ScalarShapes)
     .Doc(R"doc(
@@ -106,6 +118,18 @@ gradient's slices mapped, then summed per row, as Keras densifies them.
 1 - momentum): each variable's exponential moving average, moved right
 after the variable's update, average = momentum * average + (1 - momentum)
 * var, as Keras' use_ema moves it.
+
+`sparse` (ascending positions of variables, one `indices` each, then with
+one `slice_factor`): those variables' gradients are sparse (an
+IndexedSlices): their `grads` entry holds the slices, row indices[k] of the
+variable for slice k.  The update runs on the dense gradient Keras' ops make
+of them -- every slice value unscaled and (but under 'global') clipped, times
+`slice_factor`, each row's slices added in their order onto 0, the family's
+term summed the same way -- made a block at a time, never whole; under
+'global' the sums are clipped.  Only families whose update of an element
+reads that element alone take them (sgd, adam, adamax, lion), and adagrad,
+as Keras' update scatters them: each slice's squares onto its row of the
+accumulator, then each slice's step, in their order; other rows untouched.
 )doc");
 
 int ClipMode(const std::string& name) {
@@ -146,6 +170,22 @@ class FusedStepOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("clip", &clip));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_clip_scalars", &num_clip_scalars_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_averages", &num_averages_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("sparse", &sparse_));
+        int num_sparse = 0, factors = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_sparse", &num_sparse));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slice_factors", &factors));
+        OP_REQUIRES(ctx, static_cast<int>(sparse_.size()) == num_sparse &&
+                             factors == (num_sparse > 0 ? 1 : 0),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: sparse names ", sparse_.size(),
+                        " variables for ", num_sparse, " indices and ", factors,
+                        " slice factors (one when any)"));
+        for (size_t k = 0; k < sparse_.size(); ++k)
+            OP_REQUIRES(ctx, sparse_[k] >= 0 && sparse_[k] < num_variables_ &&
+                                 (k == 0 || sparse_[k] > sparse_[k - 1]),
+                        tf::errors::InvalidArgument(
+                            "LossScaleApplyOptimizer: sparse must name variables in "
+                            "ascending order, each once"));
         int ema = 0;
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_ema", &ema));
         OP_REQUIRES(ctx, (num_averages_ == 0 && ema == 0) ||
@@ -218,6 +258,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_terms_ = 0;
     int num_averages_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
+    std::vector<int> sparse_; // variables whose gradients are slices
     ls_optim_config config_;
 
     // Whether the step applies: `apply`, a scalar.
@@ -245,6 +286,10 @@ class FusedStepOp : public tf::OpKernel {
             config.ema_momentum = ScalarInput(ctx, averages_first + num_averages_);
             config.ema_rest = ScalarInput(ctx, averages_first + num_averages_ + 1);
         }
+        const int indices_first = averages_first + num_averages_ + (num_averages_ > 0 ? 2 : 0);
+        const int num_sparse = static_cast<int>(sparse_.size());
+        if (num_sparse > 0)
+            config.slice_factor = ScalarInput(ctx, indices_first + num_sparse);
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
@@ -256,8 +301,13 @@ class FusedStepOp : public tf::OpKernel {
 
         // Check everything before any write.
         std::vector<ls_param> params(n);
-        for (int i = 0; i < n; ++i) {
+        for (int i = 0, next_sparse = 0; i < n; ++i) {
             const tf::Tensor& g = ctx->input(grads_first + i);
+            const bool sparse = next_sparse < num_sparse && sparse_[next_sparse] == i;
+            const tf::Tensor* indices =
+                sparse ? &ctx->input(indices_first + next_sparse++) : nullptr;
+            // What the variable, its slots and average must be shaped as.
+            const tf::TensorShape shape = sparse ? vars.var(i)->tensor()->shape() : g.shape();
             ls_dtype dt;
             OP_REQUIRES(ctx, ToCoreDtype(g.dtype(), &dt) && dt != LS_FLOAT64,
                         tf::errors::InvalidArgument("gradient of ", NameOf(ctx, 1 + i),
@@ -280,15 +330,21 @@ class FusedStepOp : public tf::OpKernel {
                             tf::errors::InvalidArgument(type_string(), ": ", what,
                                                         " must be float32, got ",
                                                         tf::DataTypeString(value->dtype())));
-                OP_REQUIRES(ctx, value->shape() == g.shape(),
+                OP_REQUIRES(ctx, value->shape() == shape,
                             tf::errors::InvalidArgument(
                                 type_string(), ": ", what, " has shape ",
-                                value->shape().DebugString(), ", its gradient has shape ",
-                                g.shape().DebugString()));
+                                value->shape().DebugString(), ", its ",
+                                sparse ? "variable" : "gradient", " has shape ",
+                                shape.DebugString()));
             }
             params[i].grad = g.tensor_data().data();
             params[i].grad_dtype = dt;
-            params[i].length = static_cast<size_t>(g.NumElements());
+            params[i].length = static_cast<size_t>(shape.num_elements());
+            if (sparse) {
+                OP_REQUIRES_OK(ctx, CheckSlices(ctx, i, g, *indices, shape, &params[i]));
+                if (params[i].length == 0)
+                    params[i].indices = nullptr; // nothing to update
+            }
             params[i].decay = decay_[i];
             if (num_clip_scalars_ > 0)
                 params[i].clip_scalar = ScalarInput(
@@ -309,6 +365,13 @@ class FusedStepOp : public tf::OpKernel {
                     tf::errors::InvalidArgument(type_string(), ": ", why, " (learning rate ",
                                                 config.learning_rate, ", loss scale ",
                                                 config.scale, ")"));
+        if (num_sparse > 0) {
+            why = ls_optim_sparse_problem(&config);
+            OP_REQUIRES(ctx, why == nullptr,
+                        tf::errors::InvalidArgument(type_string(), ": sparse gradients: ", why,
+                                                    " (slice factor ", config.slice_factor,
+                                                    ")"));
+        }
 
         // Copy-on-write where a reader still holds a buffer; then point the
         // core at the buffers it may write.
@@ -325,6 +388,38 @@ class FusedStepOp : public tf::OpKernel {
         const int rc = ls_optim_update_with(params.data(), params.size(), &config,
                                             LS_FLUSH_DENORMALS, ParallelForOnPool, ctx);
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, type_string().c_str()));
+    }
+
+    // A sparse gradient's slices and indices against its variable's
+    // `shape`: one index per slice, each a row, each slice a row's shape.
+    tf::Status CheckSlices(tf::OpKernelContext* ctx, int i, const tf::Tensor& g,
+                           const tf::Tensor& indices, const tf::TensorShape& shape,
+                           ls_param* p) {
+        const std::string where = "the sparse gradient of " + NameOf(ctx, 1 + i);
+        if (shape.dims() < 1 || g.dims() != shape.dims())
+            return tf::errors::InvalidArgument(type_string(), ": ", where, " has slices of shape ",
+                                               g.shape().DebugString(), " for a variable of shape ",
+                                               shape.DebugString());
+        for (int d = 1; d < shape.dims(); ++d)
+            if (g.dim_size(d) != shape.dim_size(d))
+                return tf::errors::InvalidArgument(
+                    type_string(), ": ", where, " has slices of shape ", g.shape().DebugString(),
+                    " for rows of the variable of shape ", shape.DebugString());
+        if (indices.NumElements() != g.dim_size(0))
+            return tf::errors::InvalidArgument(type_string(), ": ", where, " has ",
+                                               indices.NumElements(), " indices for ",
+                                               g.dim_size(0), " slices");
+        const int64_t rows = shape.dim_size(0);
+        const auto index = indices.flat<int64_t>();
+        for (int64_t k = 0; k < index.size(); ++k)
+            if (index(k) < 0 || index(k) >= rows)
+                return tf::errors::InvalidArgument(type_string(), ": ", where, " has index ",
+                                                   index(k), ", outside [0, ", rows, ")");
+        static const int64_t no_slices = 0; // a valid address for zero slices
+        p->indices = index.size() > 0 ? index.data() : &no_slices;
+        p->slices = static_cast<size_t>(index.size());
+        p->row_length = rows > 0 ? static_cast<size_t>(shape.num_elements() / rows) : 1;
+        return tf::OkStatus();
     }
 
     static float* Floats(tf::Var* var) {
