@@ -3,20 +3,26 @@
  *
  * One input describes a list of variables (gradient dtype, weight-decay
  * form, length, raw bytes of the variable, gradient, slots and, for some,
- * a gradient term: ls_param.grad_term, and an EMA: ls_param.average) and a whole
- * configuration (optimizer, unscale mode, scale and every hyperparameter as
- * raw bits, so non-finite and out-of-range values come up).  Checked:
+ * a gradient term: ls_param.grad_term, an EMA: ls_param.average, and a
+ * sparse gradient: ls_param.indices) and a whole configuration (optimizer,
+ * unscale mode, scale and every hyperparameter as raw bits, so non-finite
+ * and out-of-range values come up).  Checked:
  *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
  *     results need only be NaN: a compiler may swap the operands of a
  *     commutative scalar operation, which picks the other NaN payload);
  *   - ls_optim_step: a configuration ls_optim_validate refuses, or a
  *     non-finite gradient, leaves every byte as it was; otherwise it
  *     equals the scalar set;
+ *   - ls_optim_validate takes a sparse gradient exactly when lossscale.h's
+ *     rules for one hold (read here apart from the core's check) and the
+ *     call, every gradient dense, would be taken; ls_optim_sparse_problem
+ *     finds none exactly when the configuration's part of them holds;
  *   - ls_optim_step_range over two parts equals one whole run, and so does
  *     ls_optim_update_with on a host parallel-for running them in reverse;
  *     a call either refuses, before the parallel-for runs, or updates;
- *   - no byte outside the buffers moves (guard bytes), gradients are never
- *     written, and the caller's floating-point control state comes back.
+ *   - no byte outside the buffers moves (guard bytes), gradients and
+ *     indices are never written, and the caller's floating-point control
+ *     state comes back.
  *
  * Input layout (a short input reads as if padded with zeros):
  *   0      bit 0 LS_FLUSH_DENORMALS, bits 1-3 the family's low three bits
@@ -27,9 +33,10 @@
  *   1..8   scale (double)
  *   9..16  learning rate, weight decay (float each)
  *   17..64 the family's numbers (LS_OPTIM_MAX_HYPER floats; those past its
- *          count are ignored), in family_<name>.h's order; the last two
- *          (57..64, past every family's count) are also the EMA's
- *          momentum and rest
+ *          count are ignored), in family_<name>.h's order; 49..52, past
+ *          every family's count (FITS below), are also the slice factor
+ *          (raw bits 0 read as 1, most families' factor), and the last two
+ *          (57..64) the EMA's momentum and rest
  *   65     variables: 1 + (byte & 127) % 3; bit 7: the family's fourth bit
  *          (the corpus was rewritten when it was added, and again when the
  *          clip fields were: each input kept its meaning, the unknown family
@@ -41,10 +48,18 @@
  *          bfloat16, float32, float64 — refused; bit 2: the gradient's
  *          term is given, refused but for a family that takes one
  *          under LS_UNSCALE_NONE; bit 3: the variable has an average,
- *          which inputs written before it was added may set too), decay
- *          (byte % 4; 3 is refused),
- *          length (u16 % 1500), clip scalar (float)
- *   then the content, handed out to the buffers in order and repeated.
+ *          which inputs written before it was added may set too; bit 4:
+ *          the gradient is sparse, which they may set too; bits 5-7: the
+ *          row length less 1), decay (byte % 4; 3 is refused; bits 2-6:
+ *          the slices; bit 7: the length is not rounded down to a multiple
+ *          of the row length, or with a row length of 1, which every
+ *          length is a multiple of, the indices start 4 bytes off their
+ *          alignment), length (u16 % 1500), clip scalar (float); a dense
+ *          gradient's slices and row length are set too, to be ignored
+ *   then the content, handed out to the buffers in order and repeated; an
+ *   index is its 8 bytes as a u64 modulo the rows + 1 (the last value one
+ *   row too far), or when its top byte is 0xFF or 0x7F the raw value
+ *   (negative, or far past the rows).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -62,7 +77,13 @@
 #define HAVE_MXCSR 1
 #endif
 
-enum { MAX_VARS = 3, NBUF = 7, TERM = 5, AVERAGE = 6, GUARD = 0xA5, PAD = 64 };
+enum { MAX_VARS = 3, NBUF = 8, TERM = 5, AVERAGE = 6, INDICES = 7, GUARD = 0xA5, PAD = 64 };
+
+/* The slice factor's bytes (49..52) lie past every family's numbers. */
+#define FITS(family)                                                                       \
+    _Static_assert(ls_##family##_hyper_count <= 8, #family " reads the slice factor's bytes");
+LS_OPTIM_FAMILIES(FITS)
+#undef FITS
 
 typedef struct fuzz_input {
     const uint8_t *data;
@@ -80,11 +101,14 @@ static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
 /* One list of buffers with guard bytes around each. */
 typedef struct arena {
     ls_param params[MAX_VARS];
-    /* var, grad, 3 slots, term, average: PAD guard + data + PAD guard */
+    /* var, grad, 3 slots, term, average, indices: PAD guard + data + PAD
+     * guard */
     uint8_t *blocks[MAX_VARS][NBUF];
     size_t bytes[MAX_VARS][NBUF];
     int terms[MAX_VARS];
     int averages[MAX_VARS];
+    int sparse[MAX_VARS];
+    size_t skew[MAX_VARS]; /* the indices' offset in their buffer: 0, or 4 (misaligned) */
     size_t count;
 } arena;
 
@@ -122,6 +146,21 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
             p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
         p->grad_term = a->terms[i] ? (const float *)(void *)(a->blocks[i][TERM] + PAD) : NULL;
         p->average = a->averages[i] ? (float *)(void *)(a->blocks[i][AVERAGE] + PAD) : NULL;
+        p->indices = NULL;
+        if (!a->sparse[i])
+            continue;
+        /* the raw words made indices, most of them rows */
+        uint8_t *words = a->blocks[i][INDICES] + PAD + a->skew[i];
+        const uint64_t rows = p->length / p->row_length;
+        for (size_t k = 0; k < p->slices; k++) {
+            uint64_t raw;
+            memcpy(&raw, words + 8 * k, 8);
+            if (raw >> 56 != 0xFF && raw >> 56 != 0x7F) {
+                raw %= rows + 1;
+                memcpy(words + 8 * k, &raw, 8);
+            }
+        }
+        p->indices = (const int64_t *)(void *)words;
     }
 }
 
@@ -150,7 +189,7 @@ static int same_results(const arena *x, const arena *y)
             const uint8_t *p = x->blocks[i][b], *q = y->blocks[i][b];
             if (memcmp(p, q, x->bytes[i][b] + 2 * PAD) == 0)
                 continue;
-            if (b == 1 || b == TERM) /* only read */
+            if (b == 1 || b == TERM || b == INDICES) /* only read */
                 return 0;
             for (size_t k = 0; k < x->bytes[i][b]; k += 4) {
                 float u = ls_load_f32(p + PAD + k), v = ls_load_f32(q + PAD + k);
@@ -174,18 +213,69 @@ static int identical(const arena *x, const arena *y)
     return 1;
 }
 
-/* Every gradient element finite, read one at a time. */
+/* Every gradient element finite, read one at a time (a sparse gradient's
+ * slices: what it stores). */
 static int gradients_finite(const arena *a)
 {
     for (size_t i = 0; i < a->count; i++) {
         const ls_param *p = &a->params[i];
         if (p->grad_dtype == LS_FLOAT64)
             continue;
-        for (size_t k = 0; k < p->length; k++)
+        const size_t n = p->indices != NULL ? p->slices * p->row_length : p->length;
+        for (size_t k = 0; k < n; k++)
             if (!isfinite(ls_optim_load_grad(p->grad, k, p->grad_dtype)))
                 return 0;
     }
     return 1;
+}
+
+/* lossscale.h's rules for a configuration that takes sparse gradients
+ * (ls_param.indices), apart from the core's ls_optim_sparse_problem: the
+ * family takes one, a finite slice factor, 1 under LS_CLIP_GLOBAL;
+ * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form. */
+static int sparse_config_ok(const ls_optim_config *c)
+{
+    if (!ls_optim_takes_sparse(c->family) || !isfinite(c->slice_factor) ||
+        (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f))
+        return 0;
+    return c->family != ls_optim_family("adagrad") ||
+           (c->clip != LS_CLIP_GLOBAL && c->slice_factor == 1.0f &&
+            c->hyper[LS_ADAGRAD_RSQRT] == 0.0f);
+}
+
+/* The rules for every sparse gradient of a call, apart from the core's
+ * check_sparse: the configuration's, no term, whole rows, 8-byte aligned
+ * indices, every index a row. */
+static int sparse_rules_hold(const arena *a, const ls_optim_config *c)
+{
+    for (size_t i = 0; i < a->count; i++) {
+        const ls_param *p = &a->params[i];
+        if (p->indices == NULL)
+            continue;
+        if (!sparse_config_ok(c) || p->grad_term != NULL || p->row_length == 0 ||
+            p->length % p->row_length != 0 || (uintptr_t)p->indices % 8 != 0)
+            return 0;
+        for (size_t k = 0; k < p->slices; k++) {
+            int64_t index;
+            memcpy(&index, (const uint8_t *)p->indices + 8 * k, 8);
+            if (index < 0 || (uint64_t)index >= p->length / p->row_length)
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* Whether the call validates with every gradient taken as dense (`length`
+ * elements from `grad`: only checked, never read, so it may claim more
+ * bytes than a sparse one's buffer holds, and then overlap another and be
+ * refused; only its taking is a claim). */
+static int valid_as_dense(const arena *a, const ls_optim_config *c)
+{
+    ls_param dense[MAX_VARS];
+    memcpy(dense, a->params, sizeof dense);
+    for (size_t i = 0; i < a->count; i++)
+        dense[i].indices = NULL;
+    return ls_optim_validate(dense, a->count, c) == LS_OK;
 }
 
 static unsigned read_csr(void)
@@ -233,6 +323,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     read_bytes(&in, 68, &c.clip_value, 4);
     read_bytes(&in, 57, &c.ema_momentum, 4);
     read_bytes(&in, 61, &c.ema_rest, 4);
+    uint32_t factor_bits;
+    read_bytes(&in, 49, &factor_bits, 4);
+    memcpy(&c.slice_factor, &factor_bits, 4);
+    if (factor_bits == 0) /* most families' factor, and a short input's */
+        c.slice_factor = 1.0f;
     const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
 
     arena layout;
@@ -241,19 +336,29 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t at = 72, total = 0;
     for (size_t i = 0; i < layout.count; i++, at += 8) {
         ls_param *p = &layout.params[i];
-        p->grad_dtype = (ls_dtype)(byte_at(&in, at) % 4);
-        layout.terms[i] = (byte_at(&in, at) >> 2) & 1;
-        layout.averages[i] = (byte_at(&in, at) >> 3) & 1;
-        p->decay = byte_at(&in, at + 1) % 4;
+        const uint8_t form = byte_at(&in, at), decay = byte_at(&in, at + 1);
+        p->grad_dtype = (ls_dtype)(form % 4);
+        layout.terms[i] = (form >> 2) & 1;
+        layout.averages[i] = (form >> 3) & 1;
+        layout.sparse[i] = (form >> 4) & 1;
+        p->row_length = 1 + (form >> 5);
+        p->slices = (decay >> 2) & 31;
+        p->decay = decay % 4;
         p->length = (byte_at(&in, at + 2) | (size_t)byte_at(&in, at + 3) << 8) % 1500;
         read_bytes(&in, at + 4, &p->clip_scalar, 4);
+        if (layout.sparse[i] && !(decay & 128))
+            p->length -= p->length % p->row_length;
+        else if (layout.sparse[i] && p->row_length == 1)
+            layout.skew[i] = 4;
         total += p->length;
+        const size_t grads = layout.sparse[i] ? p->slices * p->row_length : p->length;
         layout.bytes[i][0] = p->length * 4;
-        layout.bytes[i][1] = p->length * ls_dtype_size(p->grad_dtype);
+        layout.bytes[i][1] = grads * ls_dtype_size(p->grad_dtype);
         for (int s = 0; s < 3; s++)
             layout.bytes[i][2 + s] = p->length * 4;
         layout.bytes[i][TERM] = layout.terms[i] ? p->length * 4 : 0;
         layout.bytes[i][AVERAGE] = layout.averages[i] ? p->length * 4 : 0;
+        layout.bytes[i][INDICES] = layout.sparse[i] ? p->slices * 8 + layout.skew[i] : 0;
     }
     const size_t cut = byte_at(&in, 66) * total / 255;
 
@@ -268,8 +373,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     arena_fill(&before, &layout, &in, at);
     arena_fill(&ref, &layout, &in, at);
     const int valid = ls_optim_validate(before.params, before.count, &c) == LS_OK;
+    if (valid && !sparse_rules_hold(&before, &c))
+        fail("ls_optim_validate took a sparse gradient its rules refuse");
+    if (!valid && sparse_rules_hold(&before, &c) && valid_as_dense(&before, &c))
+        fail("ls_optim_validate refused a sparse gradient its rules take");
+    if ((ls_optim_sparse_problem(&c) == NULL) !=
+        (ls_optim_config_check(&c, NULL) == LS_OK && sparse_config_ok(&c)))
+        fail("ls_optim_sparse_problem disagrees with the rules");
     if (valid) {
-        ls_optim_run(&ls_optim_scalar, ref.params, ref.count, &c, flags, 0, total);
+        if (ls_optim_run(&ls_optim_scalar, ref.params, ref.count, &c, flags, 0, total) != 1)
+            fail("the scalar set refused a valid call");
         check_guards(&ref);
         /* every kernel set this CPU runs */
         for (int level = 0; level < ls_simd_count(); level++) {
@@ -277,7 +390,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (k == NULL || k == &ls_optim_scalar)
                 continue;
             arena_fill(&got, &layout, &in, at);
-            ls_optim_run(k, got.params, got.count, &c, flags, 0, total);
+            if (ls_optim_run(k, got.params, got.count, &c, flags, 0, total) != 1)
+                fail("a kernel set refused a valid call");
             check_guards(&got);
             if (!same_results(&got, &ref))
                 fail("a kernel set differs from the scalar set");
