@@ -128,8 +128,6 @@ static int disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
     return x + abytes <= y || y + bbytes <= x;
 }
 
-/* A sparse gradient's own checks (ls_param.indices): its shape, the family,
- * every index a row. */
 const char *ls_optim_sparse_problem(const ls_optim_config *c)
 {
     const char *problem = config_problem(c);
@@ -149,6 +147,8 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
     return NULL;
 }
 
+/* A sparse gradient's own checks (ls_param.indices): the configuration's
+ * part, no term beside it, whole rows, aligned indices, each a row. */
 static int check_sparse(const ls_param *p, const ls_optim_config *c)
 {
     if (ls_optim_sparse_problem(c) != NULL || p->grad_term != NULL)
