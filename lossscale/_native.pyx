@@ -743,7 +743,9 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     per index): the update runs on the dense gradient TensorFlow's
     IndexedSlices conversion makes of them, each slice value unscaled and
     (but under ``"global"``) clipped, times ``slice_factor`` (default 1),
-    a row's slices added in order onto 0, the family's term summed alike."""
+    a row's slices added in order onto 0, the family's term summed alike;
+    Adagrad's as Keras' update scatters them (each slice's squares onto
+    its row of the accumulator, then each slice's step, in order)."""
     cdef ls_optim_config c
     cdef int f, i, want
     cdef const char *problem
