@@ -1321,21 +1321,25 @@ def _step_reason(family, inner, grads, variables):
 #                    f = c * minimum(1 / n, 1 / c) + (n - n);  u' = u * f
 #
 # The native op applies each u' in its one pass (ls_clip_mode), so what is
-# left here is the norms, whose reduction order is Eigen's: they are
-# computed with TensorFlow's own ops, on values that make the same sums.
+# left here is the norms, whose reduction order is Eigen's.  For float32
+# gradients (Keras' mixed precision hands the optimizer float32 ones) the
+# LossScaleSquaredNorms op makes them in one read of each gradient, adding
+# the squares in the order of TensorFlow's Sum kernel on this device
+# (lossscale.h, ls_squared_norms_with), a sparse gradient's as the sum of
+# its densified squares without making them; ``_native_norms_agree`` checks
+# that order against TensorFlow's own ops once per process.  The others'
+# norms are TensorFlow's own ops, on values that make the same sums.
 #
 # Passes: two over the gradients, the norm's read and the fused update's,
 # with the finite check folded into the first (Plan.check_finite: only a
-# non-finite sum runs the read-only check).  The norm is TensorFlow's op
-# chain per gradient, run as soon as the gradient is made: a float32 copy
-# (float16's scaled way: a Cast; the stock way: a Div, after a Cast for
-# 16-bit gradients), Square writing another, Sum reading it; per element,
-# the gradient read once (2 or 4 bytes) and 16 bytes of float32
-# temporaries written and read (24 for a 16-bit gradient the stock way),
-# which for a tensor that fits the cache stay in it.  The update then
-# reads the gradient once more with its variable and slots and writes
-# those, as without a clip.  clipvalue takes no norm: the read-only check,
-# then the update, as without a clip.
+# non-finite sum runs the read-only check).  Stock's op chain per gradient
+# (and ours where the op does not serve) writes a float32 copy (a Div,
+# after a Cast for 16-bit gradients), Square writes another, Sum reads it:
+# per element, the gradient read once and 16 bytes of float32 temporaries
+# written and read, besides a sparse gradient's dense copy under
+# global_clipnorm.  The update then reads the gradient once more with its
+# variable and slots and writes those, as without a clip.  clipvalue takes
+# no norm: the read-only check, then the update, as without a clip.
 #
 # On which values: stock squares ``u``; squaring the scaled float32 values
 # instead saves the division, and for a power-of-two scale every square and
@@ -1417,7 +1421,12 @@ def _squared_norms(grads, scale, unscale, variables=None, mode="global"):
         return tf.reduce_sum(tf.square(_unscaled_like_stock(g, scale, unscale)))
 
     sums = [None] * len(grads)
+    native = _native_squared_norms(grads, scale, unscale, variables, mode)
+    for i, s in native.items():
+        sums[i] = s
     for i, g in enumerate(grads):
+        if sums[i] is not None:
+            continue
         if isinstance(g, tf.IndexedSlices):
             unscaled = _unscaled_slices(g, variables and variables[i], scale, unscale)
             sums[i] = (tf.reduce_sum(_densify(_map_values(tf.square, unscaled)))
@@ -1437,6 +1446,86 @@ def _squared_norms(grads, scale, unscale, variables=None, mode="global"):
         for i, s in zip(halves, taken):
             sums[i] = s
     return sums
+
+
+def _native_rows(g, variable):
+    """The row count of the variable a sparse gradient belongs to, when
+    tracing knows it, else None."""
+    dense_shape = tf.get_static_value(g.dense_shape) if g.dense_shape is not None else None
+    if dense_shape is not None and len(dense_shape) > 0:
+        return int(dense_shape[0])
+    if variable is not None and len(variable.shape) > 0 and variable.shape[0] is not None:
+        return int(variable.shape[0])
+    return None
+
+
+def _native_squared_norms(grads, scale, unscale, variables, mode):
+    """``{position: sum}`` for the float32 gradients whose sums the native
+    op takes (LossScaleSquaredNorms: the stock sums' bits, in one read of
+    each gradient; a sparse one under ``"global"`` summed as its densified
+    squares without making them), empty when the op library is not loaded
+    or its order is not this TensorFlow's (``_native_norms_agree``)."""
+    library = native_ops.native_library_for([])
+    if library is None or not _native_norms_agree(library):
+        return {}
+    taken, values, indices, sparse, rows, names = [], [], [], [], [], []
+    for i, g in enumerate(grads):
+        variable = variables[i] if variables else None
+        dense = g.values if isinstance(g, tf.IndexedSlices) else g
+        if g is None or tf.as_dtype(dense.dtype) != tf.float32:
+            continue
+        if isinstance(g, tf.IndexedSlices) and mode == "global":
+            count = _native_rows(g, variable)
+            if count is None:
+                continue
+            sparse.append(len(taken))
+            indices.append(tf.cast(g.indices, tf.int64))
+            rows.append(count)
+        taken.append(i)
+        values.append(dense)
+        names.append(getattr(variable, "path", None) or getattr(variable, "name", f"#{i}"))
+    if not taken:
+        return {}
+    scale = tf.constant(1.0, tf.float32) if scale is None else tf.cast(scale, tf.float32)
+    out = library.loss_scale_squared_norms(values, indices, scale, sparse=sparse, rows=rows,
+                                           names=[str(n) for n in names], unscale=unscale)
+    return dict(zip(taken, out))
+
+
+_NORMS_AGREE = {}
+
+
+def _native_norms_agree(library):
+    """Whether the native sums of squares are TensorFlow's own here: once
+    per process, eagerly, the op against TensorFlow's Square and Sum (and
+    the densify of a sparse gradient) on sizes that take each part of the
+    order: a short tail, one leaf, a tree, two shards.  (The order is that
+    of TensorFlow's x86 builds; a build that sums in another keeps the
+    stock ops.)"""
+    if "agree" not in _NORMS_AGREE:
+        with tf.init_scope(), tf.device("/cpu:0"):
+            rng = np.random.default_rng(7)
+            scale = tf.constant(3.0, tf.float32)
+            agree = True
+            for n in (13, 8195, 70001, 300007):
+                g = tf.constant(rng.standard_normal(n).astype(np.float32))
+                want = tf.reduce_sum(tf.square(tf.math.divide(g, scale)))
+                got = library.loss_scale_squared_norms([g], [], scale, unscale="divide")[0]
+                agree = agree and bool(tf.equal(tf.bitcast(want, tf.int32),
+                                                tf.bitcast(got, tf.int32)))
+            rows, width = 900, 384
+            index = rng.integers(0, rows, 500)
+            values = tf.constant(rng.standard_normal((500, width)).astype(np.float32))
+            slices = tf.IndexedSlices(tf.square(values), tf.constant(index),
+                                      tf.constant([rows, width], tf.int64))
+            want = tf.reduce_sum(tf.convert_to_tensor(slices))
+            got = library.loss_scale_squared_norms([values], [tf.constant(index, tf.int64)],
+                                                   tf.constant(1.0), sparse=[0], rows=[rows],
+                                                   unscale="none")[0]
+            agree = agree and bool(tf.equal(tf.bitcast(want, tf.int32),
+                                            tf.bitcast(got, tf.int32)))
+        _NORMS_AGREE["agree"] = agree
+    return _NORMS_AGREE["agree"]
 
 
 def _clip_by_norm_divisor(l2sum, clipnorm):

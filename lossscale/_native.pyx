@@ -128,6 +128,20 @@ cdef extern from "lossscale.h" nogil:
     int ls_optim_step(const ls_param *params, size_t count, const ls_optim_config *config,
                       unsigned flags)
 
+    ctypedef struct ls_norm_param:
+        const float *values
+        size_t length
+        const int64_t *indices
+        size_t slices
+        size_t row_length
+        size_t rows
+
+    ctypedef int (*ls_parallel_fn)(void *host, void *range, const void *ctx, size_t total)
+    int ls_squared_norms_with(const ls_norm_param *params, size_t count, int unscale,
+                              double scale, int eigen_threads, unsigned flags, float *sums,
+                              ls_parallel_fn parallel, void *host)
+    long long ls_norm_bad_index(const ls_norm_param *param)
+
 
 def _dtype_codes():
     import ml_dtypes
@@ -802,3 +816,86 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0, terms, averages,
                            indices))
+
+
+def squared_norms(values, *, indices=None, rows=None, scale=None, unscale="divide",
+                  int eigen_threads=2, bint flush_denormals=False):
+    """TensorFlow's ``reduce_sum(square(u))`` of each float32 array in
+    ``values`` (``u`` unscaled: divided by ``scale``, ``unscale="divide"``,
+    or times its float32 reciprocal, ``"multiply"``; as it is when ``scale``
+    is None), the squares added in the order of TensorFlow's Sum kernel on
+    a CPU device of ``eigen_threads`` threads (``lossscale.h``,
+    ``ls_squared_norms_with``), as a float32 array.
+
+    ``indices``: None, or one entry per array, None for a dense one or the
+    int64 rows of a sparse one's slices (its array ``(slices, row_length)``);
+    its sum is that of the densified squares (Keras'
+    ``ops.sum(ops.square(slices))``) of a variable of ``rows[i]`` rows.
+    Nothing is changed.  Subnormals are flushed as TensorFlow's kernels
+    flush them with ``flush_denormals``."""
+    what = "squared_norms"
+    arrays = _param_list(values, what, "values", len(values)
+                         if isinstance(values, (list, tuple)) else -1)
+    cdef Py_ssize_t n = len(arrays), i
+    if indices is None:
+        indices = [None] * n
+    indices = _param_list(indices, what, "indices", n, allow_none=True)
+    if rows is None:
+        rows = [None] * n
+    if not isinstance(rows, (list, tuple)) or len(rows) != n:
+        raise ValueError(f"{what}: rows must be a list of {n} entries")
+    cdef int mode = LS_UNSCALE_NONE
+    cdef double s = 1.0
+    if scale is not None:
+        if unscale not in _UNSCALE_MODES:
+            raise ValueError(f"{what}: unscale must be one of {sorted(_UNSCALE_MODES)}, got "
+                             f"{unscale!r}")
+        mode = _UNSCALE_MODES[unscale]
+        s = _real(scale, what, "scale", positive=True)
+    if eigen_threads < 1:
+        raise ValueError(f"{what}: eigen_threads must be >= 1, got {eigen_threads}")
+    cdef ls_norm_param *params = <ls_norm_param *>malloc((n if n else 1) * sizeof(ls_norm_param))
+    if params == NULL:
+        raise MemoryError(what)
+    cdef cnp.ndarray a, index
+    cdef cnp.ndarray out = np.zeros(n, np.float32)
+    cdef int rc
+    cdef long long bad
+    keep = []
+    try:
+        for i in range(n):
+            a = <cnp.ndarray>arrays[i]
+            if a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise TypeError(f"{what}: values[{i}] must be a C-contiguous float32 array, "
+                                f"got {a.dtype}")
+            memset(&params[i], 0, sizeof(ls_norm_param))
+            params[i].values = <const float *>cnp.PyArray_DATA(a)
+            params[i].length = a.size
+            if indices[i] is None:
+                continue
+            index = <cnp.ndarray>indices[i]
+            if index.dtype != np.int64 or index.ndim != 1 or not index.flags.c_contiguous:
+                raise TypeError(f"{what}: indices[{i}] must be a 1-D C-contiguous int64 array")
+            if a.ndim != 2 or a.shape[0] != index.shape[0]:
+                raise ValueError(f"{what}: values[{i}] must be (slices, row_length) with one "
+                                 f"slice per index, got {(<object>a).shape} for "
+                                 f"{len(index)} indices")
+            if rows[i] is None or int(rows[i]) < 0:
+                raise ValueError(f"{what}: rows[{i}] must be the variable's row count")
+            params[i].indices = <const int64_t *>cnp.PyArray_DATA(index)
+            params[i].slices = a.shape[0]
+            params[i].row_length = a.shape[1]
+            params[i].rows = int(rows[i])
+            bad = ls_norm_bad_index(&params[i])
+            if bad >= 0:
+                raise ValueError(f"{what}: indices[{i}][{bad}] = {int(index[bad])} is outside "
+                                 f"[0, {int(rows[i])})")
+            keep.append(index)
+        with nogil:
+            rc = ls_squared_norms_with(params, n, mode, s, eigen_threads,
+                                       LS_FLUSH_DENORMALS if flush_denormals else 0,
+                                       <float *>cnp.PyArray_DATA(out), NULL, NULL)
+        _check_status(rc)
+    finally:
+        free(params)
+    return out

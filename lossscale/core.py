@@ -19,12 +19,13 @@ from lossscale._native import (  # noqa: F401
     simd_best,
     simd_level,
     simd_levels,
+    squared_norms,
     unscale_,
 )
 
 __all__ = ["all_finite", "unscale_", "simd_level", "simd_best", "simd_levels",
            "set_num_threads", "get_num_threads", "round_to_dtype", "sgd_step_", "adam_step_",
-           "optimizer_step_", "optimizer_families"]
+           "optimizer_step_", "optimizer_families", "squared_norms"]
 
 _INT_MAX = 2**31 - 1
 

@@ -438,6 +438,59 @@ int ls_optim_update_with(const ls_param *params, size_t count, const ls_optim_co
 int ls_optim_step_range(const ls_param *params, size_t count, const ls_optim_config *config,
                         unsigned flags, size_t begin, size_t end);
 
+/* ------------------------------------------ TensorFlow's sums of squares
+ *
+ * What Keras' clipnorm and global_clipnorm take of a gradient,
+ * reduce_sum(square(u)) with TensorFlow's ops on CPU, u the gradient
+ * unscaled: the squares summed in the order of TensorFlow's Sum kernel,
+ * Eigen's full reduction on a device of `eigen_threads` threads.  That
+ * order is fixed by the element count alone: the values are cut into
+ * `threads` equal shards (TensorFlow's cost model picks how many: one
+ * below about 258,000 values at two), the rest a last one; each is
+ * summed as a tree, halves split on 8-value packets down to leaves of at
+ * most 8,192 values; a leaf adds its packets into four accumulators of 8
+ * lanes (then one), its last values one by one, and its lanes pairwise;
+ * the shards are added to the rest in order.  8 lanes are the AVX packets
+ * of TensorFlow's x86 builds (other builds: check against tf.reduce_sum
+ * before relying on it).  Each value is computed as TensorFlow's ops do:
+ * u = the float32 value, divided by `scale` (LS_UNSCALE_DIVIDE), times
+ * ls_reciprocal_f32(scale) (LS_UNSCALE_MULTIPLY) or as it is, then u * u;
+ * LS_FLUSH_DENORMALS flushes subnormals as TensorFlow's CPU kernels do.
+ */
+
+/* One gradient.  Dense (indices NULL): `length` float32 values.  Sparse:
+ * `slices` slices of `row_length` values in `values` (length = slices *
+ * row_length), slice k of row indices[k] of a rows x row_length variable;
+ * its sum is that of the dense squares Keras' ops.sum(ops.square(slices))
+ * makes: each value squared, a row's squares added in their order onto 0
+ * (UnsortedSegmentSum), rows no slice names 0, then the rows x row_length
+ * values summed as above.  The dense form is never made: a leaf no slice
+ * touches adds 0, the others are made one at a time in cache.  (A sum of
+ * the slices' own values, as tf.clip_by_norm takes it, is the dense case
+ * over `values`.) */
+typedef struct ls_norm_param {
+    const float *values;
+    size_t length;
+    const int64_t *indices;
+    size_t slices;
+    size_t row_length;
+    size_t rows;
+} ls_norm_param;
+
+/* sums[i]: params[i]'s sum of squares.  LS_OK, or an ls_status with
+ * nothing written (LS_ERR_ARG: a NULL buffer, a length that does not
+ * match, an index outside [0, rows), eigen_threads < 1, an unknown
+ * unscale, a MULTIPLY scale that is not finite and > 0).  The leaves are
+ * summed over `parallel` (NULL: the library's threads), then combined in
+ * order on the calling thread. */
+int ls_squared_norms_with(const ls_norm_param *params, size_t count, int unscale, double scale,
+                          int eigen_threads, unsigned flags, float *sums,
+                          ls_parallel_fn parallel, void *host);
+
+/* Which index of params[i] is outside [0, rows), for messages: the first
+ * bad slice k, or -1 when all are in range. */
+long long ls_norm_bad_index(const ls_norm_param *param);
+
 #ifdef __cplusplus
 }
 #endif

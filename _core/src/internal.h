@@ -5,6 +5,8 @@
 #define LOSSSCALE_INTERNAL_H
 
 #include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include "kernels.h"
 
@@ -59,5 +61,12 @@ int ls_own_threads(void *host, ls_range_fn range, const void *ctx, size_t total)
  * threads); assumes validated arguments. */
 int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
                  const double *inv, unsigned flags, ls_parallel_fn parallel, void *host);
+
+/* optim.c: a sparse gradient's slices grouped by row, a stable counting
+ * sort: row r's slices are order[start[r] .. start[r + 1]), in their order
+ * (`start` has rows + 1 entries, `order` slices; every index in
+ * [0, rows)). */
+void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *start,
+                  size_t *order);
 
 #endif /* LOSSSCALE_INTERNAL_H */

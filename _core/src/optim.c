@@ -343,18 +343,7 @@ static int group_rows(optim_job *j)
         r->start = next;
         r->order = next + rows + 1;
         next += rows + 1 + p->slices;
-        memset(r->start, 0, (rows + 1) * sizeof(size_t));
-        for (size_t k = 0; k < p->slices; k++)
-            r->start[(size_t)p->indices[k] + 1]++;
-        for (size_t row = 0; row < rows; row++)
-            r->start[row + 1] += r->start[row];
-        /* Each slice at its row's next place (start[row] moves past it),
-         * then every start back one row. */
-        for (size_t k = 0; k < p->slices; k++)
-            r->order[r->start[(size_t)p->indices[k]]++] = k;
-        for (size_t row = rows; row > 0; row--)
-            r->start[row] = r->start[row - 1];
-        r->start[0] = 0;
+        ls_sort_rows(p->indices, p->slices, rows, r->start, r->order);
     }
     return LS_OK;
 }
@@ -376,6 +365,23 @@ static int job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *par
 }
 
 static void job_free(optim_job *j) { free(j->rows); }
+
+void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *start,
+                  size_t *order)
+{
+    memset(start, 0, (rows + 1) * sizeof(size_t));
+    for (size_t k = 0; k < slices; k++)
+        start[(size_t)indices[k] + 1]++;
+    for (size_t row = 0; row < rows; row++)
+        start[row + 1] += start[row];
+    /* Each slice at its row's next place (start[row] moves past it), then
+     * every start back one row. */
+    for (size_t k = 0; k < slices; k++)
+        order[start[(size_t)indices[k]]++] = k;
+    for (size_t row = rows; row > 0; row--)
+        start[row] = start[row - 1];
+    start[0] = 0;
+}
 
 /* Elements [lo, hi) of a variable's EMA moved toward the variable as Keras
  * moves it: momentum * average + rest * var, each product rounded, then

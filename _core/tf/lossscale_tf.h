@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -56,6 +57,15 @@ inline tf::Status CoreError(int rc, const char* what) {
     default:
         return tf::errors::InvalidArgument(what, ": invalid argument (core status ", rc, ")");
     }
+}
+
+// An op's `unscale` attr ('none', 'divide', 'multiply') as ls_unscale_mode.
+inline int UnscaleMode(const std::string& name) {
+    if (name == "divide")
+        return LS_UNSCALE_DIVIDE;
+    if (name == "multiply")
+        return LS_UNSCALE_MULTIPLY;
+    return LS_UNSCALE_NONE;
 }
 
 // The core's ls_parallel_fn on the device's intra-op pool (`host` is the

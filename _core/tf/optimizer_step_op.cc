@@ -142,14 +142,6 @@ int ClipMode(const std::string& name) {
     return LS_CLIP_NONE;
 }
 
-int UnscaleMode(const std::string& name) {
-    if (name == "divide")
-        return LS_UNSCALE_DIVIDE;
-    if (name == "multiply")
-        return LS_UNSCALE_MULTIPLY;
-    return LS_UNSCALE_NONE;
-}
-
 float ScalarInput(tf::OpKernelContext* ctx, int index) {
     return ctx->input(index).scalar<float>()();
 }
