@@ -793,7 +793,8 @@ SPARSE_SIMD_UNSCALES = [(None, "divide"), (3.0, "divide"), (1000.0, "multiply")]
 
 
 def sparse_simd_runs():
-    """Each sparse configuration (plain, clipped) under each grad dtype and
+    """Each sparse configuration (plain, clipped, Adagrad's scattered rows)
+    under each grad dtype and
     unscale, flushing or not, as ``(key, cfg, flush_denormals, variables,
     slots, steps)``; ``steps`` yields ``(t, grads, kwargs)`` for
     ``SIMD_STEPS`` steps, ``kwargs`` the learning rate, unscale, indices and
@@ -801,8 +802,11 @@ def sparse_simd_runs():
     among them."""
     seed = 20_000
     shapes = [s for s, _ in SPARSE_SIMD_SHAPES]
-    for name, cfg in list(SPARSE_CONFIGS.items()) + list(SPARSE_CLIP_CONFIGS.items()):
-        for form, (run_cfg, lr, factor) in sparse_forms(cfg, cfg["lr"]).items():
+    for name, cfg in (list(SPARSE_CONFIGS.items()) + list(SPARSE_CLIP_CONFIGS.items())
+                      + list(SPARSE_ROW_CONFIGS.items())):
+        forms = ({"rows": (cfg, F32(cfg["lr"]), None)} if name in SPARSE_ROW_CONFIGS
+                 else sparse_forms(cfg, cfg["lr"]))
+        for form, (run_cfg, lr, factor) in forms.items():
             for dtype in GRAD_DTYPES:
                 for scale, mode in SPARSE_SIMD_UNSCALES:
                     for flush in (False, True):

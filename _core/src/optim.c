@@ -475,26 +475,38 @@ static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r
                      size_t hi, const ls_optim_args *a)
 {
     float *const var = p->var, *const acc = p->slot[0];
-    const size_t n = p->row_length;
-    const float eps = a->h[LS_ADAGRAD_EPSILON];
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    const float eps = a->h[LS_ADAGRAD_EPSILON], lr = a->lr;
+    /* A slice's values in float32, a piece of a row at a time: the kernel
+     * set's slice_add onto -0 (x + -0 is x for every x, -0 included),
+     * factor 1 (exact); `unused` takes the values where only their squares
+     * are wanted. */
+    enum { PIECE = 1024 };
+    float u[PIECE], unused[PIECE];
+    memset(unused, 0, sizeof unused);
     if (a->decay != LS_DECAY_NONE)
         for (size_t k = lo; k < hi; k++)
             var[k] = ls_optim_decay1(var[k], a);
     for (size_t row = lo / n; row * n < hi; row++) {
         const size_t first = row * n < lo ? lo - row * n : 0;
         const size_t last = hi - row * n < n ? hi - row * n : n;
-        float *const vr = var + row * n, *const ar = acc + row * n;
-        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-            const size_t at = r->order[k] * n;
-            for (size_t c = first; c < last; c++) {
-                const float u = ls_optim_grad1(p, at + c, a);
-                ar[c] += u * u;
+        for (size_t c0 = first; c0 < last; c0 += PIECE) {
+            const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
+            float *const vr = var + row * n + c0, *const ar = acc + row * n + c0;
+            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_SQUARE, 0.0f,
+                                      unused, ar);
             }
-        }
-        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-            const size_t at = r->order[k] * n;
-            for (size_t c = first; c < last; c++)
-                vr[c] -= (a->lr * ls_optim_grad1(p, at + c, a)) / sqrtf(ar[c] + eps);
+            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+                for (size_t c = 0; c < m; c++)
+                    u[c] = -0.0f;
+                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, u,
+                                      NULL);
+                for (size_t c = 0; c < m; c++)
+                    vr[c] -= (lr * u[c]) / sqrtf(ar[c] + eps);
+            }
         }
     }
     if (p->average != NULL)
