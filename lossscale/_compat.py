@@ -30,8 +30,7 @@ __all__ = [
     "tf_keras_loss_scale_optimizer_module", "tf_keras_model_class",
     "optimizer_learning_rate_variable", "trackable_children", "lookup_dependency",
     "deferred_dependencies", "nadam_u_product", "same_update_as",
-    "gradient_accumulators", "reset_gradient_accumulators",
-    "increment_gradient_accumulators", "update_moving_averages",
+    "gradient_accumulators", "all_gradient_accumulators", "update_moving_averages",
     "overwrite_with_moving_averages",
 ]
 
@@ -218,17 +217,11 @@ def gradient_accumulators(optimizer, variables):
             for v in variables]
 
 
-def reset_gradient_accumulators(optimizer):
-    """Zeroes every gradient accumulator as Keras does after an update step
-    (``_backend_reset_gradient_accumulators``, the backend's own)."""
-    optimizer._backend_reset_gradient_accumulators()  # pylint: disable=protected-access
-
-
-def increment_gradient_accumulators(optimizer, grads, accumulators):
-    """Adds ``grads`` to their ``accumulators`` as Keras does on a step that
-    only accumulates (``_backend_increment_gradient_accumulators``)."""
-    optimizer._backend_increment_gradient_accumulators(  # pylint: disable=protected-access
-        grads, accumulators)
+def all_gradient_accumulators(optimizer):
+    """Every gradient accumulator of a Keras optimizer built with
+    ``gradient_accumulation_steps``: those its update step zeroes
+    (``_backend_reset_gradient_accumulators`` assigns zeros to each)."""
+    return list(optimizer._accumulated_gradients)  # pylint: disable=protected-access
 
 
 def moving_average_numbers(optimizer, dtype="float32"):

@@ -20,8 +20,8 @@ order, as Keras computes them.
 EMA (``use_ema``) and gradient accumulation (``gradient_accumulation_steps``)
 wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
 ``update_step`` (see ``apply``): the accumulating steps add the unscaled
-gradients to the accumulators with TensorFlow's ops, an update step runs
-the family's op on their average, and the EMA follows every applied step:
+gradients to the accumulators in one native pass (the ``accumulate``
+family), an update step runs the family's op on their average, and the EMA follows every applied step:
 without accumulation the op itself moves each average right after its
 variable's update (``ls_param.average``, Keras' momentum and ``1 -
 momentum`` from ``_compat.moving_average_numbers``); the averages no op
@@ -336,6 +336,17 @@ class Plan:
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def accumulate(self, library, scale, unscale, accumulators):
+        """A step that only accumulates: each gradient unscaled as stock
+        unscales it and added to its accumulator as Keras adds it
+        (``var.assign(var + grad)``), in one pass, by the native op's
+        ``accumulate`` family (the accumulators its variables)."""
+        zero = tf.constant(0.0, tf.float32)
+        library.loss_scale_apply_optimizer(
+            tf.constant(True), [local_copy(a).handle for a in accumulators], [], self.grads,
+            scale, zero, zero, [], [], [], [], [], [], [], family="accumulate", hyper=[],
+            decay=[0] * len(accumulators), unscale=unscale)
 
     def _launch_dense(self, library, should_apply, which, grads, scale, unscale):
         """The native op over dense gradients ``grads`` of the variables
@@ -1796,11 +1807,14 @@ def _accumulate_or_update(plan, library, scale, unscale):
         grads = [(g + a) / steps for g, a in zip(_unscaled(plan.grads, scale, unscale),
                                                   accumulators)]
         plan.run(library, tf.constant(True), scale, "none", grads=grads)
-        _compat.reset_gradient_accumulators(inner)
+        # Keras zeroes every accumulator (assign(zeros)); zeroed in their own
+        # buffers, the next accumulating step adds in place without copying
+        # them first (LossScaleZeroVariables).
+        library.loss_scale_zero_variables(
+            [local_copy(a).handle for a in _compat.all_gradient_accumulators(inner)])
 
     def accumulate():
-        _compat.increment_gradient_accumulators(
-            inner, _unscaled(plan.grads, scale, unscale), accumulators)
+        plan.accumulate(library, scale, unscale, accumulators)
 
     _step.cond(is_update_step, update, accumulate)
 

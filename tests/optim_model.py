@@ -108,6 +108,9 @@ CONFIGS = {
     "nadam_clipnorm": dict(opt="nadam", lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                            clip=("norm", 0.05)),
     "lion_clipvalue": dict(opt="lion", lr=0.001, beta_1=0.9, beta_2=0.99, clip=("value", 2.5)),
+    # Keras' accumulating step: the variable is the accumulator (its
+    # learning rate is never read).
+    "accumulate": dict(opt="accumulate", lr=0.0),
 }
 
 
@@ -487,6 +490,9 @@ FAMILIES = {
     "legacy_adagrad": dict(slots=lambda cfg: ["accumulator"], update=_legacy_adagrad_update,
                            hyper=lambda cfg, lr, t: [cfg["epsilon"]], nonneg=("accumulator",),
                            initial="accumulator"),
+    # Keras' ``var.assign(var + grad)`` of an accumulating step.
+    "accumulate": dict(slots=lambda cfg: [], update=lambda cfg, g, w, slots, lr, t, store: w + g,
+                       hyper=lambda cfg, lr, t: []),
 }
 
 

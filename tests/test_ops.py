@@ -806,3 +806,36 @@ def test_fused_step_sparse_bad_input_raises_and_changes_nothing(case):
     sparse_op_call(module, variables, slots, grads, indices, family="adam", hyper=ADAM_HYPER,
                    sparse=[0])
     assert not np.array_equal(variables[0].numpy(), before[0])
+
+
+# ------------------------------------------------- LossScaleZeroVariables
+
+def test_zero_variables_zeroes_every_buffer_and_spares_held_values():
+    """Every element +0 (what Keras' assign(zeros) leaves), in the variables
+    whose buffers nothing else holds and in those a read value still holds,
+    which keeps its values (TensorFlow's copy-on-write)."""
+    library = _loader.load()[0]
+    a = tf.Variable(np.array([1.5, -0.0, np.nan, -np.inf], np.float32))
+    b = tf.Variable(np.full((300, 7), -2.0, np.float32))
+    held = b.read_value()
+    library.loss_scale_zero_variables([a.handle, b.handle])
+    for v in (a, b):
+        assert_same_bits(v.numpy(), np.zeros(v.shape, np.float32), v.name)
+    assert_same_bits(held.numpy(), np.full((300, 7), -2.0, np.float32), "the held read")
+
+    @tf.function
+    def zero_in_a_graph():
+        library.loss_scale_zero_variables([b.handle])
+
+    b.assign(np.ones((300, 7), np.float32))
+    zero_in_a_graph()
+    assert_same_bits(b.numpy(), np.zeros((300, 7), np.float32))
+
+
+def test_zero_variables_refuses_a_non_float32_variable_before_writing():
+    library = _loader.load()[0]
+    a = tf.Variable(np.ones(3, np.float32))
+    n = tf.Variable(np.ones(3, np.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="variable 1 is not an initialized"):
+        library.loss_scale_zero_variables([a.handle, n.handle])
+    assert_same_bits(a.numpy(), np.ones(3, np.float32))

@@ -18,9 +18,10 @@
 #include "family_legacy_adam.h"
 #include "family_legacy_rmsprop.h"
 #include "family_legacy_adagrad.h"
+#include "family_accumulate.h"
 
 #define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion) \
-    X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) X(legacy_adagrad)
+    X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) X(legacy_adagrad) X(accumulate)
 
 /* The families whose reference, given ls_param.grad_term, reads it in
  * place of one function of the gradient (a sparse gradient's slices mapped,
