@@ -21,10 +21,11 @@ EMA (``use_ema``) and gradient accumulation (``gradient_accumulation_steps``)
 wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
 ``update_step`` (see ``apply``): the accumulating steps add the unscaled
 gradients to the accumulators in one native pass (the ``accumulate``
-family), an update step runs the family's op on their average, and the EMA follows every applied step:
-without accumulation the op itself moves each average right after its
-variable's update (``ls_param.average``, Keras' momentum and ``1 -
-momentum`` from ``_compat.moving_average_numbers``); the averages no op
+family), an update step runs the family's op on their average and zeroes
+the accumulators (``LossScaleZeroVariables``), and the EMA follows every
+applied step: without accumulation the op itself moves each average right
+after its variable's update (``ls_param.average``, Keras' momentum and ``1
+- momentum`` from ``_compat.moving_average_numbers``); the averages no op
 moved (accumulation, tf_keras) by Keras' ops.
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
@@ -1481,9 +1482,11 @@ def _native_squared_norms(grads, scale, unscale, variables, mode):
         return {}
     taken, values, indices, sparse, rows, names = [], [], [], [], [], []
     for i, g in enumerate(grads):
+        if g is None:
+            continue
         variable = variables[i] if variables else None
         dense = g.values if isinstance(g, tf.IndexedSlices) else g
-        if g is None or tf.as_dtype(dense.dtype) != tf.float32:
+        if tf.as_dtype(dense.dtype) != tf.float32:
             continue
         if isinstance(g, tf.IndexedSlices) and mode == "global":
             count = _native_rows(g, variable)
