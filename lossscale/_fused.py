@@ -24,9 +24,9 @@ gradients to the accumulators in one native pass (the ``accumulate``
 family), an update step runs the family's op on their average and zeroes
 the accumulators (``LossScaleZeroVariables``), and the EMA follows every
 applied step: without accumulation the op itself moves each average right
-after its variable's update (``ls_param.average``, Keras' momentum and ``1
-- momentum`` from ``_compat.moving_average_numbers``); the averages no op
-moved (accumulation, tf_keras) by Keras' ops.
+after its variable's update (``ls_param.average``, Keras' momentum and
+``1 - momentum`` from ``_compat.moving_average_numbers``); the averages no
+op moved (accumulation, tf_keras) by Keras' ops.
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
 is every family's: the native op clips each unscaled gradient in its one
