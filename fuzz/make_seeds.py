@@ -8,7 +8,13 @@ points, lists big enough for the thread pool, every deliberate fault, and
 a caller that runs with FTZ/DAZ set.  The content mixes random bits with
 the special values of each dtype.  For fuzz/fuzz_scale_rule.c, both rules'
 defaults and edge configurations, from fresh states and from counters at
-their limits.  Deterministic: rerunning rewrites the same files.  Inputs
+their limits.  For fuzz/fuzz_norms.c, each path of the sums of squares:
+dense lengths around a packet, a run of four, a leaf and a tree's splits,
+lengths that Eigen cuts into 2 to 8 shards, sparse tables with repeated,
+sorted and crowded indices, a table no slice touches, every unscale mode
+with ordinary and extreme scales, flushing on and off (values whose
+squares are subnormal), the host's cut points on and around leaf starts,
+and every refusal.  Deterministic: rerunning rewrites the same files.  Inputs
 the fuzzers add later (merged into fuzz/corpus/*) keep their hash names.
 
     python fuzz/make_seeds.py
@@ -147,8 +153,191 @@ def rule_seeds():
                                         (1.0, 0, 0, 0), [1])
 
 
+# fuzz/fuzz_norms.c
+NONE, DIVIDE, MULTIPLY = 0, 1, 2
+N_FLUSH, N_UNKNOWN_FLAG, N_CALLER_FLUSH, N_RAW = 4, 8, 16, 32
+F_NULL_PARAMS, F_NULL_SUMS, F_NULL_VALUES, F_HUGE_LENGTH, F_HUGE_ROWS = 1, 2, 3, 4, 5
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+# Eigen's shards begin at 258,462 values (two); 997,000 values make eight.
+TWO_SHARDS = 258462
+
+
+def eigen_byte(threads):
+    if 1 <= threads <= 8:
+        return threads - 1
+    if threads == INT32_MIN:
+        return 254
+    if threads == INT32_MAX:
+        return 255
+    assert -8 <= threads <= 5
+    return threads + 248
+
+
+def dense(n):
+    """A dense gradient of n values: (form, L, W, S, X)."""
+    if n < 320:
+        return (0, n, 0, 0, 0)
+    if n < 40000:
+        return (1 << 1, n, 0, 0, 0)
+    if n < 4 * 65536:
+        return (2 << 1, n // 4, 0, 0, n % 4)
+    assert 200000 <= n < 200000 + 16 * 65536
+    return (3 << 1, (n - 200000) // 16, 0, 0, (n - 200000) % 16)
+
+
+NORM_ROWS = [64, 4096, 16384, 65536]
+NORM_WIDTH = [17, 33, 65, 33]
+
+
+def sparse(rows, width, slices, off=0, null_when_empty=False, ordered=False, crowded=False):
+    """A sparse gradient: the smallest size class that holds its table."""
+    cls = next(c for c in range(4) if rows < NORM_ROWS[c] and width < NORM_WIDTH[c])
+    form = 1 | cls << 1 | (off != 0) << 3 | (off > 0) << 4 | null_when_empty << 5
+    form |= ordered << 6 | crowded << 7
+    return (form, rows, width, slices, 0)
+
+
+def norm_codes(rng, n, specials=0.0, exponents=range(16), which=range(16)):
+    """n 2-byte value codes (fuzz_norms.c's value_of): magnitudes 2^-8..2^8,
+    a share of them special values (0xFE00 | one of `which`)."""
+    out = bytearray()
+    for _ in range(n):
+        if rng.random() < specials:
+            code = 0xFE00 | rng.choice(which)
+        else:
+            code = rng.getrandbits(16) & ~(15 << 11) | rng.choice(exponents) << 11
+            if code & 0xFE00 == 0xFE00:
+                code &= 0x7FFF
+        out += struct.pack("<H", code)
+    return bytes(out)
+
+
+def norm_indices(rng, rows, slices, bad=()):
+    """slices indices, unsorted, with repeats; `bad`: (slice, raw value)."""
+    values = [rng.randrange(max(rows, 1)) for _ in range(slices)]
+    if rows > 1 and slices > 2:
+        values[1] = values[0]  # a row named twice
+    for k, raw in bad:
+        values[k] = raw
+    return b"".join(struct.pack("<q", v) if v < 0 else struct.pack("<Q", v) for v in values)
+
+
+def encode_norms(grads, unscale=NONE, mode=0, lib_threads=1, eigen=2, scale=1.0, fault=0,
+                 cuts=(), reverse=False, wild=False, data=b""):
+    out = bytearray([unscale | mode | (lib_threads - 1) << 6, eigen_byte(eigen)])
+    out += struct.pack("<d", scale)
+    out += bytes([len(grads), fault | len(cuts) << 3 | reverse << 6 | wild << 7])
+    out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
+    for form, length, width, slices, extra in grads:
+        out += bytes([form]) + struct.pack("<H", length) + bytes([width, slices, extra])
+    return bytes(out) + data
+
+
+def norm_seeds():
+    rng = random.Random(20250301)
+    modes = [(NONE, 1.0), (DIVIDE, 1024.0), (MULTIPLY, 1024.0), (DIVIDE, 3.0), (MULTIPLY, 3.0)]
+    # dense lengths around a packet, a run of four packets and a leaf
+    small = [0, 1, 7, 8, 9, 31, 32, 33, 39, 40, 63, 64, 65, 100, 255, 319]
+    for k, (unscale, scale) in enumerate(modes):
+        for flush in (0, N_FLUSH):
+            lengths = small[(k * 2 + flush // 4) % 4::4]
+            grads = [dense(n) for n in lengths]
+            data = norm_codes(rng, sum(lengths), specials=0.04 if flush else 0.0)
+            yield (f"dense-small-u{unscale}-s{scale:g}-f{flush // 4}",
+                   encode_norms(grads, unscale, flush, scale=scale, data=data))
+    # values whose squares are not finite
+    for k, (unscale, scale) in enumerate(modes[:3]):
+        grads = [dense(45), sparse(6, 5, 9), dense(300)]
+        data = (norm_codes(rng, 45, specials=0.1) + norm_indices(rng, 6, 9)
+                + norm_codes(rng, 345, specials=0.02))
+        yield (f"wild-u{unscale}", encode_norms(grads, unscale, k % 2 * N_FLUSH, scale=scale,
+                                                wild=True, data=data))
+    for n in (8191, 8192, 8193, 8200, 16384, 16385, 24577, 39999):
+        yield (f"dense-leaf-{n}", encode_norms([dense(n)], DIVIDE, scale=2.0,
+                                               data=norm_codes(rng, min(n, 1500))))
+    for n in (100000, 258461):
+        yield (f"dense-tree-{n}", encode_norms([dense(n)], eigen=8,
+                                               data=norm_codes(rng, 1500)))
+    # Eigen's shards: 2 at 258,462, 3 at 400,000 (4 threads), 8 from 997,000
+    for n, eigen, threads in ((TWO_SHARDS, 2, 2), (TWO_SHARDS + 1, 8, 1), (400000, 4, 3),
+                              (996000, 8, 4), (997000, 8, 2), (1248575, 8, 4),
+                              (1000000, INT32_MAX, 2), (500000, 1, 2)):
+        yield (f"dense-shards-{n}-e{eigen}",
+               encode_norms([dense(n)], MULTIPLY, lib_threads=threads, eigen=eigen,
+                            scale=0.5, data=norm_codes(rng, 1200)))
+    # sparse: repeated rows, sorted, crowded, untouched leaves, empty ones
+    for k, (rows, width, slices, kw) in enumerate([
+            (10, 4, 12, {}), (10, 4, 12, {"ordered": True}), (40, 16, 60, {"crowded": True}),
+            (4000, 32, 100, {}), (4095, 32, 127, {"crowded": True, "ordered": True}),
+            (16000, 20, 50, {}), (300, 0, 20, {}), (200, 7, 0, {}), (0, 5, 0, {}),
+            (30000, 32, 3, {})]):
+        unscale, scale = modes[k % len(modes)]
+        data = norm_indices(rng, rows, slices) + norm_codes(rng, slices * width)
+        yield (f"sparse-{rows}x{width}-{slices}{'-sorted' if kw.get('ordered') else ''}",
+               encode_norms([sparse(rows, width, slices, **kw)], unscale, (k % 2) * N_FLUSH,
+                            lib_threads=1 + k % 3, eigen=[2, 4, 8][k % 3], scale=scale,
+                            data=data))
+    # a list mixing both, split by the host at and around leaf starts
+    # (20,000 values: leaves at 0, 5,000, 10,000 and 15,000)
+    grads = [sparse(50, 8, 30), sparse(12, 3, 9), dense(20000), dense(65)]
+    data = (norm_indices(rng, 50, 30) + norm_codes(rng, 240) + norm_indices(rng, 12, 9)
+            + norm_codes(rng, 27 + 2000, specials=0.001))
+    at = 400 + 36  # where the dense gradient begins
+    for name, cuts, reverse in (("at", (at + 5000, at + 10000, at + 15000), False),
+                                ("around", (at + 4999, at + 5001, at + 10000, at + 10000,
+                                            at + 15001, 1), True),
+                                ("edges", (0, 400, 401, at, at + 20000, at + 20001), False)):
+        yield (f"list-cuts-{name}",
+               encode_norms(grads, DIVIDE, eigen=4, scale=4.0, cuts=cuts, reverse=reverse,
+                            data=data))
+    # scales: subnormal, huge, zero, negative, non-finite, and unscaled
+    # values whose squares are subnormal, flushed or not
+    # (the second gradient's values all zeros, subnormals and 2^-75, which
+    # even a subnormal scale leaves finite)
+    tiny = (norm_codes(rng, 300, specials=0.02, exponents=[0, 1])
+            + norm_codes(rng, 70, 1.0, which=[0, 1, 2, 3, 4, 6]))
+    for k, (unscale, scale) in enumerate([
+            (DIVIDE, 2.0 ** 70), (MULTIPLY, 2.0 ** 70), (DIVIDE, 2.0 ** -130),
+            (MULTIPLY, 2.0 ** -127.5), (DIVIDE, 1e300), (MULTIPLY, 1e300), (DIVIDE, 0.0),
+            (MULTIPLY, 0.0), (DIVIDE, -2.0), (MULTIPLY, -2.0), (DIVIDE, float("inf")),
+            (MULTIPLY, float("inf")), (DIVIDE, float("nan")), (MULTIPLY, float("nan")),
+            (MULTIPLY, 2.0 ** -140), (DIVIDE, 5e-324)]):
+        for flush in (0, N_FLUSH):
+            yield (f"scale-u{unscale}-{scale:g}-f{flush // 4}",
+                   encode_norms([dense(300), dense(70)], unscale, flush, scale=scale,
+                                data=tiny))
+    raw = bytes(rng.getrandbits(8) for _ in range(1440))
+    yield ("raw-bits", encode_norms([dense(300), sparse(20, 6, 10)], DIVIDE, N_RAW, scale=8.0,
+                                    data=raw[:1200] + norm_indices(rng, 20, 10) + raw[1200:]))
+    yield ("caller-flush", encode_norms([dense(5000)], NONE, N_CALLER_FLUSH,
+                                        data=norm_codes(rng, 400, exponents=[0])))
+    # refusals, each against an otherwise valid call
+    base = [sparse(20, 4, 8), dense(100)]
+    data = norm_indices(rng, 20, 8) + norm_codes(rng, 132)
+    for name, kw in (("unscale-3", {"unscale": 3}), ("flag", {"mode": N_UNKNOWN_FLAG}),
+                     ("eigen-0", {"eigen": 0}), ("eigen-neg", {"eigen": -3}),
+                     ("eigen-min", {"eigen": INT32_MIN})):
+        yield (f"refuse-{name}", encode_norms(base, data=data, **kw))
+    for fault in (F_NULL_PARAMS, F_NULL_SUMS, F_NULL_VALUES, F_HUGE_LENGTH, F_HUGE_ROWS):
+        yield (f"fault-{fault}-sparse", encode_norms(base, DIVIDE, fault=fault, data=data))
+        yield (f"fault-{fault}-dense", encode_norms([dense(100), dense(7)], fault=fault,
+                                                    data=data[64:]))
+    # no gradients: NULL params and sums are taken
+    for fault in (0, F_NULL_PARAMS, F_NULL_SUMS):
+        yield (f"empty-list-{fault}", encode_norms([], fault=fault))
+    yield ("empty-values-null", encode_norms([sparse(9, 2, 0, null_when_empty=True), dense(0)],
+                                             fault=F_NULL_VALUES))
+    for name, bad in (("past", [(3, 20)]), ("negative", [(0, -1)]),
+                      ("far", [(7, 0x7F00000000000000)]), ("min", [(5, -2 ** 63)])):
+        yield (f"refuse-index-{name}",
+               encode_norms(base, data=norm_indices(rng, 20, 8, bad) + data[64:]))
+    for off in (-1, 1):
+        yield (f"refuse-length{off:+d}",
+               encode_norms([sparse(20, 4, 8, off=off), dense(3)], data=data))
+
+
 def main():
-    for sub, generate in (("core", seeds), ("scale_rule", rule_seeds)):
+    for sub, generate in (("core", seeds), ("scale_rule", rule_seeds), ("norms", norm_seeds)):
         out = os.path.join(HERE, "corpus", sub)
         os.makedirs(out, exist_ok=True)
         n = 0

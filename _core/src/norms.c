@@ -336,15 +336,29 @@ int ls_squared_norms_with(const ls_norm_param *params, size_t count, int unscale
     j.params = params;
     j.count = count;
     j.flags = flags;
+    /* The scale in float32, and its reciprocal, in the call's own
+     * floating-point state (the caller's may flush a subnormal scale). */
+    ls_fpenv env;
     switch (unscale) {
     case LS_UNSCALE_NONE: j.mode = SQUARE_NONE; break;
-    case LS_UNSCALE_DIVIDE: j.mode = SQUARE_DIVIDE; j.k = (float)scale; break;
-    case LS_UNSCALE_MULTIPLY:
-        if (!(scale > 0) || !isfinite((float)scale))
+    case LS_UNSCALE_DIVIDE:
+        j.mode = SQUARE_DIVIDE;
+        ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
+        j.k = (float)scale;
+        ls_fpenv_leave(&env);
+        break;
+    case LS_UNSCALE_MULTIPLY: {
+        /* As ls_optim_config_check: finite and > 0 (TensorFlow 2.4's rule
+         * keeps its scale >= 1). */
+        if (!(scale > 0.0 && scale - scale == 0.0))
             return LS_ERR_ARG;
         j.mode = SQUARE_MULTIPLY;
-        j.k = ls_reciprocal_f32((float)scale, flags);
+        ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
+        const float s = (float)scale;
+        ls_fpenv_leave(&env);
+        j.k = ls_reciprocal_f32(s, flags);
         break;
+    }
     default: return LS_ERR_ARG;
     }
     size_t leaves = 0, total = 0;
