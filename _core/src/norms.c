@@ -25,7 +25,6 @@
  * on the calling thread over the leaves' sums.
  */
 #include <limits.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,18 +194,16 @@ static float all_combine(size_t n, int threads, const float *leaf)
     shards_of(n, threads, &blocks, &size);
     if (blocks == 0)
         return n > 0 ? tree_combine(0, n, leaf, &next) : 0.0f;
-    float shard[64];
-    float *sums = blocks <= 64 ? shard : malloc(blocks * sizeof(float));
-    if (sums == NULL)
-        return NAN; /* not reached: all_leaves' caller checked (blocks <= threads) */
+    /* The rest's leaves follow every block's: its sum first, then each
+     * block's added in order, each tree replayed where its leaves are. */
+    size_t rest_leaves = 0;
     for (size_t b = 0; b < blocks; b++)
-        sums[b] = tree_combine(b * size, size, leaf, &next);
-    float total = blocks * size < n ? tree_combine(blocks * size, n - blocks * size, leaf, &next)
-                                    : 0.0f;
+        tree_leaves(b * size, size, NULL, NULL, &rest_leaves);
+    float total = 0.0f;
+    if (blocks * size < n)
+        total = tree_combine(blocks * size, n - blocks * size, leaf, &rest_leaves);
     for (size_t b = 0; b < blocks; b++)
-        total = total + sums[b];
-    if (sums != shard)
-        free(sums);
+        total = total + tree_combine(b * size, size, leaf, &next);
     return total;
 }
 

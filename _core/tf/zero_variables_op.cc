@@ -72,15 +72,23 @@ class ZeroVariablesOp : public tf::OpKernel {
                             "LossScaleZeroVariables: variable ", i,
                             " is not an initialized float32 variable"));
         }
-        Buffers buffers;
+        // Every fresh buffer allocated before any variable takes one: a
+        // failed allocation leaves every variable as it was.
+        // (A default Tensor counts as initialized: `replace` says which.)
+        std::vector<tf::Tensor> fresh(vars.size());
+        std::vector<bool> replace(vars.size(), false);
         for (size_t i = 0; i < vars.size(); ++i) {
             tf::Var* v = vars.var(i);
-            tf::Tensor* t = v->tensor();
-            if (!t->RefCountIsOne() || v->copy_on_read_mode.load()) {
-                tf::Tensor fresh;
-                OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, t->shape(), &fresh));
-                *t = fresh;
-            }
+            replace[i] = !v->tensor()->RefCountIsOne() || v->copy_on_read_mode.load();
+            if (replace[i])
+                OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, v->tensor()->shape(),
+                                                       &fresh[i]));
+        }
+        Buffers buffers;
+        for (size_t i = 0; i < vars.size(); ++i) {
+            tf::Tensor* t = vars.var(i)->tensor();
+            if (replace[i])
+                *t = fresh[i];
             auto flat = t->flat<float>();
             buffers.data.push_back(flat.data());
             buffers.start.push_back(buffers.total);
