@@ -14,8 +14,11 @@ lengths that Eigen cuts into 2 to 8 shards, sparse tables with repeated,
 sorted and crowded indices, a table no slice touches, every unscale mode
 with ordinary and extreme scales, flushing on and off (values whose
 squares are subnormal), the host's cut points on and around leaf starts,
-and every refusal.  Deterministic: rerunning rewrites the same files.  Inputs
-the fuzzers add later (merged into fuzz/corpus/*) keep their hash names.
+and every refusal.  For fuzz/fuzz_optim.c (whose corpus the fuzzer grew),
+the RMSprop step forms raw hyperparameter bits rarely reach: lr * rsqrt(d)
+first and g * rsqrt(d) first.  Deterministic: rerunning rewrites the same
+files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
+hash names.
 
     python fuzz/make_seeds.py
 """
@@ -336,8 +339,44 @@ def norm_seeds():
                encode_norms([sparse(20, 4, 8, off=off), dense(3)], data=data))
 
 
+# fuzz_optim.c's family index of RMSprop (optim_families.h's order), and
+# its step forms (family_rmsprop.h's ls_rmsprop_form).
+OPTIM_RMSPROP = 2
+RMSPROP_LR_RSQRT, RMSPROP_G_RSQRT = 2.0, 3.0
+
+
+def encode_optim(family, unscale, scale, lr, weight_decay, hyper, variables, data):
+    """fuzz_optim.c's input: ``variables`` as (gradient dtype, decay, length)."""
+    out = bytearray(72)
+    out[0] = (family & 7) << 1 | unscale << 4
+    out[1:17] = struct.pack("<dff", scale, lr, weight_decay)
+    out[17:17 + 4 * len(hyper)] = struct.pack(f"<{len(hyper)}f", *hyper)
+    out[65] = (len(variables) - 1) | (family >> 3) << 7
+    out[66] = 100
+    for dtype, decay, length in variables:
+        out += bytes([dtype, decay]) + struct.pack("<Hf", length, 0.0)
+    return bytes(out) + data
+
+
+def optim_seeds():
+    rng = random.Random(20250302)
+    values = [0.0, -0.0, 1e-40, 3e38, 1.0, -2.5e-3]
+    data = b"".join(struct.pack("<f", rng.choice(values) if rng.random() < 0.2
+                                else rng.uniform(-3, 3) * 10.0 ** rng.randint(-4, 4))
+                    for _ in range(600))
+    # A one-element variable, one a packet and one past a packet and a
+    # half-vector, decayed op by op or not; float32 gradients, divided.
+    variables = [(2, 1, 1), (2, 0, 9), (2, 1, 37)]
+    for name, form, centered in (("lr-rsqrt", RMSPROP_LR_RSQRT, 0.0),
+                                 ("g-rsqrt-centered", RMSPROP_G_RSQRT, 1.0)):
+        hyper = [0.9, 0.1, 1e-6, 0.5, 1.0, centered, form, 1.0]
+        yield (f"rmsprop-{name}",
+               encode_optim(OPTIM_RMSPROP, DIVIDE, 1024.0, 0.003, 0.004, hyper, variables, data))
+
+
 def main():
-    for sub, generate in (("core", seeds), ("scale_rule", rule_seeds), ("norms", norm_seeds)):
+    for sub, generate in (("core", seeds), ("scale_rule", rule_seeds), ("norms", norm_seeds),
+                          ("optim", optim_seeds)):
         out = os.path.join(HERE, "corpus", sub)
         os.makedirs(out, exist_ok=True)
         n = 0

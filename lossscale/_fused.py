@@ -54,10 +54,12 @@ Some of what TensorFlow's graph optimizer does to the stock step in a
 knows the function's outputs): SGD's ``u * factor * lr`` under
 ``global_clipnorm`` is reordered only then (where the IdentityN of the
 gradients' all-reduce is removed), centered RMSprop's ``(v - s) + eps``
-pushed down only then.  Tracing cannot see that, so the step reads it at
-run time from a probe of the same chain, which the optimizer rewrites as it
-rewrites stock's (``_graph_reorders_clip``, ``_graph_pushes_down``), and
-runs the kernel form it names.
+pushed down only then.  Some hangs on the names its tensors end up with:
+tf_keras RMSprop's ``lr * g * rsqrt(d)`` of a one-element variable.
+Tracing cannot see that, so the step reads it at run time from a probe of
+the same chain, which the optimizer rewrites as it rewrites stock's
+(``_graph_reorders_clip``, ``_graph_pushes_down``,
+``_graph_orders_gradient_first``), and runs the kernel form it names.
 
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
@@ -166,20 +168,27 @@ class Family:
       sparse: ``sparse(inner, variable)`` -> a ``SparseForm`` (how the kernel
         takes a ``tf.IndexedSlices`` gradient of ``variable``) or a string,
         why it cannot.
-      run_time_form: ``run_time_form(inner)`` -> None, or ``(index, probe)``:
-        the hyper number at ``index``, where it is 1, is a form of the stock
+      run_time_forms: ``run_time_forms(inner, numbers)`` -> ``[(index,
+        other, probe)]``: the kernel's number at ``index`` (as ``numbers``,
+        its numbers for some variables, has it) is a form of the stock
         graph that the graph optimizer applies or not by what tracing cannot
-        see (whether the function returns a value), and ``probe()`` is a
-        bool tensor that tells, at run time, which it did.
+        see (whether the function returns a value, the names the graph's
+        tensors end up with), ``probe()`` a bool tensor that tells at run
+        time whether it did, ``other`` the number where it did not.
       merges_global_clip: ``merges_global_clip(inner)`` -> whether the stock
         step built here may multiply a gradient by ``global_clipnorm``'s
         factor times the learning rate (the graph optimizer's order) rather
         than by the factor and then the learning rate.
+      variable_hyper: ``variable_hyper(inner, variable, numbers)`` -> the
+        kernel's numbers for ``variable`` (``numbers``: ``hyper``'s), where
+        the graph optimizer rewrites the stock step by the variable's
+        shape; variables whose numbers differ run in ops of their own.
     """
 
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
                  state=None, supports=(), unsupported=None, scales_gradient=True, line=None,
-                 sparse=None, merges_global_clip=None, run_time_form=None):
+                 sparse=None, merges_global_clip=None, run_time_forms=None,
+                 variable_hyper=None):
         self.name = name
         self._keras_class = keras_class
         self.line = line or KERAS_3
@@ -193,7 +202,8 @@ class Family:
         self.scales_gradient = scales_gradient
         self.sparse = sparse
         self.merges_global_clip = merges_global_clip or (lambda inner: False)
-        self.run_time_form = run_time_form or (lambda inner: None)
+        self.run_time_forms = run_time_forms or (lambda inner, numbers: [])
+        self.variable_hyper = variable_hyper or (lambda inner, variable, numbers: numbers)
 
     @property
     def keras_class(self):
@@ -379,6 +389,25 @@ class Plan:
         as its slices and their rows, after the checks of its indices (a
         bad index fails there, with the variable's name), each slice value
         times ``slice_factor`` (None: 1) before a row's sum."""
+        mode, value = clip or ("none", 0.0)
+        numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
+        # Variables whose numbers differ (the forms the graph optimizer gives
+        # their stock steps, Family.variable_hyper) run in ops of their own.
+        groups = {}
+        for k, i in enumerate(which):
+            key = tuple(self.family.variable_hyper(self.inner, self.variables[i], list(numbers)))
+            groups.setdefault(key, []).append(k)
+        if len(groups) > 1:
+            for key, ks in groups.items():
+                self._launch(library, should_apply, [which[k] for k in ks],
+                             [grads[k] for k in ks], scale, learning_rate, unscale,
+                             hyper=lambda inner, key=key: list(key), clip=clip,
+                             clip_scalars=(clip_scalars if clip_scalars is None or mode != "norm"
+                                           else [clip_scalars[k] for k in ks]),
+                             slice_factor=slice_factor)
+            return
+        numbers = list(next(iter(groups)))
+
         def handles(variables):
             return [local_copy(v).handle for v in variables]
 
@@ -398,7 +427,6 @@ class Plan:
         variables = [self.variables[i] for i in which]
         slots = [h for kind in self.family.slots(self.inner)
                  for h in handles(self.family.line.slots(self.inner, kind, variables))]
-        mode, value = clip or ("none", 0.0)
         if clip_scalars is None:
             clip_scalars = ([self.clip_scalars[i] for i in which] if mode == "norm"
                             else self.clip_scalars if mode == "global" else [])
@@ -417,17 +445,11 @@ class Plan:
                 decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0, sparse=sparse)
 
-        numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
-        form = self.family.run_time_form(self.inner)
-        if form is None or not numbers[form[0]]:
-            run(numbers)
-            return
-        # A form of the stock step's graph that only its run tells: the
-        # kernel of each, the probe's choice run.
-        index, probe = form
-        off = list(numbers)
-        off[index] = 0.0
-        tf.cond(probe(), lambda: run(numbers), lambda: run(off))
+        # Forms of the stock step's graph that only its run tells: the
+        # probes made here, outside any cond, where stock's step is made;
+        # the kernel of each choice, the probes' choice run.
+        _run_chosen(run, numbers, [(index, other, probe()) for index, other, probe
+                                   in self.family.run_time_forms(self.inner, numbers)])
 
     def prepare_scalars(self):
         """The step's scalars, computed as Keras computes them, and the
@@ -479,6 +501,19 @@ class Plan:
         sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
         return tf.cond(sums_finite, lambda: tf.constant(True),
                        lambda: native_ops.all_finite_grouped(self.grads))
+
+
+def _run_chosen(run, numbers, choices):
+    """``run(numbers)``, each ``(index, other, taken)`` of ``choices`` that
+    is not taken (a bool tensor) putting ``other`` at ``index``."""
+    if not choices:
+        run(numbers)
+        return
+    (index, other, taken), rest = choices[0], choices[1:]
+    off = list(numbers)
+    off[index] = other
+    tf.cond(taken, lambda: _run_chosen(run, numbers, rest),
+            lambda: _run_chosen(run, off, rest))
 
 
 class KerasLine:
@@ -697,6 +732,12 @@ _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_
              sparse=_adam_sparse)
 
 
+# The rmsprop family's numbers at LS_RMSPROP_RSQRT and LS_RMSPROP_PUSH_DOWN,
+# and the step's forms there (family_rmsprop.h's ls_rmsprop_form).
+_RMSPROP_RSQRT, _RMSPROP_PUSH_DOWN = 6, 7
+_RMSPROP_LR_G, _RMSPROP_LR_RSQRT, _RMSPROP_G_RSQRT = 1.0, 2.0, 3.0
+
+
 def _rsqrt_form():
     """1.0 where the stock step built here divides by TensorFlow's Rsqrt:
     the arithmetic optimizer, which reorders the products, also turns
@@ -732,13 +773,17 @@ def _graph_pushes_down(epsilon, one):
     return tf.reduce_all(tf.equal(a - b + epsilon, pushed))
 
 
-def _rmsprop_run_time_form(inner):
-    # Centered RMSprop's denominator v - a * a + epsilon (LS_RMSPROP_PUSH_DOWN).
-    if not inner.centered:
-        return None
-    return 7, lambda: _graph_pushes_down(
-        inner.epsilon, tf.cast(tf.math.is_finite(tf.cast(inner.iterations, tf.float32)),
-                               tf.float32))
+def _run_time_one(inner):
+    """1.0, a float32 tensor the graph optimizer cannot fold."""
+    return tf.cast(tf.math.is_finite(tf.cast(inner.iterations, tf.float32)), tf.float32)
+
+
+def _rmsprop_run_time_forms(inner, numbers):
+    # Centered RMSprop's denominator v - a * a + epsilon.
+    if not inner.centered or not numbers[_RMSPROP_PUSH_DOWN]:
+        return []
+    return [(_RMSPROP_PUSH_DOWN, 0.0,
+             lambda: _graph_pushes_down(inner.epsilon, _run_time_one(inner)))]
 
 
 def _rsqrt_reason(inner):
@@ -878,7 +923,7 @@ FAMILIES = (
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
-           run_time_form=_rmsprop_run_time_form,
+           run_time_forms=_rmsprop_run_time_forms,
            sparse=lambda inner, v: (
                "Keras' RMSprop divides each slice of a sparse gradient by its row's "
                "denominator (taking in the rows where that is 0 or NaN)")),
@@ -991,19 +1036,77 @@ def _tf_keras_adam_reason(inner):
 
 
 def _tf_keras_rmsprop_hyper(inner):
-    # tf_keras multiplies by tf.math.rsqrt eagerly too.
+    # tf_keras multiplies by tf.math.rsqrt, eagerly too: lr * g * rsqrt(d),
+    # the kernel's LS_RMSPROP_LR_G.  In a graph, the arithmetic optimizer
+    # regroups that chain (_tf_keras_rmsprop_variable_hyper).
     return [inner.rho, 1 - inner.rho, inner.epsilon, inner.momentum,
-            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0, 1.0,
+            1.0 if inner.momentum > 0 else 0.0, 1.0 if inner.centered else 0.0,
+            _RMSPROP_LR_RSQRT if _grappler_reassociates_products() else _RMSPROP_LR_G,
             _push_down_form()]
 
 
+def _tf_keras_rmsprop_variable_hyper(inner, variable, numbers):
+    """The graph optimizer's lr * g * rsqrt(d) of ``variable`` (its
+    MinimizeBroadcasts: the chain's factors stably sorted by size, the
+    first two multiplied first).  A rank-0 variable's has nothing to
+    broadcast: as written.  A larger one's takes lr, the one scalar, with
+    rsqrt(d): g * (lr * rsqrt(d)).  A one-element one's three factors tie,
+    and stay in their canonical order, by the names of their tensors:
+    rsqrt(d), then lr or g, whichever sorts first
+    (``_graph_orders_gradient_first``)."""
+    del inner
+    if numbers[_RMSPROP_RSQRT] == _RMSPROP_LR_RSQRT:
+        if len(variable.shape) == 0:
+            numbers[_RMSPROP_RSQRT] = _RMSPROP_LR_G
+        elif tf.TensorShape(variable.shape).num_elements() == 1:
+            numbers[_RMSPROP_RSQRT] = _RMSPROP_G_RSQRT
+    return numbers
+
+
+def _tf_keras_rmsprop_run_time_forms(inner, numbers):
+    forms = _rmsprop_run_time_forms(inner, numbers)
+    if numbers[_RMSPROP_RSQRT] == _RMSPROP_G_RSQRT:
+        forms.append((_RMSPROP_RSQRT, _RMSPROP_LR_RSQRT,
+                      lambda: _graph_orders_gradient_first(_run_time_one(inner))))
+    return forms
+
+
+def _graph_orders_gradient_first(one):
+    """Whether the graph optimizer turns a one-element variable's
+    lr * g * rsqrt(d) in tf_keras' step into (rsqrt(d) * g) * lr, rather
+    than (rsqrt(d) * lr) * g, as a bool tensor.
+
+    It orders the factors by the names of their tensors, a commutative
+    op's inputs sorted (its canonical form): tf_keras reads lr inside
+    the stock step's cond, and g comes into that cond from an IdentityN
+    (the gradients' all-reduce) outside it, under a name the cond's
+    lowering gives it, which sorts before lr's or after it by the name
+    scope the cond is made in and by how the function is called.
+    Tracing cannot tell which: a probe of the same chain, in a cond of its
+    own made here, its g from an IdentityN outside it, is named and
+    rewritten as stock's is, and reads back which order ran."""
+    # Eight of _PROBE_LANES as g: at rsqrt(3) and lr 0.001, the two orders
+    # round five of them differently.
+    lanes = tf.identity_n([tf.constant(_PROBE_LANES[k:k + 1]) * one for k in range(8)])
+    lr = tf.constant(np.float32(1e-3)) * one
+    d = tf.constant([np.float32(3.0)]) * one
+
+    def chains():
+        # lr read, and rsqrt(d) made, inside the cond, as tf_keras' are.
+        lr_in, rsqrt = tf.math.abs(lr), tf.math.rsqrt(d)
+        return [lr_in * g * rsqrt for g in lanes] + [lr_in, rsqrt]
+
+    def nothing():
+        return [tf.zeros([1])] * len(lanes) + [tf.zeros([]), tf.zeros([1])]
+
+    *got, lr_in, rsqrt = tf.cond(one > 0, chains, nothing)
+    # Rank 0: nothing to broadcast, nothing regrouped.
+    r = tf.reshape(rsqrt, [])
+    return tf.reduce_all([tf.equal(tf.reshape(c, []), (r * tf.reshape(g, [])) * lr_in)
+                          for c, g in zip(got, lanes)])
+
+
 def _tf_keras_rmsprop_reason(inner):
-    if _grappler_reassociates_products():
-        # lr * g * rsqrt(d) becomes g * (lr * rsqrt(d)), except for
-        # one-element variables: an order per variable, which the kernel
-        # does not take.
-        return ("tf_keras' RMSprop in a graph (TensorFlow's graph optimizer reorders "
-                "its lr * g * rsqrt(d))")
     return _tf_keras_reason(inner) or _tf_rsqrt_reason()
 
 
@@ -1080,6 +1183,8 @@ def tf_keras_families():
             _tf_keras_family("rmsprop", "RMSprop", slots=_rmsprop_slots,
                              numbers=("rho", "momentum", "epsilon"),
                              hyper=_tf_keras_rmsprop_hyper,
+                             variable_hyper=_tf_keras_rmsprop_variable_hyper,
+                             run_time_forms=_tf_keras_rmsprop_run_time_forms,
                              unsupported=_tf_keras_rmsprop_reason),
             _legacy_family("legacy_sgd", "SGD",
                            slots=lambda inner: ("momentum",) if _legacy_momentum_flag(inner)

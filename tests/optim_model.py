@@ -38,7 +38,9 @@ CONFIGS = {
                               amsgrad=True, weight_decay=0.1, mask=True),
     # graph: the step as a tf.function runs it, rewritten by Grappler (its
     # arithmetic optimizer divides by Rsqrt, its constant folding pushes
-    # epsilon down the centered sum); rsqrt_only: the first alone.
+    # epsilon down the centered sum); rsqrt_only: the first alone; order:
+    # tf_keras' lr * g * rsqrt(d) as the arithmetic optimizer regroups it,
+    # g * (lr * rsqrt(d)) ("lr_rsqrt") or lr * (g * rsqrt(d)) ("g_rsqrt").
     "rmsprop": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
                     centered=False, graph=False),
     "rmsprop_momentum": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.9, epsilon=1e-7,
@@ -54,6 +56,13 @@ CONFIGS = {
     "rmsprop_centered_rsqrt_only": dict(opt="rmsprop", lr=0.001, rho=0.9, momentum=0.5,
                                         epsilon=1e-3, centered=True, graph=True,
                                         rsqrt_only=True),
+    "rmsprop_lr_rsqrt_graph": dict(opt="rmsprop", lr=0.003, rho=0.9, momentum=0.0,
+                                   epsilon=1e-7, centered=False, graph=True, rsqrt_only=True,
+                                   order="lr_rsqrt"),
+    "rmsprop_centered_momentum_g_rsqrt_graph": dict(opt="rmsprop", lr=0.001, rho=0.95,
+                                                    momentum=0.9, epsilon=1e-6, centered=True,
+                                                    graph=True, order="g_rsqrt",
+                                                    weight_decay=0.004, mask=True),
     "adagrad": dict(opt="adagrad", lr=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
                     graph=False),
     "adagrad_decay_odd": dict(opt="adagrad", lr=0.05, initial_accumulator_value=0.37,
@@ -276,7 +285,13 @@ def _rmsprop_update(cfg, g, w, slots, lr, t, store):
              else (v - a * a) + F32(cfg["epsilon"]))
     else:
         d = v + F32(cfg["epsilon"])
-    step = _divide_by_sqrt(cfg, lr * g, d)
+    order = cfg.get("order")
+    if order == "lr_rsqrt":
+        step = g * (lr * tf_rsqrt(d))
+    elif order == "g_rsqrt":
+        step = lr * (g * tf_rsqrt(d))
+    else:
+        step = _divide_by_sqrt(cfg, lr * g, d)
     if cfg["momentum"] > 0:
         m = F32(cfg["momentum"]) * slots["momentum"] + step
         store("momentum", m)
@@ -288,10 +303,15 @@ def _push_down(cfg):
     return cfg["graph"] and not cfg.get("rsqrt_only")
 
 
+# family_rmsprop.h's ls_rmsprop_form of each order.
+RMSPROP_FORMS = {"lr_rsqrt": 2.0, "g_rsqrt": 3.0}
+
+
 def _rmsprop_hyper(cfg, lr, t):
+    form = RMSPROP_FORMS.get(cfg.get("order"), 1.0 if cfg["graph"] else 0.0)
     return [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
-            1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0,
-            1.0 if cfg["graph"] else 0.0, 1.0 if _push_down(cfg) else 0.0]
+            1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0, form,
+            1.0 if _push_down(cfg) else 0.0]
 
 
 def _adagrad_update(cfg, g, w, slots, lr, t, store):

@@ -1,4 +1,5 @@
-"""The core's ``legacy_*`` families against TensorFlow's own training ops.
+"""The core's ``legacy_*`` families against TensorFlow's own training ops,
+and the ``rmsprop`` family's forms against tf_keras' current RMSprop.
 
 Oracle: TensorFlow's ``ResourceApplyGradientDescent``,
 ``ResourceApplyKerasMomentum``, ``ResourceApplyAdam``,
@@ -12,6 +13,12 @@ the core with subnormals flushed, as TensorFlow's CPU kernels compute.  The
 scalars the core takes are computed with TensorFlow's ops as
 ``lossscale._fused`` computes them (Adam's alpha from the step's beta
 powers), so the test also holds them to what the kernels derive inside.
+
+tf_keras' ``RMSprop.update_step`` runs eagerly and in a tf.function, where
+TensorFlow's graph optimizer regroups its ``lr * g * rsqrt(d)`` and pushes
+epsilon down the centered sum: the test names the form each of its runs
+takes, by the rules the graph optimizer follows, and holds the kernel of
+that form to tf_keras' numbers.
 """
 
 import numpy as np
@@ -158,3 +165,97 @@ def test_family_matches_tensorflows_training_op(case, shape):
             _same_or_both_nan(var, tf_var.numpy(), f"step {t}: the variable")
             for k, (s, want) in enumerate(zip(slots, tf_slots)):
                 _same_or_both_nan(s, want.numpy(), f"step {t}: slot {k}")
+
+
+# ------------------------------------------- tf_keras' current RMSprop
+
+TF_KERAS_RMSPROP = {
+    "plain": dict(rho=0.9, momentum=0.0, epsilon=1e-7, centered=False),
+    "momentum": dict(rho=0.8, momentum=0.5, epsilon=1e-3, centered=False),
+    "centered_momentum": dict(rho=0.95, momentum=0.9, epsilon=1e-6, centered=True),
+}
+RMSPROP_SHAPES = [(), (1,), (1, 1), (7,), (9,), (1003,), (13, 7)]
+RMSPROP_STEPS = 8
+# family_rmsprop.h's forms: (lr * g) * rsqrt(d), g * (lr * rsqrt(d)),
+# lr * (g * rsqrt(d)).
+LR_G, LR_RSQRT, G_RSQRT = 1.0, 2.0, 3.0
+
+
+def _rmsprop_form(shape, where):
+    """The order of tf_keras' lr * g * rsqrt(d) in a run ``where``: eagerly
+    as written; in a tf.function, the graph optimizer's MinimizeBroadcasts
+    sorts the chain's factors by size (stably) and multiplies the first
+    two first.  A rank-0 chain has nothing to broadcast and is left alone;
+    a larger one takes lr, the scalar, with rsqrt(d); a one-element one's
+    factors tie, and keep the canonical order of a product's inputs, by
+    name: rsqrt(d) ("RMSprop/Rsqrt"), then lr ("<scope>/RMSprop/ReadVariableOp")
+    or the gradient (the argument "g"), whichever sorts first."""
+    if where == "eager" or len(shape) == 0:
+        return LR_G
+    if int(np.prod(shape)) > 1:
+        return LR_RSQRT
+    return LR_RSQRT if where == "function" else G_RSQRT
+
+
+@pytest.mark.parametrize("where", ["eager", "function", "function_z"])
+@pytest.mark.parametrize("shape", RMSPROP_SHAPES, ids=lambda s: "x".join(map(str, s)) or "0")
+@pytest.mark.parametrize("case", sorted(TF_KERAS_RMSPROP))
+def test_rmsprop_forms_match_tf_keras_rmsprop(case, shape, where):
+    """``function``: a tf.function that returns the variable (the graph
+    optimizer, knowing the outputs, pushes epsilon down the centered sum);
+    ``function_z``: one that returns nothing, its step under the name scope
+    "z" (lr's name then sorts after the gradient's)."""
+    tf_keras = pytest.importorskip("tf_keras")
+    from lossscale import _compat  # pylint: disable=import-outside-toplevel
+
+    cfg = TF_KERAS_RMSPROP[case]
+    rng = np.random.default_rng(abs(hash((case, shape, where))) % 2**32)
+    kinds = (["velocity"] + (["momentum"] if cfg["momentum"] else [])
+             + (["average_gradient"] if cfg["centered"] else []))
+    # The core's arrays flat (its kernel sees the elements alone); tf_keras'
+    # in the shape.  One element takes ordinary values (the special ones
+    # would each replace the last).
+    flat = (int(np.prod(shape)),)
+
+    def values(scale=1.0, nonneg=False):
+        if flat[0] > 1:
+            return _random(rng, flat, scale, nonneg)
+        a = (rng.standard_normal(flat) * scale).astype(F32)
+        return np.abs(a) if nonneg else a
+
+    var = values()
+    slots = [values(1e-2, nonneg=kind == "velocity") for kind in kinds]
+    push_down = cfg["centered"] and where == "function"
+    hyper = [cfg["rho"], 1 - cfg["rho"], cfg["epsilon"], cfg["momentum"],
+             1.0 if cfg["momentum"] else 0.0, 1.0 if cfg["centered"] else 0.0,
+             _rmsprop_form(shape, where), 1.0 if push_down else 0.0]
+    with tf.device("CPU:0"):
+        tf_var = tf.Variable(var.reshape(shape))
+        opt = tf_keras.optimizers.RMSprop(0.01, rho=cfg["rho"], momentum=cfg["momentum"],
+                                          epsilon=cfg["epsilon"], centered=cfg["centered"])
+        opt.build([tf_var])
+        tf_slots = [_compat.tf_keras_optimizer_slots(opt, kind, [tf_var])[0] for kind in kinds]
+        for tf_slot, s in zip(tf_slots, slots):
+            tf_slot.assign(s.reshape(shape))
+
+        def step(g):
+            opt.apply_gradients([(g, tf_var)])
+            return tf_var.read_value()
+
+        def step_z(g):
+            with tf.name_scope("z"):
+                opt.apply_gradients([(g, tf_var)])
+
+        run = {"eager": step, "function": tf.function(step),
+               "function_z": tf.function(step_z)}[where]
+        for t in range(1, RMSPROP_STEPS + 1):
+            grad = values(0.1)
+            lr = [0.01, 0.003, 2.5][t % 3]
+            opt.learning_rate = lr
+            run(tf.constant(grad.reshape(shape)))
+            assert core.optimizer_step_("rmsprop", [var], [grad], [[s] for s in slots],
+                                        hyper=hyper, learning_rate=lr,
+                                        flush_denormals=True) is True
+            _same_or_both_nan(var, tf_var.numpy().reshape(flat), f"step {t}: the variable")
+            for kind, s, want in zip(kinds, slots, tf_slots):
+                _same_or_both_nan(s, want.numpy().reshape(flat), f"step {t}: {kind}")

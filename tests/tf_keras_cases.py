@@ -460,6 +460,8 @@ FUSED = {
     "rmsprop_centered_momentum": (lambda: tf_keras.optimizers.RMSprop(
         1e-3, momentum=0.5, centered=True), "RMSprop"),
     "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3), "RMSprop"),
+    "rmsprop_momentum_decay": (lambda: tf_keras.optimizers.RMSprop(
+        1e-3, momentum=0.9, weight_decay=0.004), "RMSprop"),
 }
 # Long runs, in a tf.function.
 LONG = ("legacy_adam", "legacy_rmsprop_centered_momentum", "adamw_amsgrad")
@@ -472,9 +474,26 @@ def _fused_data(steps):
     return overflowing_batches(steps, BATCH, seed=11, first=4, every=9, factor=3e3)
 
 
-def _fused_model():
-    # Odd sizes (vector tails) and one-element variables.
-    return _model(width=37, seed=5)
+class _ScalarWeight(tf_keras.layers.Layer):
+    """``x * s``, ``s`` a rank-0 weight."""
+
+    def build(self, input_shape):
+        self.s = self.add_weight(name="s", shape=(),
+                                 initializer=tf_keras.initializers.Constant(0.75))
+
+    def call(self, inputs):
+        return inputs * self.s
+
+
+def _fused_model(kind=None):
+    # Odd sizes (vector tails) and one-element variables; for tf_keras'
+    # RMSprop, whose step TensorFlow's graph optimizer regroups for
+    # variables of rank 1 or more alone, a rank-0 weight too.
+    model = _model(width=37, seed=5)
+    if kind is not None and kind.startswith("rmsprop"):
+        model = tf_keras.Sequential(model.layers + [_ScalarWeight(dtype="float32")])
+        model.build((None, 4))
+    return model
 
 
 def _inner_variables(opt):
@@ -488,11 +507,8 @@ def _fused_state(model, opt):
             + [opt.loss_scale, opt.dynamic_counter, opt.iterations]]
 
 
-def _expected_path(kind, use_function):
-    name = FUSED[kind][1]
-    if kind.startswith("rmsprop") and use_function:
-        return "stock: tf_keras' RMSprop in a graph"
-    return f"fused ({name})"
+def _expected_path(kind):
+    return f"fused ({FUSED[kind][1]})"
 
 
 def _assert_moved(states):
@@ -513,8 +529,9 @@ def test_fused_custom_loop_bit_identical(kind, use_function):
                  lambda inner: lossscale.LossScaleOptimizer(inner, initial_scale=2.0**10,
                                                             dynamic_growth_steps=GROWTH)):
         opt = make(FUSED[kind][0]())
-        runs.append(_custom_loop(opt, _fused_model(), x, y, use_function, steps, _fused_state))
-    assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
+        runs.append(_custom_loop(opt, _fused_model(kind), x, y, use_function, steps,
+                                 _fused_state))
+    assert opt.step_path.startswith(_expected_path(kind)), opt.step_path
     _assert_moved(runs[0])
     _assert_same_states(runs[1], runs[0])
 
@@ -527,11 +544,45 @@ def test_fused_minimize_bit_identical(kind, use_function):
     runs = []
     for cls in (STOCK, lossscale.LossScaleOptimizer):
         opt = cls(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
-        runs.append(_custom_loop(opt, _fused_model(), x, y, use_function, FUSED_STEPS,
+        runs.append(_custom_loop(opt, _fused_model(kind), x, y, use_function, FUSED_STEPS,
                                  _fused_state, _minimize_step))
-    assert opt.step_path.startswith(_expected_path(kind, use_function)), opt.step_path
+    assert opt.step_path.startswith(_expected_path(kind)), opt.step_path
     _assert_moved(runs[0])
     _assert_same_states(runs[1], runs[0])
+
+
+def _scoped(scope):
+    """``_apply_step``'s step, made under the name scope ``scope``."""
+    def make_step(opt, model):
+        step = _apply_step(opt, model)
+
+        def scoped(xb, yb):
+            with tf.name_scope(scope):
+                step(xb, yb)
+        return scoped
+    return make_step
+
+
+def test_fused_rmsprop_one_element_order_follows_the_graph():
+    # TensorFlow's graph optimizer orders a one-element variable's
+    # lr * g * rsqrt(d) by the names of its tensors, which the step's name
+    # scope decides ("Apply" sorts before the "Func/" of an inlined cond's
+    # input, "train" after): the stock runs differ, and each fused one
+    # follows its own.
+    x, y = _fused_data(FUSED_STEPS)
+    want = {}
+    for scope in ("Apply", "train"):
+        runs = []
+        for make in (STOCK, lossscale.LossScaleOptimizer):
+            opt = make(FUSED["rmsprop"][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+            runs.append(_custom_loop(opt, _fused_model("rmsprop"), x, y, True, FUSED_STEPS,
+                                     _fused_state, _scoped(scope)))
+        assert opt.step_path == _expected_path("rmsprop")
+        _assert_same_states(runs[1], runs[0])
+        want[scope] = runs[0]
+    bias = 3  # the output layer's, of one element
+    assert any(a[bias].tobytes() != b[bias].tobytes()
+               for a, b in zip(want["Apply"], want["train"])), "the scopes ran one order"
 
 
 @pytest.mark.parametrize("kind", ["legacy_adam_amsgrad_schedule", "legacy_rmsprop_centered",
@@ -544,13 +595,14 @@ def test_fused_experimental_optimizer_bit_identical(kind):
                         _fused_state)
     opt = mixed_precision.LossScaleOptimizer(FUSED[kind][0](), loss_scale="dynamic")
     got = _custom_loop(opt, _fused_model(), x, y, True, FUSED_STEPS, _fused_state)
-    assert opt.step_path == _expected_path(kind, True)
+    assert opt.step_path == _expected_path(kind)
     _assert_same_states(got, want)
 
 
 @pytest.mark.parametrize("kind", ["legacy_sgd_nesterov_schedule", "legacy_adam",
                                   "legacy_rmsprop_centered_momentum", "legacy_adagrad", "sgd",
-                                  "adam_schedule", "adamw_amsgrad"])
+                                  "adam_schedule", "adamw_amsgrad",
+                                  "rmsprop_centered_momentum"])
 def test_fused_fit_bit_identical(kind, monkeypatch):
     from lossscale import ops  # pylint: disable=import-outside-toplevel
 
@@ -562,14 +614,14 @@ def test_fused_fit_bit_identical(kind, monkeypatch):
     x, y = _fused_data(FUSED_STEPS)
     states = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
-        model = _fused_model()
+        model = _fused_model(kind)
         model.compile(make(FUSED[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH),
                       "mse")
         recorder = batch_recorder(tf_keras.callbacks, _fused_state)
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[recorder])
         states.append(recorder.states)
-    assert model.optimizer.step_path == _expected_path(kind, True)
+    assert model.optimizer.step_path == _expected_path(kind)
     assert not unscale_calls
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])

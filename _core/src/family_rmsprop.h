@@ -10,9 +10,19 @@
  *   h[LS_RMSPROP_MOMENTUM]      mu
  *   h[LS_RMSPROP_HAS_MOMENTUM]  1: Keras' momentum > 0, a momentum slot
  *   h[LS_RMSPROP_CENTERED]      1: centered, an average_gradient slot
- *   h[LS_RMSPROP_RSQRT]         1: x / sqrt(y) as x * rsqrt(y), TensorFlow's
- *                               Rsqrt (ls_tf_rsqrt1): in a tf.function,
- *                               Grappler's arithmetic optimizer rewrites it
+ *   h[LS_RMSPROP_RSQRT]         the step's form (ls_rmsprop_form): 0
+ *                               divides by sqrt(d); the others multiply
+ *                               by TensorFlow's Rsqrt (ls_tf_rsqrt1), lr
+ *                               and g in the order the stock step leaves
+ *                               them: 1 as written (Keras' x / sqrt(y),
+ *                               which a tf.function's arithmetic
+ *                               optimizer writes x * rsqrt(y); tf_keras'
+ *                               lr * g * rsqrt(d) eagerly, or a rank-0
+ *                               variable's); 2 and 3 tf_keras' in a
+ *                               tf.function, whose arithmetic optimizer
+ *                               regroups the chain by size (lr, the
+ *                               scalar, first: 2) or, for a one-element
+ *                               variable, by the names of its tensors
  *   h[LS_RMSPROP_PUSH_DOWN]     1: (v - a * a) + epsilon as
  *                               (epsilon - a * a) + v: in a tf.function,
  *                               Grappler's constant folding pushes the
@@ -24,7 +34,9 @@
  *   centered: a = rho * a + c * g;  d = (v - a * a) + epsilon
  *                                       (push down: (epsilon - a * a) + v)
  *   else:     d = v + epsilon
- *   step = (lr * g) / sqrt(d)           (rsqrt: (lr * g) * rsqrt(d))
+ *   step = (lr * g) / sqrt(d)           (1: (lr * g) * rsqrt(d),
+ *                                        2: g * (lr * rsqrt(d)),
+ *                                        3: lr * (g * rsqrt(d)))
  *   momentum: m = mu * m + step;  w = w - m
  *   else:     w = w - step
  */
@@ -34,6 +46,9 @@
 enum { LS_RMSPROP_RHO, LS_RMSPROP_C, LS_RMSPROP_EPSILON, LS_RMSPROP_MOMENTUM,
        LS_RMSPROP_HAS_MOMENTUM, LS_RMSPROP_CENTERED, LS_RMSPROP_RSQRT, LS_RMSPROP_PUSH_DOWN,
        ls_rmsprop_hyper_count };
+
+/* h[LS_RMSPROP_RSQRT]: the step's form. */
+enum ls_rmsprop_form { LS_RMSPROP_SQRT, LS_RMSPROP_LR_G, LS_RMSPROP_LR_RSQRT, LS_RMSPROP_G_RSQRT };
 
 static inline int ls_rmsprop_slots(const float *h)
 {
@@ -45,7 +60,11 @@ static inline const char *ls_rmsprop_problem(const float *h)
     if (!ls_optim_finite(h[LS_RMSPROP_RHO]) || !ls_optim_finite(h[LS_RMSPROP_C]) ||
         !ls_optim_finite(h[LS_RMSPROP_EPSILON]) || !ls_optim_finite(h[LS_RMSPROP_MOMENTUM]))
         return "rho, 1 - rho, epsilon and the momentum must be finite";
-    return ls_optim_rsqrt_problem(h[LS_RMSPROP_RSQRT]);
+    const float form = h[LS_RMSPROP_RSQRT];
+    if (form != LS_RMSPROP_SQRT && form != LS_RMSPROP_LR_G && form != LS_RMSPROP_LR_RSQRT &&
+        form != LS_RMSPROP_G_RSQRT)
+        return "RMSprop's step form must be 0, 1, 2 or 3";
+    return ls_optim_rsqrt_problem(form);
 }
 
 static inline void ls_rmsprop1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
@@ -65,8 +84,16 @@ static inline void ls_rmsprop1(const ls_param *p, size_t i, float g, const ls_op
     } else {
         d = v + h[LS_RMSPROP_EPSILON];
     }
-    const float step = h[LS_RMSPROP_RSQRT] != 0.0f ? (a->lr * g) * ls_tf_rsqrt1(d, i, p->length)
-                                                   : (a->lr * g) / sqrtf(d);
+    const float form = h[LS_RMSPROP_RSQRT];
+    float step;
+    if (form == LS_RMSPROP_SQRT) {
+        step = (a->lr * g) / sqrtf(d);
+    } else {
+        const float r = ls_tf_rsqrt1(d, i, p->length);
+        step = form == LS_RMSPROP_LR_RSQRT  ? g * (a->lr * r)
+               : form == LS_RMSPROP_G_RSQRT ? a->lr * (g * r)
+                                            : (a->lr * g) * r;
+    }
     if (has_momentum) {
         const float m = h[LS_RMSPROP_MOMENTUM] * p->slot[1][i] + step;
         p->slot[1][i] = m;
@@ -86,7 +113,9 @@ LS_OPTIM_RUN(rmsprop)
                eps = v_set1(a->h[LS_RMSPROP_EPSILON]), mu = v_set1(a->h[LS_RMSPROP_MOMENTUM]);
     const int has_momentum = a->h[LS_RMSPROP_HAS_MOMENTUM] != 0.0f,
               centered = a->h[LS_RMSPROP_CENTERED] != 0.0f,
-              rsqrt = a->h[LS_RMSPROP_RSQRT] != 0.0f,
+              rsqrt = a->h[LS_RMSPROP_RSQRT] != LS_RMSPROP_SQRT,
+              lr_rsqrt = a->h[LS_RMSPROP_RSQRT] == LS_RMSPROP_LR_RSQRT,
+              g_rsqrt = a->h[LS_RMSPROP_RSQRT] == LS_RMSPROP_G_RSQRT,
               push_down = a->h[LS_RMSPROP_PUSH_DOWN] != 0.0f;
     float *const vs = p->slot[0], *const ms = p->slot[1],
                  *const avgs = p->slot[1 + has_momentum];
@@ -105,8 +134,15 @@ LS_OPTIM_RUN(rmsprop)
         } else {
             d = v_add(v, eps);
         }
-        const LS_V step = rsqrt ? v_mul(v_mul(c.lr, g), LS_FN(tf_rsqrt)(d))
-                                : v_div(v_mul(c.lr, g), v_sqrt(d));
+        LS_V step;
+        if (rsqrt) {
+            const LS_V r = LS_FN(tf_rsqrt)(d);
+            step = lr_rsqrt  ? v_mul(g, v_mul(c.lr, r))
+                   : g_rsqrt ? v_mul(c.lr, v_mul(g, r))
+                             : v_mul(v_mul(c.lr, g), r);
+        } else {
+            step = v_div(v_mul(c.lr, g), v_sqrt(d));
+        }
         if (has_momentum) {
             const LS_V m = v_add(v_mul(mu, v_load(ms + i)), step);
             v_store(ms + i, m);
