@@ -1849,12 +1849,16 @@ def _decay_form(inner, variable, reassociated):
     if getattr(inner, "weight_decay", None) is None or not _compat.uses_weight_decay(inner,
                                                                                   variable):
         return 0
-    # A one-element variable has nothing to broadcast: the graph optimizer
-    # leaves its product alone.
-    size = 1
-    for d in variable.shape:
-        size *= int(d)
-    return 2 if reassociated and size > 1 else 1
+    # The graph optimizer regroups `var * wd * lr` as `var * (lr * wd)` where
+    # the variable has more elements than the scalars.  Where it has one, the
+    # three factors tie in size and their tensors' names decide: Keras 3's
+    # regroup for every variable of rank 1 or more, tf_keras' keep the
+    # product as written; a rank-0 variable's product runs as written in both.
+    if not reassociated or len(variable.shape) == 0:
+        return 1
+    if _which_keras.is_tf_keras_object(inner):
+        return 2 if int(np.prod([int(d) for d in variable.shape])) != 1 else 1
+    return 2
 
 
 def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False):

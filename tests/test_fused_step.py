@@ -337,6 +337,51 @@ def test_graph_pass_switched_off_as_stock(option):
         tf.config.optimizer.set_experimental_options({option: previous})
 
 
+# Weight decay large enough that the grouping of `var * wd * lr` decides the
+# last bit of many results, for every family that decays.
+DECAYING = {
+    "sgd": lambda: keras.optimizers.SGD(0.37, weight_decay=0.83),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.37, momentum=0.7, weight_decay=0.83),
+    "adamw": lambda: keras.optimizers.AdamW(0.37, weight_decay=0.83),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.37, epsilon=1e-5, weight_decay=0.83),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(0.37, momentum=0.5, centered=True,
+                                                         weight_decay=0.83),
+    "adamax": lambda: keras.optimizers.Adamax(0.37, weight_decay=0.83),
+    "nadam": lambda: keras.optimizers.Nadam(0.37, weight_decay=0.83),
+    "lion": lambda: keras.optimizers.Lion(0.37, weight_decay=0.83),
+}
+
+
+def compiled_apply(opt, variables):
+    return tf.function(lambda grads: opt.apply(grads, variables))
+
+
+@pytest.mark.parametrize("name", list(DECAYING))
+def test_weight_decay_of_one_element_variables_in_a_graph_as_stock(name):
+    """In a graph the graph optimizer regroups the decay's `var * wd * lr`
+    by the factors' sizes, and, where they tie (a one-element variable), by
+    their tensors' names: 30 variables of each of the shapes (), (1,),
+    (1, 1) and (3,), each name its own, bit-identical to stock over three
+    steps."""
+    rng = np.random.default_rng(3)
+    shapes = [s for s in [(), (1,), (1, 1), (3,)] for _ in range(30)]
+    start = [rng.uniform(0.5, 2.0, s).astype(np.float32) for s in shapes]
+    steps = [[tf.constant(rng.standard_normal(s).astype(np.float32) * 8) for s in shapes]
+             for _ in range(3)]
+    finals = []
+    for cls in (Stock, Ours):
+        variables = [keras.Variable(a) for a in start]
+        opt = cls(DECAYING[name](), initial_scale=1.0)
+        opt.build(variables)
+        apply = compiled_apply(opt, variables)
+        for grads in steps:
+            apply(grads)
+        finals.append([(f"variable {i} of shape {s}", bits(v.numpy()))
+                       for i, (s, v) in enumerate(zip(shapes, variables))])
+    assert_fused(opt)
+    assert_same_state(finals[0], finals[1], "after three steps")
+
+
 # ------------------------------------- TensorFlow 2.4's loop, experimental
 
 

@@ -585,6 +585,37 @@ def test_fused_rmsprop_one_element_order_follows_the_graph():
                for a, b in zip(want["Apply"], want["train"])), "the scopes ran one order"
 
 
+@pytest.mark.parametrize("make_inner", [
+    lambda: tf_keras.optimizers.AdamW(0.37, weight_decay=0.83),
+    lambda: tf_keras.optimizers.SGD(0.37, momentum=0.5, weight_decay=0.83),
+    lambda: tf_keras.optimizers.RMSprop(0.37, weight_decay=0.83),
+], ids=["adamw", "sgd_momentum", "rmsprop"])
+def test_fused_weight_decay_of_one_element_variables_in_a_graph(make_inner):
+    # The graph optimizer regroups tf_keras' `var * wd * lr` by the factors'
+    # sizes and, where they tie (one element), by their tensors' names, which
+    # keep tf_keras' order as written: 30 variables of each of the shapes
+    # (), (1,), (1, 1) and (3,), each name its own, against stock, with a
+    # weight decay large enough that the grouping decides many last bits.
+    rng = np.random.default_rng(3)
+    shapes = [s for s in [(), (1,), (1, 1), (3,)] for _ in range(30)]
+    start = [rng.uniform(0.5, 2.0, s).astype(np.float32) for s in shapes]
+    steps = [[tf.constant(rng.standard_normal(s).astype(np.float32) * 8) for s in shapes]
+             for _ in range(3)]
+    finals = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        variables = [tf.Variable(a) for a in start]
+        opt = make(make_inner(), dynamic=False, initial_scale=1.0)
+        apply = tf.function(lambda grads, opt=opt, variables=variables:
+                            opt.apply_gradients(zip(grads, variables)))
+        for grads in steps:
+            apply(grads)
+        finals.append([v.numpy() for v in variables])
+    assert opt.step_path.startswith("fused"), opt.step_path
+    bad = [f"variable {i} of shape {s}" for i, (s, a, b) in enumerate(zip(shapes, *finals))
+           if a.tobytes() != b.tobytes()]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("kind", ["legacy_adam_amsgrad_schedule", "legacy_rmsprop_centered",
                                   "sgd_nesterov_decay", "adamw_schedule"])
 def test_fused_experimental_optimizer_bit_identical(kind):
