@@ -242,7 +242,11 @@ def slices_steps(steps, dtype, seed):
     return out
 
 
-def slices_lockstep(name, dtype, eager, steps, index_dtype=tf.int32):
+def slices_lockstep(name, dtype, eager, steps, index_dtype=tf.int32, rows_known=False):
+    """Stock and ours in lockstep over ``slices_steps``: eagerly, or in a
+    ``tf.function`` traced once with the number of slices unknown, as
+    ``Model.fit`` traces a batch of any size (``rows_known``: traced anew
+    for each step's numbers of slices, which the graph then knows)."""
     rng = np.random.default_rng(2)
     init = {n: rng.standard_normal(s).astype(np.float32) for n, s in TABLES.items()}
     init["kernel"] = rng.standard_normal((4, 3)).astype(np.float32)
@@ -260,7 +264,16 @@ def slices_lockstep(name, dtype, eager, steps, index_dtype=tf.int32):
             grads = [tf.IndexedSlices(values_a, indices_a, shapes[0]),
                      tf.IndexedSlices(values_b, indices_b, shapes[1]), dense]
             opt.apply(grads, variables)
-        return step if eager else tf.function(step)
+        if eager:
+            return step
+        if rows_known:
+            return tf.function(step)
+        tf_dtype = tf.as_dtype(dtype)
+        signature = [tf.TensorSpec([None, TABLES["table_a"][1]], tf_dtype),
+                     tf.TensorSpec([None], index_dtype),
+                     tf.TensorSpec([None, TABLES["table_b"][1]], tf_dtype),
+                     tf.TensorSpec([None], index_dtype), tf.TensorSpec([4, 3], tf_dtype)]
+        return tf.function(step, input_signature=signature)
 
     steps_fn = [step_of(o, v) for o, v in zip(opts, twins)]
     readers = [state_of(v + list(o.variables)) for v, o in zip(twins, opts)]
@@ -302,6 +315,12 @@ def test_hand_made_slices_bit_identical_to_stock(name, dtype, eager):
 
 def test_int64_indices_bit_identical_to_stock():
     slices_lockstep("adam", np.float16, False, 30, index_dtype=tf.int64)
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad_decay", "sgd_momentum"])
+def test_slices_of_known_numbers_bit_identical_to_stock(name):
+    # Each step's numbers of slices in the graph: a trace per step.
+    slices_lockstep(name, np.float16, False, 16, rows_known=True)
 
 
 def test_tf24_rule_multiplies_the_values_as_its_stock_path():
