@@ -3,10 +3,11 @@
  *
  * One input describes a list of variables (gradient dtype, weight-decay
  * form, length, raw bytes of the variable, gradient, slots and, for some,
- * a gradient term: ls_param.grad_term, an EMA: ls_param.average, and a
- * sparse gradient: ls_param.indices) and a whole configuration (optimizer,
- * unscale mode, scale and every hyperparameter as raw bits, so non-finite
- * and out-of-range values come up).  Checked:
+ * a gradient term: ls_param.grad_term, an EMA: ls_param.average, a
+ * sparse gradient: ls_param.indices, and a gradient accumulator:
+ * ls_param.accumulator) and a whole configuration (optimizer, unscale
+ * mode, scale, accumulation mode and steps, and every hyperparameter as raw
+ * bits, so non-finite and out-of-range values come up).  Checked:
  *   - every kernel set this CPU runs gives the scalar set's bytes (NaN
  *     results need only be NaN: a compiler may swap the operands of a
  *     commutative scalar operation, which picks the other NaN payload);
@@ -17,6 +18,10 @@
  *     rules for one hold (read here apart from the core's check) and the
  *     call, every gradient dense, would be taken; ls_optim_sparse_problem
  *     finds none exactly when the configuration's part of them holds;
+ *   - ls_optim_validate takes accumulators exactly when lossscale.h's
+ *     rules for them hold (a known accumulation mode, steps >= 1 under
+ *     one, an accumulator only under one, on a dense gradient without a
+ *     term), and a run that writes leaves every accumulator +0;
  *   - ls_optim_step_range over two parts equals one whole run, and so does
  *     ls_optim_update_with on a host parallel-for running them in reverse;
  *     a call either refuses, before the parallel-for runs, or updates;
@@ -35,8 +40,13 @@
  *   17..64 the family's numbers (LS_OPTIM_MAX_HYPER floats; those past its
  *          count are ignored), in family_<name>.h's order; 49..52, past
  *          every family's count (FITS below), are also the slice factor
- *          (raw bits 0 read as 1, most families' factor), and the last two
- *          (57..64) the EMA's momentum and rest
+ *          (raw bits 0 read as 1, most families' factor); 53: bits 0-1 the
+ *          accumulation mode (ls_accumulation_mode; 3 is refused), bits 2-4
+ *          which variables have an accumulator (bit 2 + i: variable i);
+ *          54..56 the accumulation steps (u24); the last two (57..64) the
+ *          EMA's momentum and rest.  (53..56 were read by no family before
+ *          accumulators came: the corpus was rewritten with them zeroed, so
+ *          that each input kept its meaning.)
  *   65     variables: 1 + (byte & 127) % 3; bit 7: the family's fourth bit
  *          (the corpus was rewritten when it was added, and again when the
  *          clip fields were: each input kept its meaning, the unknown family
@@ -77,7 +87,16 @@
 #define HAVE_MXCSR 1
 #endif
 
-enum { MAX_VARS = 3, NBUF = 8, TERM = 5, AVERAGE = 6, INDICES = 7, GUARD = 0xA5, PAD = 64 };
+enum {
+    MAX_VARS = 3,
+    NBUF = 9,
+    TERM = 5,
+    AVERAGE = 6,
+    INDICES = 7,
+    ACCUMULATOR = 8,
+    GUARD = 0xA5,
+    PAD = 64
+};
 
 /* The slice factor's bytes (49..52) lie past every family's numbers. */
 #define FITS(family)                                                                       \
@@ -101,13 +120,14 @@ static void read_bytes(const fuzz_input *in, size_t at, void *out, size_t n)
 /* One list of buffers with guard bytes around each. */
 typedef struct arena {
     ls_param params[MAX_VARS];
-    /* var, grad, 3 slots, term, average, indices: PAD guard + data + PAD
-     * guard */
+    /* var, grad, 3 slots, term, average, indices, accumulator: PAD guard +
+     * data + PAD guard */
     uint8_t *blocks[MAX_VARS][NBUF];
     size_t bytes[MAX_VARS][NBUF];
     int terms[MAX_VARS];
     int averages[MAX_VARS];
     int sparse[MAX_VARS];
+    int accumulators[MAX_VARS];
     size_t skew[MAX_VARS]; /* the indices' offset in their buffer: 0, or 4 (misaligned) */
     size_t count;
 } arena;
@@ -146,6 +166,8 @@ static void arena_fill(arena *a, const arena *layout, const fuzz_input *in, size
             p->slot[s] = (float *)(void *)(a->blocks[i][2 + s] + PAD);
         p->grad_term = a->terms[i] ? (const float *)(void *)(a->blocks[i][TERM] + PAD) : NULL;
         p->average = a->averages[i] ? (float *)(void *)(a->blocks[i][AVERAGE] + PAD) : NULL;
+        p->accumulator =
+            a->accumulators[i] ? (float *)(void *)(a->blocks[i][ACCUMULATOR] + PAD) : NULL;
         p->indices = NULL;
         if (!a->sparse[i])
             continue;
@@ -265,6 +287,33 @@ static int sparse_rules_hold(const arena *a, const ls_optim_config *c)
     return 1;
 }
 
+/* lossscale.h's rules for accumulators (ls_param.accumulator), apart
+ * from the core's checks: a known accumulation mode, steps >= 1 under one;
+ * an accumulator only under one, on a dense gradient without a term. */
+static int accumulation_rules_hold(const arena *a, const ls_optim_config *c)
+{
+    if (c->accumulation < LS_ACCUMULATION_NONE || c->accumulation > LS_ACCUMULATION_MULTIPLY ||
+        (c->accumulation != LS_ACCUMULATION_NONE && c->accumulation_steps < 1))
+        return 0;
+    for (size_t i = 0; i < a->count; i++) {
+        const ls_param *p = &a->params[i];
+        if (p->accumulator != NULL && (c->accumulation == LS_ACCUMULATION_NONE ||
+                                       p->indices != NULL || p->grad_term != NULL))
+            return 0;
+    }
+    return 1;
+}
+
+/* Every accumulator all +0 (what a run that writes leaves). */
+static int accumulators_zero(const arena *a)
+{
+    for (size_t i = 0; i < a->count; i++)
+        for (size_t k = 0; a->accumulators[i] && k < a->bytes[i][ACCUMULATOR]; k++)
+            if (a->blocks[i][ACCUMULATOR][PAD + k] != 0)
+                return 0;
+    return 1;
+}
+
 /* Whether the call validates with every gradient taken as dense (`length`
  * elements from `grad`: only checked, never read, so it may claim more
  * bytes than a sparse one's buffer holds, and then overlap another and be
@@ -328,6 +377,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memcpy(&c.slice_factor, &factor_bits, 4);
     if (factor_bits == 0) /* most families' factor, and a short input's */
         c.slice_factor = 1.0f;
+    const uint8_t accumulation = byte_at(&in, 53);
+    c.accumulation = accumulation & 3;
+    c.accumulation_steps =
+        byte_at(&in, 54) | byte_at(&in, 55) << 8 | (int)byte_at(&in, 56) << 16;
     const unsigned flags = mode & 1 ? LS_FLUSH_DENORMALS : 0;
 
     arena layout;
@@ -341,6 +394,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         layout.terms[i] = (form >> 2) & 1;
         layout.averages[i] = (form >> 3) & 1;
         layout.sparse[i] = (form >> 4) & 1;
+        layout.accumulators[i] = (accumulation >> (2 + i)) & 1;
         p->row_length = 1 + (form >> 5);
         p->slices = (decay >> 2) & 31;
         p->decay = decay % 4;
@@ -359,6 +413,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         layout.bytes[i][TERM] = layout.terms[i] ? p->length * 4 : 0;
         layout.bytes[i][AVERAGE] = layout.averages[i] ? p->length * 4 : 0;
         layout.bytes[i][INDICES] = layout.sparse[i] ? p->slices * 8 + layout.skew[i] : 0;
+        layout.bytes[i][ACCUMULATOR] = layout.accumulators[i] ? p->length * 4 : 0;
     }
     const size_t cut = byte_at(&in, 66) * total / 255;
 
@@ -375,8 +430,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int valid = ls_optim_validate(before.params, before.count, &c) == LS_OK;
     if (valid && !sparse_rules_hold(&before, &c))
         fail("ls_optim_validate took a sparse gradient its rules refuse");
-    if (!valid && sparse_rules_hold(&before, &c) && valid_as_dense(&before, &c))
-        fail("ls_optim_validate refused a sparse gradient its rules take");
+    if (valid && !accumulation_rules_hold(&before, &c))
+        fail("ls_optim_validate took accumulators their rules refuse");
+    if (!valid && sparse_rules_hold(&before, &c) && accumulation_rules_hold(&before, &c) &&
+        valid_as_dense(&before, &c))
+        fail("ls_optim_validate refused a sparse gradient or an accumulator its rules take");
     if ((ls_optim_sparse_problem(&c) == NULL) !=
         (ls_optim_config_check(&c, NULL) == LS_OK && sparse_config_ok(&c)))
         fail("ls_optim_sparse_problem disagrees with the rules");
@@ -384,6 +442,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (ls_optim_run(&ls_optim_scalar, ref.params, ref.count, &c, flags, 0, total) != 1)
             fail("the scalar set refused a valid call");
         check_guards(&ref);
+        if (!accumulators_zero(&ref))
+            fail("an accumulator is not +0 after the update");
         /* every kernel set this CPU runs */
         for (int level = 0; level < ls_simd_count(); level++) {
             const ls_optim_kernels *k = ls_optim_kernels_at(level);

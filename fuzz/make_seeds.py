@@ -16,7 +16,12 @@ with ordinary and extreme scales, flushing on and off (values whose
 squares are subnormal), the host's cut points on and around leaf starts,
 and every refusal.  For fuzz/fuzz_optim.c (whose corpus the fuzzer grew),
 the RMSprop step forms raw hyperparameter bits rarely reach: lr * rsqrt(d)
-first and g * rsqrt(d) first.  Deterministic: rerunning rewrites the same
+first and g * rsqrt(d) first; and the update step of a gradient
+accumulation (accumulators averaged, divided or times the reciprocal, over
+a count of steps that is a power of two and one that is not) for each
+family, gradients of every dtype, an EMA beside it, both unscales, and its
+refusals (an accumulator on a sparse gradient, beside a term, without a
+mode, an unknown mode, no steps).  Deterministic: rerunning rewrites the same
 files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
@@ -344,13 +349,40 @@ def norm_seeds():
 OPTIM_RMSPROP = 2
 RMSPROP_LR_RSQRT, RMSPROP_G_RSQRT = 2.0, 3.0
 
+# fuzz_optim.c's family indices (optim_families.h's order) with numbers that
+# pass each family's checks (family_<name>.h's order).
+OPTIM_FAMILIES = {
+    "sgd": (0, [0.9, 0.0]),
+    "adam": (1, [0.1, 0.001, 1e-7, 1.0, 0.001]),
+    "rmsprop": (2, [0.9, 0.1, 1e-7, 0.9, 1.0, 1.0, 1.0, 1.0]),
+    "adagrad": (3, [1e-7, 1.0]),
+    "adamax": (4, [0.1, 0.999, 1e-7, 0.1]),
+    "nadam": (5, [0.1, 0.001, 1e-7, 0.45, 0.9, 0.55, 0.5, 0.001]),
+    "lion": (6, [0.9, 0.1, 0.99, 0.01]),
+    "legacy_sgd": (7, [1.0, 1.0, 0.9]),
+    "legacy_adam": (8, [1.0, 0.1, 0.001, 1e-7, 0.001]),
+    "legacy_rmsprop": (9, [1.0, 1.0, 0.9, 0.1, 0.5, 1e-7]),
+    "legacy_adagrad": (10, [1e-7]),
+    "accumulate": (11, []),
+}
+# A variable's dtype byte: its gradient term, its EMA, a sparse gradient.
+TERM, AVERAGE, SPARSE = 4, 8, 16
+# ls_accumulation_mode
+ACC_NONE, ACC_DIVIDE, ACC_MULTIPLY = 0, 1, 2
 
-def encode_optim(family, unscale, scale, lr, weight_decay, hyper, variables, data):
-    """fuzz_optim.c's input: ``variables`` as (gradient dtype, decay, length)."""
+
+def encode_optim(family, unscale, scale, lr, weight_decay, hyper, variables, data,
+                 accumulation=(ACC_NONE, 0, 0)):
+    """fuzz_optim.c's input: ``variables`` as (gradient dtype byte, decay byte,
+    length); ``accumulation`` as (mode, which variables have an accumulator
+    (a bit each), steps)."""
     out = bytearray(72)
     out[0] = (family & 7) << 1 | unscale << 4
     out[1:17] = struct.pack("<dff", scale, lr, weight_decay)
     out[17:17 + 4 * len(hyper)] = struct.pack(f"<{len(hyper)}f", *hyper)
+    mode, which, steps = accumulation
+    out[53] = mode | which << 2
+    out[54:57] = steps.to_bytes(3, "little")
     out[65] = (len(variables) - 1) | (family >> 3) << 7
     out[66] = 100
     for dtype, decay, length in variables:
@@ -372,6 +404,46 @@ def optim_seeds():
         hyper = [0.9, 0.1, 1e-6, 0.5, 1.0, centered, form, 1.0]
         yield (f"rmsprop-{name}",
                encode_optim(OPTIM_RMSPROP, DIVIDE, 1024.0, 0.003, 0.004, hyper, variables, data))
+    yield from accumulation_seeds(data)
+
+
+def accumulation_seeds(data):
+    """The update step of a gradient accumulation: every family, averaged by
+    a division and by the reciprocal, over 3 and 4 steps; a float16, a
+    bfloat16 and a float32 gradient (one, a vector and a half, a long one
+    with an EMA); Keras 3's unscale, TensorFlow 2.4's (whose float16 product
+    is rounded) and none; then each refusal."""
+    variables = [(0, 1, 1), (1, 0, 37), (2 | AVERAGE, 1, 300)]
+    unscales = [(DIVIDE, 1000.0), (MULTIPLY, 1024.0), (NONE, 1.0)]
+    for name, (family, hyper) in OPTIM_FAMILIES.items():
+        for mode, steps in ((ACC_DIVIDE, 3), (ACC_MULTIPLY, 3), (ACC_DIVIDE, 4),
+                            (ACC_MULTIPLY, 4)):
+            unscale, scale = unscales[(family + steps + mode) % 3]
+            kind = "divide" if mode == ACC_DIVIDE else "multiply"
+            yield (f"accumulate-{name}-{kind}-{steps}",
+                   encode_optim(family, unscale, scale, 0.003, 0.004, hyper, variables, data,
+                                accumulation=(mode, 0b111, steps)))
+    sgd, sgd_hyper = OPTIM_FAMILIES["sgd"]
+    adam, adam_hyper = OPTIM_FAMILIES["adam"]
+    # (name, family, numbers, unscale, variables, accumulation): one
+    # variable of each refused.
+    refusals = [
+        ("sparse", sgd, sgd_hyper, DIVIDE, [(2, 1, 8), (2 | SPARSE | 3 << 5, 3 << 2, 16)],
+         (ACC_DIVIDE, 0b10, 2)),
+        ("term", adam, adam_hyper, NONE, [(2 | TERM, 0, 17), (2, 0, 5)], (ACC_DIVIDE, 0b01, 2)),
+        ("no-mode", sgd, sgd_hyper, DIVIDE, [(2, 0, 9)], (ACC_NONE, 0b1, 2)),
+        ("unknown-mode", sgd, sgd_hyper, DIVIDE, [(2, 0, 9)], (3, 0b1, 2)),
+        ("no-steps", sgd, sgd_hyper, DIVIDE, [(2, 0, 9)], (ACC_MULTIPLY, 0b1, 0)),
+    ]
+    for name, family, hyper, unscale, refused, accumulation in refusals:
+        yield (f"accumulate-refuse-{name}",
+               encode_optim(family, unscale, 1000.0, 0.003, 0.0, hyper, refused, data,
+                            accumulation=accumulation))
+    # An odd count past 2^16, and the most steps the input holds.
+    for steps in (65537, (1 << 24) - 1):
+        yield (f"accumulate-steps-{steps}",
+               encode_optim(sgd, DIVIDE, 2.0 ** 15, 0.01, 0.0, sgd_hyper, variables, data,
+                            accumulation=(ACC_DIVIDE, 0b101, steps)))
 
 
 def main():

@@ -21,8 +21,13 @@ EMA (``use_ema``) and gradient accumulation (``gradient_accumulation_steps``)
 wrap any family's update as Keras' ``_backend_apply_gradients`` wraps
 ``update_step`` (see ``apply``): the accumulating steps add the unscaled
 gradients to the accumulators in one native pass (the ``accumulate``
-family), an update step runs the family's op on their average and zeroes
-the accumulators (``LossScaleZeroVariables``), and the EMA follows every
+family); an update step is one pass too, the family's op reading each
+gradient and its accumulator (``Accumulation``): the gradient unscaled,
+plus the accumulator, divided by the steps as the stock step divides
+(eagerly a division, in a ``tf.function`` the product by ``1 / steps``
+that TensorFlow's graph optimizer makes of it), the update, and the
+accumulator zeroed; the accumulators of variables without a gradient are
+zeroed apart (``LossScaleZeroVariables``).  The EMA follows every
 applied step: without accumulation the op itself moves each average right
 after its variable's update (``ls_param.average``, Keras' momentum and
 ``1 - momentum`` from ``_compat.moving_average_numbers``); the averages no
@@ -310,12 +315,13 @@ class Plan:
         self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
         return "none"
 
-    def run(self, library, should_apply, scale, unscale, grads=None):
+    def run(self, library, should_apply, scale, unscale, accumulation=None):
         """The family's native op over the plan (``prepare_scalars`` first):
-        one over the dense gradients (or ``grads``, in their place),
-        unscaled and clipped by the op, one over the sparse ones' dense
-        terms; then the family's own state, when ``should_apply``.  Under a
-        strategy it runs on this replica's device, over the copies there."""
+        one over the dense gradients, unscaled (and, on the update step of
+        an ``accumulation``, averaged with their accumulators) and clipped
+        by the op, one over the sparse ones' dense terms; then the family's
+        own state, when ``should_apply``.  Under a strategy it runs on this
+        replica's device, over the copies there."""
         if any(self.decay_by_ops):
             _step.cond(should_apply, lambda: [
                 _decay_like_stock(self.inner, local_copy(self.variables[i]))
@@ -327,10 +333,12 @@ class Plan:
                      if form is DENSIFIED_BY_CLIP and not native]
         sparse = [i for i, form in enumerate(self.forms)
                   if form is not None and form is not DENSIFIED_BY_CLIP]
+        if accumulation is not None and len(dense) != len(self.forms):
+            # decide() keeps a sparse gradient with accumulation stock.
+            raise ValueError("gradient accumulation takes dense gradients only")
         if dense:
-            given = self.grads if grads is None else grads
-            self._launch_dense(library, should_apply, dense, [given[i] for i in dense], scale,
-                               unscale)
+            self._launch_dense(library, should_apply, dense, [self.grads[i] for i in dense],
+                               scale, unscale, accumulation)
         if densified:
             dense_grads = []
             for i in densified:
@@ -356,10 +364,11 @@ class Plan:
         zero = tf.constant(0.0, tf.float32)
         library.loss_scale_apply_optimizer(
             tf.constant(True), [local_copy(a).handle for a in accumulators], [], self.grads,
-            scale, zero, zero, [], [], [], [], [], [], [], family="accumulate", hyper=[],
+            scale, zero, zero, [], [], [], [], [], [], [], [], family="accumulate", hyper=[],
             decay=[0] * len(accumulators), unscale=unscale)
 
-    def _launch_dense(self, library, should_apply, which, grads, scale, unscale):
+    def _launch_dense(self, library, should_apply, which, grads, scale, unscale,
+                      accumulation=None):
         """The native op over dense gradients ``grads`` of the variables
         ``which``, clipped by the plan's clip: those whose global clip the
         graph may reorder (``merged_clip``) in an op of their own."""
@@ -368,7 +377,7 @@ class Plan:
         if apart:
             self._launch(library, should_apply, [which[k] for k in apart],
                          [grads[k] for k in apart], scale, self.learning_rate, unscale,
-                         clip=self.clip)
+                         clip=self.clip, accumulation=accumulation)
         if merged:
             # Where the graph optimizer reorders `u * factor * learning_rate`
             # to `u * (factor * learning_rate)`, that product is these
@@ -379,16 +388,20 @@ class Plan:
                          [grads[k] for k in merged], scale,
                          tf.where(reordered, factor * self.learning_rate, self.learning_rate),
                          unscale, clip=self.clip,
-                         clip_scalars=[tf.where(reordered, tf.constant(1.0), factor)])
+                         clip_scalars=[tf.where(reordered, tf.constant(1.0), factor)],
+                         accumulation=accumulation)
 
     def _launch(self, library, should_apply, which, grads, scale, learning_rate, unscale,
-                hyper=None, clip=None, clip_scalars=None, slice_factor=None):
+                hyper=None, clip=None, clip_scalars=None, slice_factor=None,
+                accumulation=None):
         """One native op over the variables ``which`` (positions in the plan)
         and their ``grads``, clipped as ``clip`` says (with the
         plan's clip scalars, or ``clip_scalars``).  A sparse gradient goes in
         as its slices and their rows, after the checks of its indices (a
         bad index fails there, with the variable's name), each slice value
-        times ``slice_factor`` (None: 1) before a row's sum."""
+        times ``slice_factor`` (None: 1) before a row's sum.  With an
+        ``accumulation`` the op averages each gradient with its variable's
+        accumulator and zeroes it."""
         mode, value = clip or ("none", 0.0)
         numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
         # Variables whose numbers differ (the forms the graph optimizer gives
@@ -404,7 +417,7 @@ class Plan:
                              hyper=lambda inner, key=key: list(key), clip=clip,
                              clip_scalars=(clip_scalars if clip_scalars is None or mode != "norm"
                                            else [clip_scalars[k] for k in ks]),
-                             slice_factor=slice_factor)
+                             slice_factor=slice_factor, accumulation=accumulation)
             return
         numbers = list(next(iter(groups)))
 
@@ -436,14 +449,19 @@ class Plan:
             if all(a is not None for a in found):
                 averages, ema = handles(found), self.ema
                 self.ema_done.extend(variables)
+        accumulators, accumulated = [], {}
+        if accumulation is not None:
+            accumulators = handles([accumulation.accumulators[i] for i in which])
+            accumulated = dict(accumulation=accumulation.mode,
+                               accumulation_steps=accumulation.steps)
 
         def run(numbers):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
                 self.weight_decay, self.scalars, clip_scalars, [], averages, ema, indices,
-                slice_factor, family=self.family.name, hyper=numbers,
+                slice_factor, accumulators, family=self.family.name, hyper=numbers,
                 decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
-                else 0.0, sparse=sparse)
+                else 0.0, sparse=sparse, **accumulated)
 
         # Forms of the stock step's graph that only its run tells: the
         # probes made here, outside any cond, where stock's step is made;
@@ -501,6 +519,29 @@ class Plan:
         sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
         return tf.cond(sums_finite, lambda: tf.constant(True),
                        lambda: native_ops.all_finite_grouped(self.grads))
+
+
+class Accumulation:
+    """The update step of Keras' gradient accumulation as the fused op takes
+    it: ``accumulators``, each plan variable's (by position), read and
+    zeroed in the op's pass; the average ``(g + accumulator) / steps`` of
+    each unscaled gradient ``g`` as the stock step computes it: ``mode``
+    ``"divide"`` (Keras' division, eagerly) or ``"multiply"`` (times
+    float32(1 / steps): in a graph TensorFlow's constant folding turns the
+    division by a constant into that product, ``_average_mode``)."""
+
+    def __init__(self, accumulators, mode, steps):
+        self.accumulators = accumulators
+        self.mode = mode
+        self.steps = int(steps)
+
+
+def _average_mode():
+    """How the stock step built here divides an accumulated sum by the
+    steps: ``"multiply"`` (by the float32 reciprocal, rounded once) where
+    TensorFlow's graph optimizer folds its constants, else ``"divide"``.
+    (The same bits for a power of two.)"""
+    return "multiply" if _grappler_folds_constants() else "divide"
 
 
 def _run_chosen(run, numbers, choices):
@@ -1319,13 +1360,14 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
                      "accumulated average)")
     if (steps and steps & (steps - 1) and family.scales_gradient
             and _grappler_folds_constants() and _grappler_reassociates_products()):
-        # The average (acc + g) / steps becomes a product by 1 / steps, which
+        # The average (g + acc) / steps becomes a product by 1 / steps, which
         # the graph optimizer merges into the update's first product with the
         # gradient (SGD's g * lr: g * (1 / steps * lr)); Adam and Adamax
         # subtract from the gradient, square it or take its absolute value
-        # first, which ends the chain of products.  A product by a power
-        # of two is exact, so for one both orders give the same bits (unless
-        # an intermediate falls below float32's normal range, ~1e-38).
+        # first, which ends the chain of products, and the fused op takes
+        # the product by 1 / steps as it is (Accumulation).  A product by a
+        # power of two is exact, so for one both orders give the same bits
+        # (unless an intermediate falls below float32's normal range, ~1e-38).
         return stock(f"gradient_accumulation_steps={steps} in a graph (TensorFlow's graph "
                      f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
@@ -1900,12 +1942,6 @@ def _accumulation_steps(inner):
     return getattr(inner, "gradient_accumulation_steps", None)
 
 
-def _unscaled(grads, scale, unscale):
-    """The gradients the stock step hands the inner optimizer's apply
-    (``_unscaled_like_stock`` of each)."""
-    return [_unscaled_like_stock(g, scale, unscale) for g in grads]
-
-
 def _accumulate_or_update(plan, library, scale, unscale):
     """An applied step of an inner optimizer with gradient accumulation:
     Keras' ``_backend_apply_gradients`` with the fused op as its update."""
@@ -1915,15 +1951,19 @@ def _accumulate_or_update(plan, library, scale, unscale):
     is_update_step = (_compat.optimizer_iterations(inner) + 1) % steps == 0
 
     def update():
-        # Keras' order: the new gradient plus the accumulated, then divided.
-        grads = [(g + a) / steps for g, a in zip(_unscaled(plan.grads, scale, unscale),
-                                                  accumulators)]
-        plan.run(library, tf.constant(True), scale, "none", grads=grads)
-        # Keras zeroes every accumulator (assign(zeros)); zeroed in their own
-        # buffers, the next accumulating step adds in place without copying
-        # them first (LossScaleZeroVariables).
-        library.loss_scale_zero_variables(
-            [local_copy(a).handle for a in _compat.all_gradient_accumulators(inner)])
+        # One pass: each gradient unscaled, plus its accumulator (Keras'
+        # order: the new gradient first), averaged as stock averages, the
+        # update, and the accumulator zeroed in its own buffer, so that the
+        # next accumulating step adds in place without copying it first.
+        plan.run(library, tf.constant(True), scale, unscale,
+                 accumulation=Accumulation(accumulators, _average_mode(), steps))
+        # Keras zeroes every accumulator (assign(zeros)): those of variables
+        # without a gradient in this step too, by LossScaleZeroVariables.
+        taken = {id(a) for a in accumulators}
+        rest = [a for a in _compat.all_gradient_accumulators(inner)
+                if a is not None and id(a) not in taken]
+        if rest:
+            library.loss_scale_zero_variables([local_copy(a).handle for a in rest])
 
     def accumulate():
         plan.accumulate(library, scale, unscale, accumulators)

@@ -87,6 +87,7 @@ cdef extern from "lossscale.h" nogil:
         const int64_t *indices
         size_t slices
         size_t row_length
+        float *accumulator
 
     enum:
         LS_OPTIM_MAX_HYPER
@@ -104,6 +105,8 @@ cdef extern from "lossscale.h" nogil:
         float ema_momentum
         float ema_rest
         float slice_factor
+        int accumulation
+        int accumulation_steps
 
     int ls_optim_family(const char *name)
     const char *ls_optim_family_name(int family)
@@ -118,6 +121,11 @@ cdef extern from "lossscale.h" nogil:
         LS_UNSCALE_NONE
         LS_UNSCALE_DIVIDE
         LS_UNSCALE_MULTIPLY
+
+    enum:
+        LS_ACCUMULATION_NONE
+        LS_ACCUMULATION_DIVIDE
+        LS_ACCUMULATION_MULTIPLY
 
     enum:
         LS_CLIP_NONE
@@ -409,6 +417,7 @@ def scale_update(state, bint grads_finite, *, int rule=RULE_TF24,
 # ----------------------------------------------------------------- fused steps
 
 _UNSCALE_MODES = {"divide": LS_UNSCALE_DIVIDE, "multiply": LS_UNSCALE_MULTIPLY}
+_ACCUMULATION_MODES = {"divide": LS_ACCUMULATION_DIVIDE, "multiply": LS_ACCUMULATION_MULTIPLY}
 _CLIP_MODES = {None: LS_CLIP_NONE, "value": LS_CLIP_VALUE, "norm": LS_CLIP_NORM,
                "global": LS_CLIP_GLOBAL}
 
@@ -469,14 +478,15 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
 
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
                     list clip_scalars, ls_optim_config *config, unsigned flags,
-                    list terms=None, list averages=None, list indices=None) except -10:
+                    list terms=None, list averages=None, list indices=None,
+                    list accumulators=None) except -10:
     """Checks everything, then one nogil ls_optim_step; nothing is written
     unless every check passed."""
     cdef Py_ssize_t n = len(variables), i, k
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
-    cdef ls_buffer *bufs = <ls_buffer *>malloc(((5 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot, term, average, index
+    cdef ls_buffer *bufs = <ls_buffer *>malloc(((6 + nslots) * n + 1) * sizeof(ls_buffer))
+    cdef cnp.ndarray var, grad, slot, term, average, index, accumulator
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -516,6 +526,7 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             params[i].indices = NULL
             params[i].slices = 0
             params[i].row_length = 0
+            params[i].accumulator = NULL
             if index is not None and params[i].length > 0:
                 params[i].indices = <const int64_t *>cnp.PyArray_DATA(index)
                 params[i].slices = <size_t>cnp.PyArray_SIZE(index)
@@ -529,6 +540,14 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
                 _check_f32(average, <object>var, what, f"averages[{i}]")
                 params[i].average = <float *>cnp.PyArray_DATA(average)
                 bufs[nb].src = params[i].average
+                bufs[nb].dtype = LS_FLOAT32
+                bufs[nb].length = params[i].length
+                nb += 1
+            if accumulators is not None:
+                accumulator = <cnp.ndarray>accumulators[i]
+                _check_f32(accumulator, <object>var, what, f"accumulators[{i}]")
+                params[i].accumulator = <float *>cnp.PyArray_DATA(accumulator)
+                bufs[nb].src = params[i].accumulator
                 bufs[nb].dtype = LS_FLOAT32
                 bufs[nb].length = params[i].length
                 nb += 1
@@ -737,6 +756,7 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
                     weight_decay=None, decay=None, scale=None, unscale="divide",
                     clip=None, clip_value=None, clip_scalars=None, terms=None,
                     averages=None, ema_momentum=None, indices=None, slice_factor=None,
+                    accumulators=None, accumulation_steps=None, accumulation="divide",
                     bint flush_denormals=False):
     """One step of a fused family (``optimizer_families()``) over float32
     arrays, in place, fused with the finite check and the unscale; see
@@ -759,7 +779,15 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     (but under ``"global"``) clipped, times ``slice_factor`` (default 1),
     a row's slices added in order onto 0, the family's term summed alike;
     Adagrad's as Keras' update scatters them (each slice's squares onto
-    its row of the accumulator, then each slice's step, in order)."""
+    its row of the accumulator, then each slice's step, in order).
+    ``accumulators`` (with ``accumulation_steps``; dense gradients, no
+    ``terms``): per variable, its float32 gradient accumulator, on the
+    update step of Keras' ``gradient_accumulation_steps``: the update takes
+    ``(g + accumulator) / steps`` (g unscaled; clipped after) and the
+    accumulator becomes 0.  ``accumulation="divide"`` divides by
+    float32(steps), as Keras does eagerly; ``"multiply"`` multiplies by
+    float32(1 / steps), the division as TensorFlow's graph optimizer
+    rewrites it."""
     cdef ls_optim_config c
     cdef int f, i, want
     cdef const char *problem
@@ -813,9 +841,28 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
         problem = ls_optim_sparse_problem(&c)
         if problem != NULL:
             raise ValueError(f"{what}: sparse gradients: {problem.decode()}")
+    c.accumulation = LS_ACCUMULATION_NONE
+    c.accumulation_steps = 0
+    if (accumulators is None) != (accumulation_steps is None):
+        raise ValueError(f"{what}: accumulators and accumulation_steps go together")
+    if accumulators is not None:
+        if not isinstance(accumulation, str) or accumulation not in _ACCUMULATION_MODES:
+            raise ValueError(f"{what}: accumulation must be one of "
+                             f"{sorted(_ACCUMULATION_MODES)}, got {accumulation!r}")
+        if isinstance(accumulation_steps, (bool, np.bool_)) \
+                or not isinstance(accumulation_steps, numbers.Integral) \
+                or not 1 <= accumulation_steps <= 2**31 - 1:
+            raise ValueError(f"{what}: accumulation_steps must be an integer >= 1, got "
+                             f"{accumulation_steps!r}")
+        if terms is not None or indices is not None:
+            raise ValueError(f"{what}: accumulators take dense gradients; terms and "
+                             f"indices must be None")
+        accumulators = _param_list(accumulators, what, "accumulators", len(variables))
+        c.accumulation = _ACCUMULATION_MODES[accumulation]
+        c.accumulation_steps = int(accumulation_steps)
     return bool(_optim_run(what, variables, grads, slot_lists, decay, clip_scalars, &c,
                            LS_FLUSH_DENORMALS if flush_denormals else 0, terms, averages,
-                           indices))
+                           indices, accumulators))
 
 
 def squared_norms(values, *, indices=None, rows=None, scale=None, unscale="divide",

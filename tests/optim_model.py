@@ -4,9 +4,11 @@ the fused families reproduce (SGD, Adam / AdamW, ...; ``FAMILIES``).
 The oracle of the fused optimizer step at every layer that runs it.  Written
 from Keras' own source (``BaseOptimizer._clip_gradients`` with the
 clip numbers given, ``_apply_weight_decay``, then each optimizer's
-``update_step``): every elementwise op is one numpy float32 op,
-in Keras' order, so each result is rounded on its own as TensorFlow's
-op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
+``update_step``; on an update step of ``gradient_accumulation_steps``,
+``_backend_apply_gradients``' average of each gradient with its
+accumulator first, ``accumulated``): every elementwise op is one numpy
+float32 op, in Keras' order, so each result is rounded on its own as
+TensorFlow's op-by-op float32 arithmetic rounds it.  numpy keeps subnormals, so this is
 the IEEE (``flush_denormals=False``) model.  Also here: the cases the tests
 share with their subprocesses, one call of the core for a case, and the
 step on a sparse gradient (its slices densified as TensorFlow densifies an
@@ -157,6 +159,21 @@ def unscaled(grad, scale, mode):
     return (grad * reciprocal).astype(grad.dtype).astype(F32)
 
 
+def accumulated(grad, accumulator, scale, mode, steps, average):
+    """Keras' average on an update step of ``gradient_accumulation_steps``
+    (``_backend_apply_gradients``: ``(g + acc_g) / steps``), op by op: the
+    gradient unscaled as the optimizer sees it, plus the accumulator (the
+    gradient first, as Keras writes it), rounded; then divided by
+    float32(steps) as Keras runs it eagerly (``average="divide"``), or,
+    ``"multiply"``, times the float32 reciprocal TensorFlow's constant
+    folding makes of the divisor in a tf.function (``Reciprocal`` of the
+    constant, rounded once)."""
+    total = unscaled(grad, scale, mode) + accumulator
+    if average == "divide":
+        return total / F32(steps)
+    return total * (F32(1) / F32(steps))
+
+
 def clip_scalars(cfg, n):
     """Each variable's clip number for a configuration with ``clip``: for
     "norm" divisors of max(l2norm, clipnorm)'s kinds (clipnorm itself, a
@@ -183,13 +200,19 @@ def clipped(cfg, g, i, n):
 
 
 def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
-               terms=None):
+               terms=None, accumulators=None, accumulation_steps=None,
+               accumulation="divide"):
     """Keras' step on copies: ``(variables, slots)`` after it.  ``slots`` is a
     dict name -> list of arrays; ``lr`` the float32 learning rate of this
     step, ``t`` Adam's ``iterations + 1``; ``terms``, per variable, what
     the family takes in place of one function of g (Adam's g * g, Adamax's
     |g|, Lion's g * (1 - beta_2): a sparse gradient's, summed per row), or
-    None for a variable whose family computes its own."""
+    None for a variable whose family computes its own.  ``accumulators``
+    (per variable, with ``accumulation_steps``): the update step of a
+    gradient accumulation, each gradient ``accumulated`` with its
+    accumulator (averaged as ``accumulation`` says) before the clip and the
+    update (the accumulators themselves, which Keras then zeroes, are left
+    to the caller)."""
     lr = F32(lr)
     out_vars = [v.copy() for v in variables]
     out_slots = {k: [a.copy() for a in arrays] for k, arrays in slots.items()}
@@ -201,7 +224,10 @@ def keras_step(cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide"
                 if mask[i]:
                     out_vars[i] = w - (w * wd) * lr
         for i, grad in enumerate(grads):
-            g = clipped(cfg, unscaled(grad, scale, mode), i, len(grads))
+            g = (unscaled(grad, scale, mode) if accumulators is None
+                 else accumulated(grad, accumulators[i], scale, mode, accumulation_steps,
+                                  accumulation))
+            g = clipped(cfg, g, i, len(grads))
             out_vars[i] = FAMILIES[cfg["opt"]]["update"](
                 cfg, g, out_vars[i], {k: a[i] for k, a in out_slots.items()}, lr, t,
                 lambda name, value, i=i: out_slots[name].__setitem__(i, value),
@@ -517,11 +543,13 @@ FAMILIES = {
 
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
-              flush_denormals=False, terms=None, indices=None, slice_factor=None):
+              flush_denormals=False, terms=None, indices=None, slice_factor=None,
+              accumulators=None, accumulation_steps=None, accumulation="divide"):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
-    other family and for ``terms`` or sparse gradients (``indices``, with
-    ``slice_factor``)."""
+    other family and for ``terms``, sparse gradients (``indices``, with
+    ``slice_factor``) or an accumulation's update step (``accumulators``,
+    with ``accumulation_steps`` and ``accumulation``, zeroed by it)."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
                   decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
@@ -531,7 +559,10 @@ def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="di
         if clip != "value":
             scalars = clip_scalars(cfg, len(variables))
             common["clip_scalars"] = scalars[0] if clip == "global" else scalars
-    if terms is not None or indices is not None:
+    if accumulators is not None:
+        common.update(accumulators=accumulators, accumulation_steps=accumulation_steps,
+                      accumulation=accumulation)
+    if terms is not None or indices is not None or accumulators is not None:
         sparse = {} if indices is None else {"indices": indices, "slice_factor": slice_factor}
         return core.optimizer_step_(cfg["opt"], variables, grads,
                                     [slots[k] for k in slot_names(cfg)],
@@ -653,13 +684,45 @@ def simd_term_cases():
             yield f"{name}/terms/flush={flush}", CONFIGS[name], "float32", flush, seed
 
 
+# One configuration of each family (rmsprop and adagrad in their Rsqrt
+# forms, whose vector loops stop at TensorFlow's packets) for the update
+# step of a gradient accumulation; its averages (divided or times the
+# reciprocal, over a count of steps that is a power of two and one that is
+# not), and the unscales taken in turn.
+ACCUMULATE_CONFIGS = ["sgd_momentum", "sgd_nesterov", "adamw", "adamw_amsgrad_odd",
+                      "rmsprop_centered_graph", "rmsprop_momentum", "adagrad_graph",
+                      "adamax_decay_odd", "nadam", "lion_decay_odd", "legacy_sgd_nesterov",
+                      "legacy_adam_amsgrad_odd", "legacy_rmsprop_centered_momentum",
+                      "legacy_adagrad", "accumulate", "sgd_momentum_clipvalue",
+                      "adam_clipnorm"]
+ACCUMULATE_AVERAGES = [(3, "divide"), (3, "multiply"), (4, "divide"), (5, "multiply")]
+
+
+def simd_accumulate_cases():
+    """``(key, cfg, grad dtype, scale, mode, steps, average, flush, seed)``
+    for each accumulation case."""
+    seed = 30_000
+    for name in ACCUMULATE_CONFIGS:
+        for dtype in GRAD_DTYPES:
+            for steps, average in ACCUMULATE_AVERAGES:
+                for flush in (False, True):
+                    seed += 1
+                    scale, mode = SIMD_UNSCALES[seed % len(SIMD_UNSCALES)]
+                    yield (f"{name}/{dtype}/{mode}-{scale}/accumulated-{average}-{steps}/"
+                           f"flush={flush}", CONFIGS[name], dtype, scale, mode, steps, average,
+                           flush, seed)
+
+
 def simd_runs():
-    """Each case of ``simd_cases`` then of ``simd_term_cases`` as ``(key, cfg,
-    flush_denormals, variables, slots, steps)``: the state made from the
-    case's seed, and ``steps`` yielding ``(t, grads, kwargs)`` for each of
-    ``SIMD_STEPS`` steps (``kwargs``: the unscale's ``scale`` and ``mode``,
-    or the gradient ``terms``), drawn from the same generator as the state,
-    in that order."""
+    """Each case of ``simd_cases``, of ``simd_term_cases``, then of
+    ``simd_accumulate_cases`` as ``(key, cfg, flush_denormals, variables,
+    slots, steps)``: the state made from the case's seed, and ``steps``
+    yielding ``(t, grads, kwargs)`` for each of ``SIMD_STEPS`` steps
+    (``kwargs``: the unscale's ``scale`` and ``mode``, the gradient
+    ``terms``, or the unscale and an accumulation's update step: fresh
+    ``accumulators`` of subnormal and huge values among others, their
+    ``accumulation_steps`` and ``accumulation``), drawn from the same
+    generator as the state, in that order."""
     for key, cfg, dtype, scale, mode, flush, seed in simd_cases():
         rng = np.random.default_rng(seed)
         variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
@@ -669,13 +732,28 @@ def simd_runs():
         rng = np.random.default_rng(seed)
         variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
         yield key, cfg, flush, variables, slots, _simd_steps(rng, cfg, dtype, None, None)
+    for key, cfg, dtype, scale, mode, steps, average, flush, seed in simd_accumulate_cases():
+        rng = np.random.default_rng(seed)
+        variables, slots = make_state(rng, cfg, SIMD_SHAPES, special=True)
+        yield (key, cfg, flush, variables, slots,
+               _simd_steps(rng, cfg, dtype, scale, {"scale": scale, "mode": mode},
+                           accumulation=(steps, average)))
 
 
-def _simd_steps(rng, cfg, dtype, scale, unscale):
+def _simd_steps(rng, cfg, dtype, scale, unscale, accumulation=None):
     for step in range(SIMD_STEPS):
         grads = make_grads(rng, SIMD_SHAPES, GRAD_DTYPES[dtype], scale, special=True)
         kwargs = unscale if unscale is not None else {"terms": make_terms(rng, cfg, SIMD_SHAPES)}
+        if accumulation is not None:
+            kwargs = dict(kwargs, accumulators=make_accumulators(rng, SIMD_SHAPES, special=True),
+                          accumulation_steps=accumulation[0], accumulation=accumulation[1])
         yield step + 1, grads, kwargs
+
+
+def make_accumulators(rng, shapes, *, special=False):
+    """Gradient accumulators as a few accumulating steps leave them: sums of
+    unscaled gradients (with ``special``, subnormal and huge ones)."""
+    return [random_values(rng, s, scale=0.1, special=special) for s in shapes]
 
 
 def flat_bits(variables, slots):

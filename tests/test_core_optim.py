@@ -10,7 +10,10 @@ must give the scalar level's bits, subnormals and huge values included, with
 and without flushing.  Bad input raises a clear error and writes nothing.
 Sparse gradients (``indices``: an IndexedSlices' slices and rows) against
 the same model on the slices densified as TensorFlow densifies them, the
-densifying itself checked against TensorFlow.
+densifying itself checked against TensorFlow.  The update step of a
+gradient accumulation (``accumulators``) against the model's own
+restatement of Keras' average, ``(g + acc) / steps`` divided or times the
+reciprocal, every accumulator +0 after it.
 """
 
 import os
@@ -21,9 +24,10 @@ import numpy as np
 import pytest
 
 from lossscale import core
-from optim_model import (BF16, CONFIGS, F32, FAMILIES, GRAD_DTYPES, SPARSE_CLIP_CONFIGS,
-                         SPARSE_CONFIGS, TERM_CONFIGS, core_step, decay_mask, densify,
-                         flat_bits, slot_names, keras_step, make_grads, make_indices,
+from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS, F32,
+                         FAMILIES, GRAD_DTYPES, SPARSE_CLIP_CONFIGS, SPARSE_CONFIGS,
+                         TERM_CONFIGS, accumulated, core_step, decay_mask, densify, flat_bits,
+                         slot_names, keras_step, make_accumulators, make_grads, make_indices,
                          make_slices, make_terms, make_state, simd_runs, sparse_forms,
                          sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
                          adagrad_rows_step)
@@ -623,6 +627,198 @@ def test_bad_averages_raise_and_write_nothing(case):
         ema_step(cfg, variables, grads, slots, averages, momentum, lr=cfg["lr"], t=1,
                  scale=None)
     assert_unchanged(before, variables, slots, averages or [])
+
+
+# --------------------------------------------------- gradient accumulation
+# ``accumulators``: the update step of Keras' gradient_accumulation_steps,
+# each gradient unscaled, plus its accumulator, averaged, then clipped and
+# applied; the accumulator zeroed.  Oracle: ``optim_model.accumulated``
+# (numpy, op by op) feeding the Keras model.
+
+# (scale, mode) of the unscale before the average: none, an exact and an
+# inexact reciprocal divided (Keras 3), an inexact one multiplied
+# (TensorFlow 2.4, rounded to a float16 or bfloat16 gradient's dtype).
+ACCUMULATE_UNSCALES = [(None, "divide"), (2.0**15, "divide"), (3.0, "divide"),
+                       (1000.0, "multiply")]
+
+
+def assert_zero(accumulators, what):
+    for i, a in enumerate(accumulators):
+        assert not np.any(bits(a)), f"{what}: accumulator {i} is not +0"
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", ACCUMULATE_CONFIGS)
+def test_accumulated_update_matches_keras_bit_for_bit(name, dtype):
+    """Every average (divided, times the reciprocal; over 1 to 5 steps)
+    under every unscale, one update step each carrying the state over:
+    the model's variables and slots, and every accumulator +0."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"accumulate/{name}/{dtype}".encode()))
+    variables, slots = make_state(rng, cfg, SHAPES)
+    want_vars, want_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    averages = ACCUMULATE_AVERAGES + [(1, "divide"), (2, "multiply"), (8, "divide")]
+    t = 0
+    for steps, average in averages:
+        for scale, mode in ACCUMULATE_UNSCALES:
+            t += 1
+            grads = make_grads(rng, SHAPES, GRAD_DTYPES[dtype], scale)
+            accumulators = make_accumulators(rng, SHAPES)
+            kw = dict(accumulation_steps=steps, accumulation=average, scale=scale, mode=mode)
+            lr = lr_at(cfg, t)
+            want_vars, want_slots = keras_step(cfg, want_vars, grads, want_slots, lr=lr, t=t,
+                                               accumulators=accumulators, **kw)
+            assert core_step(core, cfg, variables, grads, slots, lr=lr, t=t,
+                             accumulators=accumulators, **kw) is True
+            what = f"{steps} {average}, {scale} {mode}"
+            assert_zero(accumulators, what)
+            for i in range(len(SHAPES)):
+                assert_same_bits(variables[i], want_vars[i], f"{what}: variable {i}")
+                for k in slots:
+                    assert_same_bits(slots[k][i], want_slots[k][i], f"{what}: {k}[{i}]")
+
+
+def test_accumulated_averages_differ_where_stock_differs():
+    """The two averages the model restates are two numbers where the steps'
+    reciprocal is inexact, one where it is exact: the tests above tell
+    them apart."""
+    rng = np.random.default_rng(8)
+    grads = make_grads(rng, [(4096,)], F32, 2.0**10)
+    acc = make_accumulators(rng, [(4096,)])[0]
+    for steps, differ in [(3, True), (5, True), (7, True), (2, False), (4, False), (8, False)]:
+        a = accumulated(grads[0], acc, 2.0**10, "divide", steps, "divide")
+        b = accumulated(grads[0], acc, 2.0**10, "divide", steps, "multiply")
+        assert (not np.array_equal(bits(a), bits(b))) == differ, steps
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", ["sgd_nesterov", "adamw", "rmsprop_momentum", "lion"])
+def test_accumulated_subnormal_and_huge_values_match_keras(name, dtype):
+    """Accumulators and gradients of subnormal and huge magnitudes (sums that
+    overflow): the IEEE model."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"accumulate-special/{name}/{dtype}".encode()))
+    shapes = SHAPES[:6]
+    variables, slots = make_state(rng, cfg, shapes, special=True)
+    for steps, average in [(3, "divide"), (3, "multiply"), (4, "divide")]:
+        grads = make_grads(rng, shapes, GRAD_DTYPES[dtype], 3.0, special=True)
+        accumulators = make_accumulators(rng, shapes, special=True)
+        kw = dict(accumulation_steps=steps, accumulation=average, scale=3.0)
+        want_vars, want_slots = keras_step(cfg, variables, grads, slots, lr=cfg["lr"], t=2,
+                                           accumulators=accumulators, **kw)
+        assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=2,
+                         accumulators=accumulators, **kw) is True
+        assert_zero(accumulators, f"{steps} {average}")
+        for i in range(len(shapes)):
+            assert_same_bits(variables[i], want_vars[i], f"{steps} {average}: variable {i}")
+            for k in slots:
+                assert_same_bits(slots[k][i], want_slots[k][i], f"{steps} {average}: {k}[{i}]")
+
+
+def test_accumulators_unchanged_by_a_skipped_step():
+    """A non-finite gradient (the step's check reads the gradients alone):
+    nothing written, the accumulators included."""
+    cfg = CONFIGS["adamw"]
+    rng = np.random.default_rng(9)
+    variables, slots = make_state(rng, cfg, SHAPES)
+    accumulators = make_accumulators(rng, SHAPES)
+    grads = make_grads(rng, SHAPES, GRAD_DTYPES["float16"], 2.0**10)
+    grads[-1].reshape(-1)[-1] = np.inf
+    before = snapshot(variables, slots, accumulators)
+    assert core_step(core, cfg, variables, grads, slots, lr=cfg["lr"], t=1, scale=2.0**10,
+                     accumulators=accumulators, accumulation_steps=4) is False
+    assert_unchanged(before, variables, slots, accumulators)
+
+
+def _accumulation_setup():
+    rng = np.random.default_rng(10)
+    cfg = CONFIGS["adam_amsgrad"]
+    shapes = [(5,), (2, 3)]
+    variables, slots = make_state(rng, cfg, shapes)
+    grads = make_grads(rng, shapes, np.dtype(np.float16), 1000.0)
+    return cfg, variables, grads, slots, make_accumulators(rng, shapes)
+
+
+def _overlap_accumulators(accumulators):
+    """The two accumulators become views of one buffer sharing one element."""
+    base = np.zeros(10, F32)
+    accumulators[0] = base[:5]
+    accumulators[1] = base[4:].reshape(2, 3)
+
+
+# (id, what to break: f(variables, grads, slots, accumulators) -> keyword
+#  overrides or None, exception, pattern the message must match)
+ACCUMULATE_BAD = [
+    ("shape", lambda V, G, S, A: A.__setitem__(1, np.zeros(6, F32)),
+     ValueError, r"accumulators\[1\] has shape \(6,\), its variable has shape \(2, 3\)"),
+    ("float64", lambda V, G, S, A: A.__setitem__(0, A[0].astype(np.float64)),
+     TypeError, r"accumulators\[0\] must be float32"),
+    ("float16", lambda V, G, S, A: A.__setitem__(1, A[1].astype(np.float16)),
+     TypeError, r"accumulators\[1\] must be float32"),
+    ("read_only", lambda V, G, S, A: A.__setitem__(1, read_only(A[1])),
+     ValueError, r"accumulators\[1\] is read-only"),
+    ("strided", lambda V, G, S, A: A.__setitem__(0, strided(A[0])),
+     ValueError, r"accumulators\[0\] is not C-contiguous"),
+    ("too_few", lambda V, G, S, A: A.__delitem__(1),
+     ValueError, r"1 accumulators for 2 variables"),
+    ("too_many", lambda V, G, S, A: A.append(A[0].copy()),
+     ValueError, r"3 accumulators for 2 variables"),
+    ("not_a_list", lambda V, G, S, A: {"accumulators": A[0]},
+     TypeError, r"accumulators must be a list"),
+    ("not_an_array", lambda V, G, S, A: A.__setitem__(0, [0.0] * 5),
+     TypeError, r"accumulators\[0\] is list"),
+    ("the_variable", lambda V, G, S, A: A.__setitem__(1, V[1]), ValueError, r"share memory"),
+    ("a_slot", lambda V, G, S, A: A.__setitem__(0, S["v"][0]), ValueError, r"share memory"),
+    ("overlap_by_one", lambda V, G, S, A: _overlap_accumulators(A), ValueError,
+     r"share memory"),
+    ("no_steps", lambda V, G, S, A: {"accumulation_steps": None},
+     ValueError, r"accumulators and accumulation_steps go together"),
+    ("steps_alone", lambda V, G, S, A: {"accumulators": None},
+     ValueError, r"accumulators and accumulation_steps go together"),
+    ("steps_zero", lambda V, G, S, A: {"accumulation_steps": 0},
+     ValueError, r"accumulation_steps must be an integer >= 1, got 0"),
+    ("steps_negative", lambda V, G, S, A: {"accumulation_steps": -4},
+     ValueError, r"accumulation_steps must be an integer >= 1"),
+    ("steps_float", lambda V, G, S, A: {"accumulation_steps": 2.5},
+     ValueError, r"accumulation_steps must be an integer >= 1, got 2.5"),
+    ("steps_bool", lambda V, G, S, A: {"accumulation_steps": True},
+     ValueError, r"accumulation_steps must be an integer"),
+    ("steps_huge", lambda V, G, S, A: {"accumulation_steps": 2**31},
+     ValueError, r"accumulation_steps must be an integer"),
+    ("average_typo", lambda V, G, S, A: {"accumulation": "mean"},
+     ValueError, r"accumulation must be one of \['divide', 'multiply'\], got 'mean'"),
+    ("with_indices", lambda V, G, S, A: {"indices": [None, None]},
+     ValueError, r"accumulators take dense gradients"),
+]
+
+
+@pytest.mark.parametrize("case", ACCUMULATE_BAD, ids=[c[0] for c in ACCUMULATE_BAD])
+def test_accumulation_bad_input_raises_and_writes_nothing(case):
+    cfg, variables, grads, slots, accumulators = _accumulation_setup()
+    overrides = case[1](variables, grads, slots, accumulators) or {}
+    kw = dict(accumulators=accumulators, accumulation_steps=4)
+    kw.update(overrides)
+    before = snapshot(variables, slots, accumulators)
+    with pytest.raises(case[2], match=case[3]):
+        core.optimizer_step_("adam", variables, grads, [slots[k] for k in slot_names(cfg)],
+                             hyper=FAMILIES["adam"]["hyper"](cfg, cfg["lr"], 1),
+                             learning_rate=cfg["lr"], scale=1000.0, **kw)
+    assert_unchanged(before, variables, slots, accumulators)
+
+
+def test_accumulation_with_terms_refused():
+    """A gradient term stands for a function of the gradient the average
+    would change: refused, nothing written."""
+    cfg, variables, _, slots, accumulators = _accumulation_setup()
+    grads = [np.ones(v.shape, F32) for v in variables]
+    terms = [np.ones(v.shape, F32) for v in variables]
+    before = snapshot(variables, slots, accumulators)
+    with pytest.raises(ValueError, match="accumulators take dense gradients"):
+        core.optimizer_step_("adam", variables, grads, [slots[k] for k in slot_names(cfg)],
+                             hyper=FAMILIES["adam"]["hyper"](cfg, cfg["lr"], 1),
+                             learning_rate=cfg["lr"], terms=terms, accumulators=accumulators,
+                             accumulation_steps=2)
+    assert_unchanged(before, variables, slots, accumulators)
 
 
 # ----------------------------------------------------------- sparse gradients

@@ -19,6 +19,16 @@ cannot accumulate (float16 after unscaling in their own dtype) raise before
 anything moves.  What takes the stock path says why: an average over a
 count that is not a power of two in a graph, a ``tf.distribute`` strategy,
 Lamb, Adafactor and Muon.
+
+An update step is one fused op: it reads each gradient and its
+accumulator, averages them as stock does (a division eagerly, the product
+by ``1 / steps`` TensorFlow's graph optimizer makes of it in a
+``tf.function``), updates and zeroes the accumulator; only the
+accumulators of variables without a gradient are zeroed apart.  AdamW
+and SGD over 2, 3 and 4 steps (and over 3 with constant folding or the
+arithmetic optimizer off), a variable whose gradient is None on some
+steps, the accumulators kept in their own buffers, and the op's own
+checks of its accumulators (each refused before anything moves).
 """
 
 import math
@@ -29,7 +39,7 @@ import pytest
 import tensorflow as tf
 
 import lossscale
-from helpers import batch_recorder, bits, tf_dynamic
+from helpers import assert_same_bits, batch_recorder, bits, keras3_train_step, tf_dynamic
 from test_fused_step import (INF, NAN, RUN_IDS, RUNS, Ours, Stock, assert_fused,
                              assert_same_state, assert_twins_agree, batches, build_model,
                              excluding_biases, make_pair, own_state, schedule, state,
@@ -203,6 +213,234 @@ def test_average_over_three_steps_fused_where_exact(name):
             assert opts[1].step_path == (
                 "stock: gradient_accumulation_steps=3 in a graph (TensorFlow's graph optimizer "
                 "merges the average's 1 / 3 into the update's products)"), opts[1].step_path
+
+
+# The recipe's AdamW (no product of the gradient by a scalar: fused at any
+# count) and SGD with momentum (``g * lr``: the graph optimizer merges the
+# average's 1 / 3 into it, the stock path), over 2, 3 and 4 steps.
+RECIPES = {"adamw": (lambda steps: adamw_excluding_biases(
+               learning_rate=0.003, weight_decay=0.004, gradient_accumulation_steps=steps),
+               False),
+           "sgd_momentum": (lambda steps: opt_.SGD(0.02, momentum=0.9,
+                                                   gradient_accumulation_steps=steps), True)}
+
+
+@pytest.mark.parametrize("steps", [2, 3, 4])
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
+def test_average_over_two_three_and_four_steps(policy, eager, name, steps):
+    """Every step as stock's, overflows on both kinds of step; fused but
+    where the graph optimizer merges an inexact ``1 / steps`` into the
+    update's products, which says so."""
+    make, scales_gradient = RECIPES[name]
+    scale = 2.0**15 if policy == "mixed_bfloat16" else 2.0**8
+    models, opts = make_pair(lambda: make(steps), policy, initial_scale=scale,
+                             dynamic_growth_steps=5)
+    count = 16 if eager else 32
+    skipped = lockstep(models, opts, batches(count, seed=20 + steps), policy, eager=eager)
+    assert set(skipped.values()) == {"update", "accumulate"}, skipped
+    assert int(opts[1].inner_optimizer.iterations.numpy()) > 0
+    if steps == 3 and scales_gradient and not eager:
+        assert opts[1].step_path == (
+            "stock: gradient_accumulation_steps=3 in a graph (TensorFlow's graph optimizer "
+            "merges the average's 1 / 3 into the update's products)"), opts[1].step_path
+    else:
+        assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("option", ["constant_folding", "arithmetic_optimization"])
+def test_average_over_three_steps_with_a_graph_pass_off(option):
+    """Without constant folding stock's graph divides by 3, as eagerly, and
+    the fused step divides too (SGD's product is then nothing to merge
+    into); without the arithmetic optimizer it multiplies by 1 / 3 and
+    merges nothing: SGD fuses as well."""
+    previous = tf.config.optimizer.get_experimental_options().get(option, True)
+    tf.config.optimizer.set_experimental_options({option: False})
+    try:
+        for name in RECIPES:
+            models, opts = make_pair(lambda: RECIPES[name][0](3), "mixed_float16",
+                                     initial_scale=2.0**8, dynamic_growth_steps=5)
+            skipped = lockstep(models, opts, batches(24, seed=23), "mixed_float16")
+            assert set(skipped.values()) == {"update", "accumulate"}, skipped
+            assert_fused(opts[1])
+    finally:
+        tf.config.optimizer.set_experimental_options({option: previous})
+
+
+def traced_ops(opt, variables, grads):
+    """The fused step's ops in one traced ``apply`` (its ``cond`` branches
+    included): ``(family, num_accumulators, accumulation, steps)`` of each
+    ``LossScaleApplyOptimizer``, and ``N`` of each
+    ``LossScaleZeroVariables``."""
+    graph = tf.function(lambda: opt.apply(grads, variables)).get_concrete_function().graph
+    gd = graph.as_graph_def()
+    nodes = list(gd.node) + [n for f in gd.library.function for n in f.node_def]
+    fused = sorted((n.attr["family"].s.decode(), n.attr["num_accumulators"].i,
+                    n.attr["accumulation"].s.decode(), n.attr["accumulation_steps"].i)
+                   for n in nodes if n.op == "LossScaleApplyOptimizer")
+    zeroed = [n.attr["N"].i for n in nodes if n.op == "LossScaleZeroVariables"]
+    return fused, zeroed
+
+
+def test_update_step_is_one_fused_op():
+    """In a graph the update step is the family's op over every variable
+    with its accumulator (averaged by the reciprocal, as the graph
+    optimizer rewrites stock's division), and no other op zeroes an
+    accumulator; a variable without a gradient leaves its accumulator to
+    LossScaleZeroVariables, alone."""
+    model = build_model("mixed_float16")
+    variables = model.trainable_variables
+    n = len(variables)
+    opt = lossscale.LossScaleOptimizer(opt_.AdamW(0.003, gradient_accumulation_steps=4))
+    opt.build(variables)
+    grads = [tf.ones(v.shape, tf.float16) for v in variables]
+    fused, zeroed = traced_ops(opt, variables, grads)
+    assert_fused(opt)
+    assert fused == sorted([("adam", n, "multiply", 4), ("accumulate", 0, "none", 0)]), fused
+    assert zeroed == []
+    fused, zeroed = traced_ops(opt, variables, grads[:-1] + [None])
+    assert fused == sorted([("adam", n - 1, "multiply", 4), ("accumulate", 0, "none", 0)]), fused
+    assert zeroed == [1]
+
+
+def test_accumulators_stay_in_their_own_buffers():
+    """Over two cycles of accumulating and updating steps every accumulator
+    is written in place, never copied first: each keeps its buffer (the
+    update's op zeroes it there, where the next accumulating step adds)."""
+    from lossscale import _loader
+
+    address = _loader.load()[0].loss_scale_debug_buffer_address
+    model = build_model("mixed_float16")
+    variables = model.trainable_variables
+    opt = lossscale.LossScaleOptimizer(opt_.AdamW(0.003, gradient_accumulation_steps=4),
+                                       initial_scale=2.0**8)
+    opt.build(variables)
+    accumulators = opt.inner_optimizer._accumulated_gradients
+    addresses = tf.function(lambda: [address(a.value)[1] for a in accumulators])
+    step = step_fn(model, opt)
+    first = [int(a) for a in addresses()]
+    for i, (x, y) in enumerate(batches(8, seed=40)):
+        step(tf.constant(x), tf.constant(y), tf.constant(np.float32(1.0)))
+        assert [int(a) for a in addresses()] == first, f"step {i}"
+        if i % 4 == 3:
+            assert not any(np.any(a.numpy()) for a in accumulators), f"step {i}"
+    assert int(opt.inner_optimizer.iterations.numpy()) == 2
+    assert_fused(opt)
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+def test_variable_without_gradient_accumulates_as_stock(eager, steps):
+    """A variable whose gradient is None on some steps: stock adds nothing
+    to its accumulator then, and zeroes it with the others on an update
+    step; every state as stock's after every step."""
+    models, opts = make_pair(lambda: opt_.Adam(0.003, gradient_accumulation_steps=steps),
+                             "mixed_float16", initial_scale=2.0**8, dynamic_growth_steps=5)
+
+    def drop_last(grads):
+        return list(grads[:-1]) + [None]
+
+    def stepper(model, opt):
+        step = keras3_train_step(model, opt)
+        plain = step if eager else tf.function(step)
+        dropped = (lambda x, y, f: step(x, y, f, drop_last)) if eager else \
+            tf.function(lambda x, y, f: step(x, y, f, drop_last))
+        return plain, dropped
+
+    steppers = [stepper(m, o) for m, o in zip(models, opts)]
+    readers = [state_reader(m, o) for m, o in zip(models, opts)]
+    accumulators = opts[1].inner_optimizer._accumulated_gradients
+    zeroed_while_dropped = False
+    for i, (x, y) in enumerate(batches(18, seed=30)):
+        dropped = i % 3 != 0
+        for plain, without in steppers:
+            (without if dropped else plain)(tf.constant(x), tf.constant(y),
+                                            tf.constant(factor(i, "mixed_float16")))
+        assert_same_state(readers[0](), readers[1](), f"step {i}")
+        if dropped and not np.any(accumulators[-1].numpy()):
+            zeroed_while_dropped = True
+    assert zeroed_while_dropped
+    assert_fused(opts[1])
+
+
+def op_setup():
+    """Two SGD variables with momentum, their accumulators, and the raw
+    fused op over them: ``call(accumulators, **attrs)``."""
+    from lossscale import _loader
+
+    module, _ = _loader.load()
+    rng = np.random.default_rng(31)
+    values = [rng.standard_normal(4).astype(np.float32),
+              rng.standard_normal((2, 3)).astype(np.float32)]
+    w = [tf.Variable(v, name=f"w{i}") for i, v in enumerate(values)]
+    m = [tf.Variable(np.full(v.shape, 0.01, np.float32), name=f"m{i}") for i, v in
+         enumerate(values)]
+    acc = [tf.Variable(rng.standard_normal(v.shape).astype(np.float32), name=f"acc{i}")
+           for i, v in enumerate(values)]
+    grads = [(rng.standard_normal(v.shape) * 1000).astype(np.float16) for v in values]
+
+    def call(accumulators, sparse=None, **attrs):
+        kw = dict(accumulation="divide", accumulation_steps=3)
+        kw.update(attrs)
+        indices = [] if sparse is None else [tf.constant(np.arange(4, dtype=np.int64))]
+        module.loss_scale_apply_optimizer(
+            tf.constant(True), [v.handle for v in w], [v.handle for v in m],
+            [tf.constant(g) for g in grads], tf.constant(1000.0), tf.constant(0.5),
+            tf.constant(0.0), [], [], [], [], [], indices,
+            [tf.constant(1.0)] if sparse else [], [a.handle for a in accumulators],
+            family="sgd", hyper=[0.9, 0.0], decay=[0, 0], unscale="divide",
+            sparse=sparse or [], **kw)
+
+    return w, m, acc, grads, call
+
+
+def test_fused_op_accumulators_checked_before_anything_moves():
+    """Accumulators: one per variable with an average and a count of steps,
+    each an initialized float32 variable of its variable's shape, none also
+    a variable, slot or another's accumulator, on dense gradients; or an
+    error naming what is wrong and no write."""
+    w, m, acc, _, call = op_setup()
+    short = tf.Variable(np.zeros(5, np.float32), name="short")
+    wide = tf.Variable(np.zeros((2, 3), np.float64), name="wide")
+    cases = [
+        (lambda: call(acc[:1]), "accumulators are none or one per variable"),
+        (lambda: call(acc, accumulation="none"), "accumulators are none or one per variable"),
+        (lambda: call([], accumulation="divide"), "accumulators are none or one per variable"),
+        (lambda: call(acc, accumulation_steps=0), r"accumulation 'divide', steps 0"),
+        (lambda: call([short, acc[1]]), r"'short[^']*' has shape \[5\], its gradient has "
+                                        r"shape \[4\]"),
+        (lambda: call([acc[0], wide]), r"'wide[^']*' must be float32, got double"),
+        (lambda: call([acc[0], w[1]]), "passed twice"),
+        (lambda: call([acc[0], m[0]]), "passed twice"),
+        (lambda: call([acc[0], acc[0]]), "passed twice"),
+        (lambda: call(acc, sparse=[0]), "accumulators take dense gradients"),
+    ]
+    before = [bits(v.numpy()) for v in w + m + acc + [short, wide]]
+    for bad, pattern in cases:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
+            bad()
+        assert [bits(v.numpy()) for v in w + m + acc + [short, wide]] == before, pattern
+
+
+@pytest.mark.parametrize("accumulation", ["divide", "multiply"])
+def test_fused_op_averages_updates_and_zeroes(accumulation):
+    """The op's update step against numpy: SGD with momentum on ``(g /
+    scale + acc) / 3`` (or times float32(1 / 3)), each accumulator +0 after
+    it, in its own buffer: a tensor read from it before keeps its values."""
+    w, m, acc, grads, call = op_setup()
+    f32 = np.float32
+    old_w, old_m, old_acc = ([v.numpy() for v in vs] for vs in (w, m, acc))
+    held = [a.read_value() for a in acc]
+    call(acc, accumulation=accumulation)
+    for i in range(2):
+        u = grads[i].astype(f32) / f32(1000.0)
+        total = u + old_acc[i]
+        avg = total / f32(3) if accumulation == "divide" else total * (f32(1) / f32(3))
+        mom = old_m[i] * f32(0.9) - avg * f32(0.5)
+        assert_same_bits(m[i].numpy(), mom, f"momentum {i}")
+        assert_same_bits(w[i].numpy(), old_w[i] + mom, f"variable {i}")
+        assert_same_bits(acc[i].numpy(), np.zeros(old_acc[i].shape, f32), f"accumulator {i}")
+        assert_same_bits(held[i].numpy(), old_acc[i], f"held value of accumulator {i}")
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])

@@ -512,7 +512,7 @@ def test_op_refuses_a_term_where_it_does_not_apply():
         scalars = [tf.constant(0.01)] if args["family"] == "adam" else []
         module.loss_scale_apply_optimizer(
             tf.constant(True), [w.handle], slots, [tf.ones(4)], tf.constant(1.0),
-            tf.constant(0.1), tf.constant(0.0), scalars, [], terms, [], [], [], [],
+            tf.constant(0.1), tf.constant(0.0), scalars, [], terms, [], [], [], [], [],
             unscale=unscale, **args)
 
     before = [bits(x.numpy()) for x in (w, m, v)]

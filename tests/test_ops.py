@@ -610,7 +610,7 @@ def test_fused_step_refuses_a_variable_passed_twice(twice):
         module.loss_scale_apply_optimizer(
             tf.constant(True), [v.handle for v in variables], [s.handle for s in slots],
             grads, tf.constant(1.0), tf.constant(0.1), tf.constant(0.0), [], [], [],
-            [e.handle for e in averages], ema, [], [], family="sgd", hyper=[0.9, 0.0],
+            [e.handle for e in averages], ema, [], [], [], family="sgd", hyper=[0.9, 0.0],
             decay=[0, 0], unscale="divide")
     for v, want in zip((a, b, ma, mb, ea, eb), before):
         assert_same_bits(v.numpy(), want)
@@ -631,7 +631,7 @@ def test_fused_step_averages_checked_before_anything_moves():
         module.loss_scale_apply_optimizer(
             tf.constant(True), [w.handle], [m.handle], [tf.ones(4)], tf.constant(1.0),
             tf.constant(0.5), tf.constant(0.0), [], [], [], [a.handle for a in averages],
-            [tf.constant(x) for x in ema], [], [], family="sgd", hyper=[0.9, 0.0],
+            [tf.constant(x) for x in ema], [], [], [], family="sgd", hyper=[0.9, 0.0],
             decay=[0], unscale="divide")
 
     before = [v.numpy().copy() for v in (w, m, good)]
@@ -677,7 +677,7 @@ def sparse_op_call(module, variables, slots, grads, indices, *, family, hyper, s
         tf.constant(learning_rate, tf.float32), tf.constant(weight_decay, tf.float32), [],
         [tf.constant(c, tf.float32) for c in clip_scalars], [], [], [],
         [tf.constant(i) for i in indices], [tf.constant(f, tf.float32) for f in slice_factor],
-        family=family, hyper=hyper, decay=decay or [0] * len(variables), unscale="divide",
+        [], family=family, hyper=hyper, decay=decay or [0] * len(variables), unscale="divide",
         clip=clip, sparse=sparse)
 
 

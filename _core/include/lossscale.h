@@ -262,6 +262,8 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
  * slots come out bit-identical to the stock optimizer's:
  *
  *   g  = unscale(grad)                     (see ls_unscale_mode)
+ *   g  = (g + acc) / steps, acc = 0        (with an accumulator: see
+ *                                           ls_accumulation_mode)
  *   g  = clip(g)                           (see ls_clip_mode)
  *   w  = var;  decay 1: w = w - (w * weight_decay) * learning_rate
  *              decay 2: w = w - w * (weight_decay * learning_rate)
@@ -341,6 +343,13 @@ typedef enum ls_clip_mode {
  * (Keras' use_ema), a float32 buffer of `length` moved right after the
  * variable's update: average = ema_momentum * average + ema_rest * var,
  * with the configuration's two numbers (Keras' momentum and 1 - momentum).
+ * `accumulator`, when not NULL, is the variable's gradient accumulator
+ * (Keras' gradient_accumulation_steps), a float32 buffer of `length`, on
+ * the update step that ends an accumulation: the gradient the update takes
+ * is the unscaled gradient plus the accumulator, averaged as the
+ * configuration's `accumulation` says, then clipped; and the accumulator
+ * is set to +0 (Keras zeroes it after the update).  Not with a sparse
+ * gradient nor a gradient term.
  * No two buffers may overlap. */
 typedef struct ls_param {
     float *var;
@@ -378,7 +387,22 @@ typedef struct ls_param {
     const int64_t *indices;
     size_t slices;
     size_t row_length;
+    float *accumulator;
 } ls_param;
+
+/* Keras' average of an accumulation's update step, (g + acc) / steps, each
+ * element's unscaled gradient g plus its accumulator (ls_param.accumulator),
+ * rounded, then: */
+typedef enum ls_accumulation_mode {
+    LS_ACCUMULATION_NONE = 0,   /* no accumulator may be given */
+    /* divided by float32(steps), as Keras' division runs eagerly */
+    LS_ACCUMULATION_DIVIDE = 1,
+    /* times float32(1 / steps), the reciprocal rounded once: the division
+     * as TensorFlow's graph optimizer rewrites it in a tf.function (its
+     * constant folding turns x / c into x * (1 / c)); the same bits as
+     * LS_ACCUMULATION_DIVIDE where steps is a power of two */
+    LS_ACCUMULATION_MULTIPLY = 2
+} ls_accumulation_mode;
 
 typedef struct ls_optim_config {
     int family;             /* ls_optim_family(name) */
@@ -396,6 +420,9 @@ typedef struct ls_optim_config {
     float slice_factor;     /* for sparse params: each slice value's factor
                                before the row sums (SGD's learning rate, Lion's
                                1 - beta_1; 1 for the others: x * 1 is x); finite */
+    int accumulation;       /* ls_accumulation_mode */
+    int accumulation_steps; /* >= 1 unless LS_ACCUMULATION_NONE; its float32 value
+                               (rounded to nearest above 2^24) divides */
 } ls_optim_config;
 
 /* The slots per variable a configuration updates (a family's count may

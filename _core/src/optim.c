@@ -108,6 +108,10 @@ static const char *config_problem(const ls_optim_config *c)
         return "the weight decay must be finite";
     if (c->clip < LS_CLIP_NONE || c->clip > LS_CLIP_GLOBAL)
         return "unknown clip mode";
+    if (c->accumulation < LS_ACCUMULATION_NONE || c->accumulation > LS_ACCUMULATION_MULTIPLY)
+        return "unknown accumulation mode";
+    if (c->accumulation != LS_ACCUMULATION_NONE && c->accumulation_steps < 1)
+        return "the accumulation steps must be >= 1";
     if ((c->clip == LS_CLIP_VALUE || c->clip == LS_CLIP_NORM) &&
         !(ls_optim_finite(c->clip_value) && c->clip_value > 0.0f))
         return "the clip value must be finite and > 0";
@@ -169,8 +173,9 @@ static size_t grad_length(const ls_param *p)
     return p->indices != NULL ? p->slices * p->row_length : p->length;
 }
 
-/* `terms`: whether the configuration accepts ls_param.grad_term. */
-static int check_param(const ls_param *p, int nslots, int terms)
+/* `terms`: whether the configuration accepts ls_param.grad_term;
+ * `accumulates`: ls_param.accumulator (on a dense gradient without a term). */
+static int check_param(const ls_param *p, int nslots, int terms, int accumulates)
 {
     if (p->grad_dtype != LS_FLOAT16 && p->grad_dtype != LS_BFLOAT16 &&
         p->grad_dtype != LS_FLOAT32)
@@ -179,23 +184,28 @@ static int check_param(const ls_param *p, int nslots, int terms)
         return LS_ERR_ARG;
     if (p->grad_term != NULL && !terms)
         return LS_ERR_ARG;
+    if (p->accumulator != NULL && (!accumulates || p->grad_term != NULL || p->indices != NULL))
+        return LS_ERR_ARG;
     if (p->length == 0)
         return LS_OK;
     const size_t gsize = ls_dtype_size(p->grad_dtype);
     if (p->length > SIZE_MAX / 4)
         return LS_ERR_ARG;
-    /* The term, the average and a sparse gradient's indices, when given,
-     * are checked after the slots. */
-    const void *bufs[8] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
-    size_t bytes[8] = {p->length * 4, grad_length(p) * gsize, p->length * 4, p->length * 4,
+    /* The term, the average, the accumulator and a sparse gradient's
+     * indices, when given, are checked after the slots. */
+    const void *bufs[9] = {p->var, p->grad, p->slot[0], p->slot[1], p->slot[2]};
+    size_t bytes[9] = {p->length * 4, grad_length(p) * gsize, p->length * 4, p->length * 4,
                        p->length * 4};
-    size_t align[8] = {4, gsize, 4, 4, 4};
+    size_t align[9] = {4, gsize, 4, 4, 4};
     int used = 2 + nslots;
     if (p->grad_term != NULL) {
         bufs[used] = p->grad_term, bytes[used] = p->length * 4, align[used++] = 4;
     }
     if (p->average != NULL) {
         bufs[used] = p->average, bytes[used] = p->length * 4, align[used++] = 4;
+    }
+    if (p->accumulator != NULL) {
+        bufs[used] = p->accumulator, bytes[used] = p->length * 4, align[used++] = 4;
     }
     if (p->indices != NULL)
         bufs[used] = p->indices, bytes[used] = p->slices * 8, align[used++] = 8;
@@ -222,8 +232,9 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
     /* A term comes from a gradient already unscaled. */
     const int terms =
         ls_optim_takes_term(config->family) && config->unscale == LS_UNSCALE_NONE;
+    const int accumulates = config->accumulation != LS_ACCUMULATION_NONE;
     for (size_t i = 0; i < count; i++) {
-        if ((rc = check_param(&params[i], nslots, terms)) != LS_OK)
+        if ((rc = check_param(&params[i], nslots, terms, accumulates)) != LS_OK)
             return rc;
         if (params[i].indices != NULL && (rc = check_sparse(&params[i], config)) != LS_OK)
             return rc;
@@ -270,6 +281,17 @@ static void resolve(const ls_optim_config *c, unsigned flags, ls_optim_args args
     memcpy(a.h, c->hyper, sizeof a.h);
     a.clip = c->clip;
     a.clip_value = c->clip_value;
+    /* Dividing by a power of two is multiplying by its exact reciprocal;
+     * TensorFlow's graph multiplies by 1 / steps rounded, computed as its
+     * Reciprocal kernel computes it. */
+    const float steps = (float)c->accumulation_steps;
+    a.average = LS_AVERAGE_DIVIDE;
+    a.steps = steps;
+    if (c->accumulation == LS_ACCUMULATION_MULTIPLY ||
+        (c->accumulation == LS_ACCUMULATION_DIVIDE && ls_exact_reciprocal(steps))) {
+        a.average = LS_AVERAGE_MULTIPLY;
+        a.steps = ls_f32_div(1.0f, steps);
+    }
     const float scale = (float)c->scale;
     for (int t = 0; t < LS_NUM_DTYPES; t++) {
         args[t] = a;
@@ -459,6 +481,7 @@ static void run_sparse(const optim_job *j, const ls_param *p, const sparse_rows 
         view.grad_term = term;
         view.average = NULL;
         view.indices = NULL;
+        view.accumulator = NULL;
         fn(&view, 0, e - b, &ka);
         if (p->average != NULL)
             move_average(p, b, e, j->ema_momentum, j->ema_rest);

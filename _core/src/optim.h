@@ -28,6 +28,12 @@ enum {
                                dtype, widened again (TensorFlow 2.4) */
 };
 
+/* How a kernel averages an accumulation's sum (ls_param.accumulator). */
+enum {
+    LS_AVERAGE_DIVIDE = 0,  /* / steps */
+    LS_AVERAGE_MULTIPLY = 1 /* * steps (its reciprocal: exact, or TensorFlow's rounded one) */
+};
+
 /* The configuration as one kernel call sees it: the unscale, the common
  * scalars, and the family's numbers (family_<name>.h names their places). */
 typedef struct ls_optim_args {
@@ -40,6 +46,8 @@ typedef struct ls_optim_args {
     int clip;       /* ls_clip_mode */
     float clip_value;  /* the config's */
     float clip_scalar; /* this variable's */
+    int average;       /* LS_AVERAGE_*: an accumulation's average */
+    float steps;       /* its divisor, or multiplier (exact or rounded reciprocal) */
     float h[LS_OPTIM_MAX_HYPER];
 } ls_optim_args;
 
@@ -123,11 +131,28 @@ static inline float ls_optim_clip1(float g, const ls_optim_args *a)
     }
 }
 
-/* Element i's gradient as the update applies it: loaded, unscaled, clipped. */
+/* Keras' average on an accumulation's update step, (g + acc) / steps: the
+ * unscaled gradient first, as Keras writes it, the sum rounded, then the
+ * division (or the product by the reciprocal the graph optimizer makes of
+ * it). */
+static inline float ls_optim_average1(float g, float acc, const ls_optim_args *a)
+{
+    const float sum = g + acc;
+    return a->average == LS_AVERAGE_DIVIDE ? sum / a->steps : sum * a->steps;
+}
+
+/* Element i's gradient as the update applies it: loaded, unscaled,
+ * averaged with its accumulator (which is then zeroed: Keras resets it
+ * after the update, and nothing else reads it), clipped. */
 static inline float ls_optim_grad1(const ls_param *p, size_t i, const ls_optim_args *a)
 {
-    return ls_optim_clip1(
-        ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype), p->grad_dtype, a), a);
+    float g =
+        ls_optim_unscale1(ls_optim_load_grad(p->grad, i, p->grad_dtype), p->grad_dtype, a);
+    if (p->accumulator != NULL) {
+        g = ls_optim_average1(g, p->accumulator[i], a);
+        p->accumulator[i] = 0.0f;
+    }
+    return ls_optim_clip1(g, a);
 }
 
 /* TensorFlow's Maximum and Sign on the CPU, as their vector bodies compute

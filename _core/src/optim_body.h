@@ -106,33 +106,47 @@ static inline size_t LS_FN(rsqrt_vector_end)(const ls_param *p, size_t lo, size_
 typedef struct LS_FN(common) {
     const void *grad;
     float *var;
+    float *acc;
     size_t gsize;
-    int mode, decay, clip;
-    LS_V factor, lr, wd, wd_lr, clip_value, neg_clip_value, clip_scalar;
+    int mode, decay, clip, average;
+    LS_V factor, lr, wd, wd_lr, clip_value, neg_clip_value, clip_scalar, steps;
 } LS_FN(common);
 
 LS_INLINE LS_FN(common) LS_FN(common_of)(const ls_param *p, const ls_optim_args *a,
                                          ls_dtype dt)
 {
     const LS_FN(common) c = {p->grad,           p->var,
-                             ls_dtype_size(dt), a->grad_mode,
-                             a->decay,          a->clip,
+                             p->accumulator,    ls_dtype_size(dt),
+                             a->grad_mode,      a->decay,
+                             a->clip,           a->average,
                              v_set1(a->factor), v_set1(a->lr),
                              v_set1(a->wd),     v_set1(a->wd_lr),
                              v_set1(a->clip_value), v_set1(-a->clip_value),
-                             v_set1(a->clip_scalar)};
+                             v_set1(a->clip_scalar), v_set1(a->steps)};
     return c;
 }
 
-/* The gradient at i (unscaled, clipped) and the weight after decay, their
- * streams prefetched. */
+/* ls_optim_average1 on LS_VW lanes: the accumulator at i added, the sum
+ * averaged, the accumulator zeroed. */
+LS_INLINE LS_V LS_FN(average)(LS_V g, float *acc, size_t i, int average, LS_V steps)
+{
+    ls_prefetch(acc, i * sizeof(float));
+    const LS_V sum = v_add(g, v_load(acc + i));
+    v_store(acc + i, v_set1(0.0f));
+    return average == LS_AVERAGE_DIVIDE ? v_div(sum, steps) : v_mul(sum, steps);
+}
+
+/* The gradient at i (unscaled, averaged with an accumulator, clipped) and
+ * the weight after decay, their streams prefetched. */
 LS_INLINE void LS_FN(grad_and_weight)(const LS_FN(common) *c, size_t i, ls_dtype dt, LS_V *g,
                                       LS_V *w)
 {
     ls_prefetch(c->grad, i * c->gsize);
     ls_prefetch(c->var, i * sizeof(float));
-    *g = LS_FN(clip)(LS_FN(grad)(c->grad, i, dt, c->mode, c->factor), c->clip, c->clip_value,
-                     c->neg_clip_value, c->clip_scalar);
+    LS_V u = LS_FN(grad)(c->grad, i, dt, c->mode, c->factor);
+    if (c->acc != NULL)
+        u = LS_FN(average)(u, c->acc, i, c->average, c->steps);
+    *g = LS_FN(clip)(u, c->clip, c->clip_value, c->neg_clip_value, c->clip_scalar);
     *w = LS_FN(decay)(v_load(c->var + i), c->decay, c->wd, c->lr, c->wd_lr);
 }
 

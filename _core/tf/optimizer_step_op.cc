@@ -76,6 +76,7 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Input("ema: num_ema * float")
     .Input("indices: num_sparse * int64")
     .Input("slice_factor: num_slice_factors * float")
+    .Input("accumulators: num_accumulators * resource")
     .Attr("T: list({half, bfloat16, float}) >= 1")
     .Attr("family: string")
     .Attr("hyper: list(float)")
@@ -93,6 +94,9 @@ REGISTER_OP("LossScaleApplyOptimizer")
     .Attr("sparse: list(int) = []")
     .Attr("num_sparse: int >= 0 = 0")
     .Attr("num_slice_factors: int >= 0 = 0")
+    .Attr("num_accumulators: int >= 0 = 0")
+    .Attr("accumulation: {'none', 'divide', 'multiply'} = 'none'")
+    .Attr("accumulation_steps: int >= 0 = 0")
     .SetIsStateful()
     .SetShapeFn(ScalarShapes)
     .Doc(R"doc(
@@ -130,7 +134,24 @@ term summed the same way -- made a block at a time, never whole; under
 reads that element alone take them (sgd, adam, adamax, lion), and adagrad,
 as Keras' update scatters them: each slice's squares onto its row of the
 accumulator, then each slice's step, in their order; other rows untouched.
+
+`accumulators`, none or one per variable (then with `accumulation` 'divide'
+or 'multiply' and `accumulation_steps` >= 1; no sparse gradient, no terms):
+the update step of Keras' gradient accumulation.  Each variable's gradient,
+unscaled, plus its accumulator, is divided by float32(accumulation_steps)
+('divide', Keras' (g + acc) / steps as it runs eagerly) or multiplied by
+float32(1 / accumulation_steps) ('multiply', that division as TensorFlow's
+graph optimizer rewrites it), then clipped and applied; and the accumulator
+is set to 0, in the same pass.
 )doc");
+
+int AccumulationMode(const std::string& name) {
+    if (name == "divide")
+        return LS_ACCUMULATION_DIVIDE;
+    if (name == "multiply")
+        return LS_ACCUMULATION_MULTIPLY;
+    return LS_ACCUMULATION_NONE;
+}
 
 int ClipMode(const std::string& name) {
     if (name == "value")
@@ -186,6 +207,24 @@ class FusedStepOp : public tf::OpKernel {
                         "LossScaleApplyOptimizer: averages are none or one per variable, "
                         "then with 2 EMA numbers; got ", num_averages_, " averages for ",
                         num_variables_, " variables and ", ema, " numbers"));
+        std::string accumulation;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_accumulators", &num_accumulators_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("accumulation", &accumulation));
+        int steps = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("accumulation_steps", &steps));
+        const bool accumulates = accumulation != "none";
+        OP_REQUIRES(ctx, (num_accumulators_ == 0 && !accumulates) ||
+                             (num_accumulators_ == num_variables_ && accumulates && steps >= 1),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: accumulators are none or one per variable, "
+                        "then with accumulation 'divide' or 'multiply' over steps >= 1; got ",
+                        num_accumulators_, " accumulators for ", num_variables_,
+                        " variables, accumulation '", accumulation, "', steps ", steps));
+        OP_REQUIRES(ctx, num_accumulators_ == 0 || (num_sparse == 0 && num_terms_ == 0),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: accumulators take dense gradients: no "
+                        "sparse gradient, no terms; got ", num_sparse, " sparse and ",
+                        num_terms_, " terms"));
         OP_REQUIRES(ctx, static_cast<int>(decay_.size()) == num_variables_,
                     tf::errors::InvalidArgument("decay has ", decay_.size(),
                                                 " entries for ", num_variables_, " variables"));
@@ -202,6 +241,8 @@ class FusedStepOp : public tf::OpKernel {
                         num_scalars_, " scalars"));
         std::copy(hyper.begin(), hyper.end(), config_.hyper);
         config_.unscale = UnscaleMode(unscale);
+        config_.accumulation = AccumulationMode(accumulation);
+        config_.accumulation_steps = steps;
         config_.clip = ClipMode(clip);
         OP_REQUIRES_OK(ctx, ctx->GetAttr("clip_value", &config_.clip_value));
         const int clip_scalars = config_.clip == LS_CLIP_NORM     ? num_variables_
@@ -249,6 +290,7 @@ class FusedStepOp : public tf::OpKernel {
     int num_clip_scalars_ = 0;
     int num_terms_ = 0;
     int num_averages_ = 0;
+    int num_accumulators_ = 0;
     std::vector<int> decay_;  // ls_decay per variable
     std::vector<int> sparse_; // variables whose gradients are slices
     ls_optim_config config_;
@@ -266,7 +308,7 @@ class FusedStepOp : public tf::OpKernel {
         config.learning_rate = ScalarInput(ctx, first_scalar + 1);
 
         // Every resource: the variables, then each slot list in order, then
-        // the averages.
+        // the averages, then the accumulators.
         std::vector<int> inputs;
         for (int i = 1; i < grads_first; ++i)
             inputs.push_back(i);
@@ -282,12 +324,17 @@ class FusedStepOp : public tf::OpKernel {
         const int num_sparse = static_cast<int>(sparse_.size());
         if (num_sparse > 0)
             config.slice_factor = ScalarInput(ctx, indices_first + num_sparse);
+        const int accumulators_first = indices_first + num_sparse + (num_sparse > 0 ? 1 : 0);
+        const int accumulator_at = static_cast<int>(inputs.size()); // in `vars`
+        for (int i = 0; i < num_accumulators_; ++i)
+            inputs.push_back(accumulators_first + i);
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
         OP_REQUIRES(ctx, twice < 0,
                     tf::errors::InvalidArgument(type_string(),
-                                                ": a variable, slot or average is passed twice (",
+                                                ": a variable, slot, average or accumulator "
+                                                "is passed twice (",
                                                 NameOf(ctx, inputs[twice]), ")"));
         vars.Lock(ctx);
 
@@ -305,12 +352,14 @@ class FusedStepOp : public tf::OpKernel {
                         tf::errors::InvalidArgument("gradient of ", NameOf(ctx, 1 + i),
                                                     " has unsupported dtype ",
                                                     tf::DataTypeString(g.dtype())));
-            // The variable, its slots, its average.
+            // The variable, its slots, its average, its accumulator.
             std::vector<int> mine;
             for (int s = 0; s * n + i < grads_first - 1; ++s)
                 mine.push_back(s * n + i);
             if (num_averages_ > 0)
                 mine.push_back(grads_first - 1 + i);
+            if (num_accumulators_ > 0)
+                mine.push_back(accumulator_at + i);
             for (int t : mine) {
                 tf::Var* var = vars.var(t);
                 const tf::Tensor* value = var->tensor();
@@ -375,6 +424,8 @@ class FusedStepOp : public tf::OpKernel {
                 params[i].slot[s - 1] = Floats(vars.var(s * n + i));
             if (num_averages_ > 0)
                 params[i].average = Floats(vars.var(grads_first - 1 + i));
+            if (num_accumulators_ > 0)
+                params[i].accumulator = Floats(vars.var(accumulator_at + i));
         }
         // Validated once (buffers included), then split over the pool.
         const int rc = ls_optim_update_with(params.data(), params.size(), &config,
