@@ -476,6 +476,18 @@ cdef int _check_f32(object obj, object var, str what, str label) except -1:
     return 0
 
 
+cdef float *_f32_stream(object obj, object var, str what, str label,
+                        ls_buffer *buf) except NULL:
+    """A float32 array the step updates in place beside ``var`` (checked as
+    ``_check_f32``), its data entered in ``buf`` for the overlap check."""
+    _check_f32(obj, var, what, label)
+    cdef float *data = <float *>cnp.PyArray_DATA(<cnp.ndarray>obj)
+    buf.src = data
+    buf.dtype = LS_FLOAT32
+    buf.length = <size_t>cnp.PyArray_SIZE(<cnp.ndarray>obj)
+    return data
+
+
 cdef int _optim_run(str what, list variables, list grads, list slots, list decay,
                     list clip_scalars, ls_optim_config *config, unsigned flags,
                     list terms=None, list averages=None, list indices=None,
@@ -486,7 +498,7 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
     cdef Py_ssize_t nslots = len(slots)
     cdef ls_param *params = <ls_param *>malloc((n if n else 1) * sizeof(ls_param))
     cdef ls_buffer *bufs = <ls_buffer *>malloc(((6 + nslots) * n + 1) * sizeof(ls_buffer))
-    cdef cnp.ndarray var, grad, slot, term, average, index, accumulator
+    cdef cnp.ndarray var, grad, term, index
     cdef int code, rc
     cdef size_t nb = 0
     if params == NULL or bufs == NULL:
@@ -536,20 +548,12 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
                 bufs[nb].length = params[i].slices
                 nb += 1
             if averages is not None:
-                average = <cnp.ndarray>averages[i]
-                _check_f32(average, <object>var, what, f"averages[{i}]")
-                params[i].average = <float *>cnp.PyArray_DATA(average)
-                bufs[nb].src = params[i].average
-                bufs[nb].dtype = LS_FLOAT32
-                bufs[nb].length = params[i].length
+                params[i].average = _f32_stream(averages[i], <object>var, what,
+                                                f"averages[{i}]", &bufs[nb])
                 nb += 1
             if accumulators is not None:
-                accumulator = <cnp.ndarray>accumulators[i]
-                _check_f32(accumulator, <object>var, what, f"accumulators[{i}]")
-                params[i].accumulator = <float *>cnp.PyArray_DATA(accumulator)
-                bufs[nb].src = params[i].accumulator
-                bufs[nb].dtype = LS_FLOAT32
-                bufs[nb].length = params[i].length
+                params[i].accumulator = _f32_stream(accumulators[i], <object>var, what,
+                                                    f"accumulators[{i}]", &bufs[nb])
                 nb += 1
             if terms is not None:
                 term = <cnp.ndarray>terms[i]
@@ -576,12 +580,8 @@ cdef int _optim_run(str what, list variables, list grads, list slots, list decay
             bufs[nb].length = <size_t>cnp.PyArray_SIZE(grad)
             nb += 1
             for k in range(nslots):
-                slot = <cnp.ndarray>slots[k][1][i]
-                _check_f32(slot, <object>var, what, f"{slots[k][0]}[{i}]")
-                params[i].slot[k] = <float *>cnp.PyArray_DATA(slot)
-                bufs[nb].src = params[i].slot[k]
-                bufs[nb].dtype = LS_FLOAT32
-                bufs[nb].length = params[i].length
+                params[i].slot[k] = _f32_stream(slots[k][1][i], <object>var, what,
+                                                f"{slots[k][0]}[{i}]", &bufs[nb])
                 nb += 1
         _check_disjoint(bufs, nb, what)
         with nogil:

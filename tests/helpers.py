@@ -111,6 +111,21 @@ def overflowing_batches(steps, batch, seed, first, every, factor):
     return x, y
 
 
+def tied_size_decay_case(seed=3, each=30, steps=3):
+    """For weight decay's grouping in a graph: ``(shapes, starts, grads)``,
+    ``each`` variables of each of the shapes (), (1,), (1, 1) and (3,) (a
+    one-element variable's factors tie in size with the scalars), their
+    starting values, and ``steps`` lists of gradients as tensors."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    shapes = [s for s in [(), (1,), (1, 1), (3,)] for _ in range(each)]
+    starts = [rng.uniform(0.5, 2.0, s).astype(np.float32) for s in shapes]
+    grads = [[tf.constant(rng.standard_normal(s).astype(np.float32) * 8) for s in shapes]
+             for _ in range(steps)]
+    return shapes, starts, grads
+
+
 def mse_loss(model, x, y, factor):
     """The tests' training loss: mean squared error in float32, times ``factor``
     (a large or non-finite factor forces an overflow)."""

@@ -28,7 +28,8 @@ import pytest
 import tensorflow as tf
 
 import lossscale
-from helpers import bits, keras3_train_step, tf24_reference_step, tf24_train_step, tf_dynamic
+from helpers import (bits, keras3_train_step, tf24_reference_step, tf24_train_step, tf_dynamic,
+                     tied_size_decay_case)
 from test_optimizer_distributed import run_worker
 
 if not hasattr(lossscale.LossScaleOptimizer(keras.optimizers.SGD()), "step_path"):
@@ -363,11 +364,7 @@ def test_weight_decay_of_one_element_variables_in_a_graph_as_stock(name):
     their tensors' names: 30 variables of each of the shapes (), (1,),
     (1, 1) and (3,), each name its own, bit-identical to stock over three
     steps."""
-    rng = np.random.default_rng(3)
-    shapes = [s for s in [(), (1,), (1, 1), (3,)] for _ in range(30)]
-    start = [rng.uniform(0.5, 2.0, s).astype(np.float32) for s in shapes]
-    steps = [[tf.constant(rng.standard_normal(s).astype(np.float32) * 8) for s in shapes]
-             for _ in range(3)]
+    shapes, start, steps = tied_size_decay_case()
     finals = []
     for cls in (Stock, Ours):
         variables = [keras.Variable(a) for a in start]

@@ -13,7 +13,8 @@ grow again.  The process starts with two logical CPUs, for the
 
 import os
 
-from helpers import assert_same_bits, batch_recorder, overflowing_batches, two_cpu_replicas
+from helpers import (assert_same_bits, batch_recorder, overflowing_batches,
+                     tied_size_decay_case, two_cpu_replicas)
 
 STRATEGY = two_cpu_replicas()
 
@@ -596,11 +597,7 @@ def test_fused_weight_decay_of_one_element_variables_in_a_graph(make_inner):
     # keep tf_keras' order as written: 30 variables of each of the shapes
     # (), (1,), (1, 1) and (3,), each name its own, against stock, with a
     # weight decay large enough that the grouping decides many last bits.
-    rng = np.random.default_rng(3)
-    shapes = [s for s in [(), (1,), (1, 1), (3,)] for _ in range(30)]
-    start = [rng.uniform(0.5, 2.0, s).astype(np.float32) for s in shapes]
-    steps = [[tf.constant(rng.standard_normal(s).astype(np.float32) * 8) for s in shapes]
-             for _ in range(3)]
+    shapes, start, steps = tied_size_decay_case()
     finals = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
         variables = [tf.Variable(a) for a in start]
