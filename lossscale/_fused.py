@@ -510,12 +510,14 @@ class Plan:
         mode = self.clip[0] if self.clip else None
         if mode not in ("norm", "global"):
             return native_ops.all_finite_grouped(self.grads)
-        sums = _squared_norms(self.grads, scale, unscale, self.variables, mode)
         clipnorm = self.clip[1]
         if mode == "norm":
+            sums = _squared_norms(self.grads, scale, unscale, self.variables, mode)
             self.clip_scalars = [_clip_by_norm_divisor(s, clipnorm) for s in sums]
         else:
-            self.clip_scalars = [_global_clip_factor(sums, clipnorm)]
+            factor, sums = self.family.line.global_clip_factor(self.grads, scale, unscale,
+                                                               self.variables, clipnorm)
+            self.clip_scalars = [factor]
         sums_finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
         return tf.cond(sums_finite, lambda: tf.constant(True),
                        lambda: native_ops.all_finite_grouped(self.grads))
@@ -598,6 +600,23 @@ class KerasLine:
         (Keras 3's ``use_ema`` without accumulation, whose average moves on
         steps that only accumulate too)."""
         return bool(getattr(inner, "use_ema", False)) and not _accumulation_steps(inner)
+
+    def clip_of(self, inner):
+        """The optimizer's clip as the native op takes it (``clip_of``), or
+        the reason the step is left to the stock path."""
+        return clip_of(inner)
+
+    def clip_reason(self, clip):
+        """Why the fused step cannot clip as this optimizer clips, or None."""
+        del clip
+        return None
+
+    def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
+        """The factor of a global-norm clip, and the sums whose finiteness
+        shows that every gradient is finite: Keras' ``clip_by_global_norm``,
+        its squared norms as stock sums them (``_squared_norms``)."""
+        sums = _squared_norms(grads, scale, unscale, variables, "global")
+        return _global_clip_factor(sums, clip_norm), sums
 
 
 KERAS_3 = KerasLine()
@@ -1023,6 +1042,11 @@ class _TfKerasLine(KerasLine):
         # tf_keras' EMA is its own (Keras' ops after the fused op).
         return False
 
+    def clip_reason(self, clip):
+        # Its update is Python-level ops, which TensorFlow's graph optimizer
+        # merges with the clip's products in orders of its own.
+        return f"the inner optimizer sets {_CLIP_ATTRS[clip[0]]}"
+
 
 class _TfKerasLegacyLine(KerasLine):
     """``tf_keras``' legacy optimizers (``tf_keras.optimizers.legacy``):
@@ -1047,6 +1071,33 @@ class _TfKerasLegacyLine(KerasLine):
 
     def folds_moving_average(self, inner):
         return False
+
+    def clip_of(self, inner):
+        """Its ``_transform_gradients`` clips by every option that is not
+        None: by 0 too (every gradient 0, or NaN), and by ``clipvalue``
+        before a norm when both are set.  Those stay stock."""
+        given = [attr for attr, _ in _CLIP_OPTIONS if getattr(inner, attr, None) is not None]
+        if len(given) > 1:
+            return (f"the inner optimizer sets {' and '.join(sorted(given))} (tf_keras' legacy "
+                    "optimizers clip by each in turn)")
+        for attr in given:
+            value = getattr(inner, attr)
+            if (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+                    and value == 0):
+                return (f"the inner optimizer's {attr} is 0 (tf_keras' legacy optimizers clip "
+                        "by it: every gradient becomes 0)")
+        return clip_of(inner)
+
+    def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
+        """``tf.clip_by_global_norm``'s factor, as its ``global_norm`` takes
+        it: each gradient's ``l2_loss`` (TensorFlow's own op, on the
+        gradient unscaled as stock unscales it, whose sum is not in the
+        order of the native sums), their sum times 2, its root."""
+        halves = [tf.nn.l2_loss(_unscaled_like_stock(g, scale, unscale)) for g in grads]
+        use_norm = tf.sqrt(tf.reduce_sum(tf.stack(halves)) * tf.constant(2.0, tf.float32))
+        scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm,
+                                                  tf.constant(1.0, tf.float32) / clip_norm)
+        return scale_for_finite + (use_norm - use_norm), halves
 
 
 TF_KERAS = _TfKerasLine()
@@ -1330,12 +1381,11 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     for attr, reason, is_set in _OPTIONS:
         if attr not in family.supports and is_set(getattr(inner, attr, None)):
             return stock(reason)
-    clip = clip_of(inner)
+    clip = family.line.clip_of(inner)
     if isinstance(clip, str):
         return stock(clip)
-    if clip is not None and family.line is not KERAS_3:
-        # tf_keras clips with its own ops, in its own order.
-        return stock(f"the inner optimizer sets {_CLIP_ATTRS[clip[0]]}")
+    if clip is not None and family.line.clip_reason(clip) is not None:
+        return stock(family.line.clip_reason(clip))
     for attr in family.numbers:
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
@@ -1534,7 +1584,9 @@ def clip_of(inner):
             return f"the inner optimizer's {attr} is not a number"
         if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
                 or not 0 < float(value) <= _FLOAT32_MAX):
-            raise ValueError(f"{inner.name}: {attr} must be a positive finite number, got "
+            # tf_keras' legacy optimizers keep their name in _name.
+            name = getattr(inner, "name", None) or type(inner).__name__
+            raise ValueError(f"{name}: {attr} must be a positive finite number, got "
                              f"{value!r}")
         return mode, float(value)
     return None

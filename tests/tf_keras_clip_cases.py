@@ -1,0 +1,164 @@
+"""tf_keras' legacy optimizers clipping on the fused step, run by
+``test_tf_keras.py`` in a child pytest with ``TF_USE_LEGACY_KERAS=1``.
+
+``tf_keras.optimizers.legacy`` optimizers clip in ``_transform_gradients``
+with TensorFlow's own ``clip_by_value``, ``clip_by_norm`` and
+``clip_by_global_norm`` (whose norm sums each gradient's ``l2_loss``), then
+hand the clipped gradient to a ``ResourceApply*`` kernel.  The fused step
+takes the norms as stock takes them and clips in its one pass; every check
+here trains with ours and with ``tf_keras``' own ``LossScaleOptimizer`` from
+the same weights and data and compares every weight, slot, the loss scale,
+its counter and ``iterations`` bit for bit after every step, through
+overflowing steps (skipped, the scale backing off) and growing ones.
+"""
+
+from tf_keras_cases import (BATCH, FUSED_STEPS, GROWTH, STOCK, _apply_step, _assert_moved,
+                            _assert_same_states, _custom_loop, _fused_data, _fused_model,
+                            _fused_state, _minimize_step)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import lossscale  # noqa: E402
+from helpers import batch_recorder  # noqa: E402
+
+LEGACY = {
+    "sgd_momentum": (lambda **clip: tf_keras.optimizers.legacy.SGD(1e-2, momentum=0.9, **clip),
+                     "SGD"),
+    "sgd_nesterov_schedule": (lambda **clip: tf_keras.optimizers.legacy.SGD(
+        tf_keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=3, decay_rate=0.9),
+        momentum=0.9, nesterov=True, **clip), "SGD"),
+    "adam": (lambda **clip: tf_keras.optimizers.legacy.Adam(1e-2, **clip), "Adam"),
+    "adam_amsgrad": (lambda **clip: tf_keras.optimizers.legacy.Adam(1e-2, amsgrad=True, **clip),
+                     "Adam"),
+    "rmsprop_centered_momentum": (lambda **clip: tf_keras.optimizers.legacy.RMSprop(
+        1e-3, momentum=0.5, centered=True, **clip), "RMSprop"),
+    "adagrad": (lambda **clip: tf_keras.optimizers.legacy.Adagrad(1e-2, **clip), "Adagrad"),
+}
+
+# Values that clip on most steps of the data (the gradients' norms are in
+# the tens to thousands) and, for clipvalue, on some elements only.
+CLIPS = {"clipnorm": 3.0, "global_clipnorm": 7.5, "clipvalue": 0.75}
+
+
+def _run(make, kind, clip, use_function, make_step=_apply_step, steps=FUSED_STEPS):
+    x, y = _fused_data(steps)
+    opt = make(LEGACY[kind][0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
+               dynamic_growth_steps=GROWTH)
+    return opt, _custom_loop(opt, _fused_model(), x, y, use_function, steps, _fused_state,
+                             make_step)
+
+
+def _assert_clipped(kind, clip, want):
+    """The clip changed the run: unclipped, stock's weights differ."""
+    x, y = _fused_data(FUSED_STEPS)
+    opt = STOCK(LEGACY[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+    free = _custom_loop(opt, _fused_model(), x, y, True, FUSED_STEPS, _fused_state)
+    assert any(not np.array_equal(a, b) for a, b in zip(free[-1], want[-1])), \
+        f"{clip}={CLIPS[clip]} never clipped"
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("kind", sorted(LEGACY))
+def test_legacy_clip_custom_loop_bit_identical(kind, clip, use_function):
+    _, want = _run(STOCK, kind, clip, use_function)
+    opt, got = _run(lossscale.LossScaleOptimizer, kind, clip, use_function)
+    assert opt.step_path == f"fused ({LEGACY[kind][1]})", opt.step_path
+    _assert_moved(want)
+    _assert_same_states(got, want)
+    if use_function and kind in ("adam", "sgd_momentum"):
+        _assert_clipped(kind, clip, want)
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("kind", ["adam", "sgd_momentum"])
+def test_legacy_clip_minimize_bit_identical(kind, clip):
+    # TensorFlow 2.4's minimize: the gradients reach the step scaled.
+    _, want = _run(STOCK, kind, clip, True, _minimize_step)
+    opt, got = _run(lossscale.LossScaleOptimizer, kind, clip, True, _minimize_step)
+    assert opt.step_path == f"fused ({LEGACY[kind][1]})", opt.step_path
+    _assert_same_states(got, want)
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("kind", ["adam", "rmsprop_centered_momentum"])
+def test_legacy_clip_fit_bit_identical(kind, clip):
+    x, y = _fused_data(FUSED_STEPS)
+    states = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        model = _fused_model()
+        model.compile(make(LEGACY[kind][0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
+                           dynamic_growth_steps=GROWTH), "mse")
+        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        states.append(recorder.states)
+    assert model.optimizer.step_path == f"fused ({LEGACY[kind][1]})"
+    _assert_moved(states[0])
+    _assert_same_states(states[1], states[0])
+
+
+def test_legacy_global_clip_of_an_overflowing_norm():
+    """Finite gradients whose l2_loss overflows float32: stock's factor is
+    then 0 (clip * min(1/inf, 1/clip)) plus NaN (inf - inf), and every
+    weight takes NaN; the norm alone does not say the step overflowed, the
+    read-only check does, as for stock (which applies it)."""
+    states = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        var = tf.Variable(np.linspace(-1.0, 1.0, 5, dtype=np.float32))
+        opt = make(tf_keras.optimizers.legacy.SGD(1e-2, global_clipnorm=1.0),
+                   initial_scale=1.0, dynamic=False)
+        grads = [tf.constant(np.full(5, 3e19, np.float32))]
+
+        @tf.function
+        def step(opt=opt, var=var):
+            opt.apply_gradients(zip(grads, [var]))
+
+        step()
+        states.append([var.numpy(), opt.iterations.numpy()])
+    assert opt.step_path == "fused (SGD)"
+    assert np.isnan(states[0][0]).all()
+    _assert_same_states([states[1]], [states[0]])
+
+
+@pytest.mark.parametrize("options, reason", [
+    ({"clipnorm": 0.0}, "the inner optimizer's clipnorm is 0"),
+    ({"global_clipnorm": 0}, "the inner optimizer's global_clipnorm is 0"),
+    ({"clipvalue": 0.5, "clipnorm": 1.0}, "the inner optimizer sets clipnorm and clipvalue"),
+    ({"clipvalue": 0.5, "global_clipnorm": 1.0},
+     "the inner optimizer sets clipvalue and global_clipnorm"),
+])
+def test_legacy_clips_stock_keeps_are_exact(options, reason):
+    """What the fused step leaves to stock: a clip of 0 (the legacy
+    optimizers clip by it) and two clips at once; still bit-identical."""
+    x, y = _fused_data(12)
+    runs = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        opt = make(tf_keras.optimizers.legacy.Adam(1e-2, **options), initial_scale=2.0**10,
+                   dynamic_growth_steps=GROWTH)
+        runs.append(_custom_loop(opt, _fused_model(), x, y, True, 12, _fused_state))
+    assert opt.step_path.startswith(f"stock: {reason}"), opt.step_path
+    _assert_same_states(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("clip, value", [("clipnorm", float("inf")),
+                                         ("global_clipnorm", float("nan")),
+                                         ("clipvalue", 1e300)])
+def test_legacy_bad_clip_fails_before_anything_moves(clip, value):
+    # (A negative one tf_keras refuses itself, when the optimizer is made.)
+    var = tf.Variable([1.0, 2.0])
+    opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.legacy.Adam(**{clip: value}))
+    with pytest.raises(ValueError, match=f"{clip} must be a positive finite number"):
+        opt.apply_gradients([(tf.constant([0.5, 0.25]), var)])
+    np.testing.assert_array_equal(var.numpy(), [1.0, 2.0])
+    assert int(opt.iterations.numpy()) == 0
+
+
+def test_current_tf_keras_optimizers_clip_on_the_stock_path():
+    opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.Adam(clipnorm=1.0))
+    var = tf.Variable([1.0, 2.0])
+    opt.apply_gradients([(tf.constant([0.5, 0.25]), var)])
+    assert opt.step_path == "stock: the inner optimizer sets clipnorm"
