@@ -95,7 +95,11 @@ Keras 3's kernels where their arithmetic is the same, and the legacy ones
 (``tf_keras.optimizers.legacy``) the ``legacy_*`` kernels, which reproduce
 TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
 ``line`` (``KerasLine``) where that Keras keeps the learning rate, the
-slots and the weight decay.
+slots and the weight decay.  Under ``MirroredStrategy`` they follow
+``tf_keras``' loss-scale optimizer, whose order is the one above (it
+multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
+range is skipped there too); under ``MultiWorkerMirroredStrategy`` they
+are left to the stock path.
 """
 
 import platform
@@ -302,9 +306,10 @@ class Plan:
         """Under several replicas, stock's order before its update: this
         replica's gradients unscaled by ``rule`` (a ``_step`` rule) as stock
         unscales them, unless ``unscale`` is ``"none"`` (they came
-        unscaled), then summed over the replicas as stock sums them
-        (``_all_reduce_sum_gradients``: one all-reduce of the whole list by
-        the strategy's own cross-device op, so the same packing and order of
+        unscaled), then summed over the replicas as stock sums them (Keras
+        3's ``_all_reduce_sum_gradients``, tf_keras' loss-scale optimizer's
+        ``aggregate_gradients``: one all-reduce of the whole list by the
+        strategy's own cross-device op, so the same packing and order of
         additions give the same sums).  Returns the unscale the fused pass
         then applies: ``"none"``, or ``unscale`` without replicas."""
         if not self.replicated:
@@ -1436,11 +1441,16 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         if sparse_with:
             reason = f"a sparse (IndexedSlices) gradient with {sparse_with}"
     if reason is None and _replicas() > 1:
-        if family.line is not KERAS_3:
-            reason = "a tf_keras optimizer under several replicas"
+        if family.line is not KERAS_3 and isinstance(
+                tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+            # tf_keras' fused step is held to tf_keras' own under
+            # MirroredStrategy; its workers' collectives are not.
+            reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
+                      "MirroredStrategy)")
         elif clip is not None:
             # Keras clips in _backend_apply_gradients, each replica its own
             # gradients; the all-reduce comes after, in _backend_update_step.
+            # (tf_keras' clipping is stock on one replica already.)
             reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
                       "replica's gradients before their all-reduce)")
     if reason is None and tf.distribute.has_strategy() and (

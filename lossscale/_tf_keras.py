@@ -18,8 +18,8 @@ user hands them ``tf_keras`` objects:
   ``apply_gradients`` stays theirs; the unscaling and the dynamic scale's
   check and update run as the native ops, on TensorFlow 2.4's rule, which is
   ``tf_keras``'s, and for a stock SGD, Adam, AdamW, RMSprop or (legacy)
-  Adagrad the step itself is fused (``lossscale._fused``): the results are
-  bit-identical;
+  Adagrad the step itself is fused (``lossscale._fused``), on one replica
+  and under ``MirroredStrategy``: the results are bit-identical;
 * the compile hook: ``tf_keras``'s ``Model`` wraps a plain optimizer in its
   ``_get_optimizer``; ``GET_OPTIMIZER`` replaces that method, through
   ``lossscale._compile_hook`` (which also holds the rule it follows), once
@@ -34,7 +34,7 @@ Every private ``tf_keras`` name used here comes from ``lossscale._compat``.
 import tensorflow as tf
 import tf_keras
 
-from lossscale import _compat, _compile_hook, _fused
+from lossscale import _compat, _compile_hook, _fused, _step
 from lossscale import ops
 from lossscale._policy_loss_scale import PolicyLossScale
 from lossscale._which_keras import KERAS_NAME
@@ -116,6 +116,19 @@ class _NativeDynamicLossScaleState(_compat.tf_keras_dynamic_loss_scale_state_cla
         else:
             is_finite = ops.all_finite(grads)
         return self._step(is_finite, self.current_loss_scale, self.counter), is_finite
+
+
+class _TfKerasUnscale:
+    """tf_keras' unscaling as ``_fused.Plan.sum_replicas`` asks a rule for it:
+    each gradient times ``tf.cast(1 / scale, g.dtype)`` (its
+    ``get_unscaled_gradients``), the native op's product."""
+
+    @staticmethod
+    def unscale_and_check(grads, scale):
+        return ops.unscale_and_check(grads, scale)
+
+
+_TF_KERAS_UNSCALE = _TfKerasUnscale()
 
 
 class _NativeOps:
@@ -235,7 +248,7 @@ class _NativeOps:
         plan = self._fused_plan(originals or grads_and_vars)
         if plan is not None:
             return self._fused_apply(plan, unscale="multiply" if scaled or originals
-                                     else "none")
+                                     else "none", aggregate=self._aggregates(args, kwargs))
         if scaled:
             # What get_unscaled_gradients gives outside minimize.
             unscaled, _ = ops.unscale_and_check([g for g, _ in grads_and_vars], self.loss_scale)
@@ -255,20 +268,41 @@ class _NativeOps:
             self._build_for_fused(plan.variables)
         return plan
 
-    def _fused_apply(self, plan, unscale):
+    def _fused_apply(self, plan, unscale, aggregate=True):
         """The fused step over ``plan``: gradients unscaled already
-        (``"none"``) or still scaled (``"multiply"``, as tf_keras unscales)."""
+        (``"none"``) or still scaled (``"multiply"``, as tf_keras unscales).
+
+        Under several replicas, tf_keras' order: each replica's gradients
+        unscaled, then, unless ``aggregate`` is off (the caller summed them,
+        ``apply_gradients``' ``experimental_aggregate_gradients=False`` or
+        ``skip_gradients_aggregation=True``), summed over the replicas, so
+        that an overflow on any replica is one on all of them; the check
+        reads the sums and every replica updates its own copies by them.
+        Without the sum, the replicas' flags are combined: all skip or all
+        apply (tf_keras' own trusts the first replica's)."""
         _compat.tf_keras_warn_about_scaling(self)
+        # The scale the gradients were made with: read before it moves.
+        scale = tf.convert_to_tensor(self.loss_scale, tf.float32)
+        if aggregate:
+            unscale = plan.sum_replicas(_TF_KERAS_UNSCALE, scale, unscale)
         state = self._loss_scale
         if isinstance(state, _NativeDynamicLossScaleState):
             def advance(finite):
-                return state._step(finite, state.current_loss_scale, state.counter)
+                if plan.replicated and not aggregate:
+                    context = tf.distribute.get_replica_context()
+                    total = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                               _step.as_float_flag(finite))
+                    finite = tf.equal(total, context.num_replicas_in_sync)
+                # Each replica steps its own copies of the state, by the
+                # same flag.
+                return _step.update_copies(state._step, finite,
+                                           [state.current_loss_scale, state.counter])
         else:
             def advance(finite):
                 del finite
                 return True
         # A skipped step advances iterations, as tf_keras'.
-        _fused.check_and_apply(plan, scale=self.loss_scale, advance=advance, unscale=unscale,
+        _fused.check_and_apply(plan, scale=scale, advance=advance, unscale=unscale,
                                advance_iterations_always=True)
         return self.inner_optimizer.iterations
 
@@ -291,6 +325,13 @@ class LossScaleOptimizerV3(_NativeOps, _lso.LossScaleOptimizerV3):
     def _build_for_fused(self, variables):
         del variables
 
+    @staticmethod
+    def _aggregates(args, kwargs):
+        """Whether ``apply_gradients(grads_and_vars, *args, **kwargs)`` sums
+        the gradients over the replicas, as tf_keras' reads its arguments."""
+        skip = args[0] if args else kwargs.get("skip_gradients_aggregation", False)
+        return not skip and kwargs.get("experimental_aggregate_gradients", True)
+
 
 @tf_keras.saving.register_keras_serializable(package="lossscale")
 class LegacyLossScaleOptimizer(_NativeOps, _lso.LossScaleOptimizer):
@@ -305,6 +346,15 @@ class LegacyLossScaleOptimizer(_NativeOps, _lso.LossScaleOptimizer):
         # creates it only in the applying branch: after a skipped first eager
         # step its slots exist here (zeros) and not yet there.
         _compat.tf_keras_legacy_create_weights(self.inner_optimizer, variables)
+
+    @staticmethod
+    def _aggregates(args, kwargs):
+        """Whether ``apply_gradients(grads_and_vars, *args, **kwargs)`` sums
+        the gradients over the replicas, as tf_keras' reads its arguments
+        (``name``, then ``experimental_aggregate_gradients``)."""
+        if len(args) > 1:
+            return args[1]
+        return kwargs.get("experimental_aggregate_gradients", True)
 
 
 class _Dispatch(type):

@@ -1,11 +1,14 @@
 """Legacy Keras (``tf_keras``) as a first-class Keras.
 
 ``tf.keras`` resolves to ``tf_keras`` only when ``TF_USE_LEGACY_KERAS`` is
-set before TensorFlow is imported, so the checks live in two files, each run
+set before TensorFlow is imported, so the checks live in case files, each run
 in one child pytest with that variable set: ``tf_keras_cases.py`` (ours
 against ``tf_keras``' own ``LossScaleOptimizer`` and policies, the fused step
-included, bit for bit) and ``tf_keras_lso_cases.py`` (``tf_keras``' own
-loss-scale optimizer tests, ported as checks of ours).  Each test here
+included, bit for bit), ``tf_keras_lso_cases.py`` (``tf_keras``' own
+loss-scale optimizer tests, ported as checks of ours),
+``tf_keras_loop_cases.py`` (TensorFlow 2.4's custom loop in a
+``tf.function``) and ``tf_keras_mirrored_cases.py`` (the fused step under
+``MirroredStrategy``, every copy of every variable).  Each test here
 reports one check function of one file (all its parameters).  The tests
 below the children's run here, under Keras 3: ``tf_keras`` objects passed in
 choose ``tf_keras`` by themselves.
@@ -21,7 +24,7 @@ from helpers import TESTS, assert_child_case_passed, case_names, child_pytest
 tf_keras = pytest.importorskip("tf_keras")
 
 CASE_FILES = ("tf_keras_cases.py", "tf_keras_lso_cases.py", "tf_keras_loop_cases.py",
-              "tf_keras_clip_cases.py")
+              "tf_keras_clip_cases.py", "tf_keras_mirrored_cases.py")
 
 
 @pytest.fixture(scope="module")

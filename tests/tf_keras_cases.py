@@ -265,6 +265,8 @@ def test_mirrored_strategy_bit_identical(kind):
                                                            dynamic_growth_steps=GROWTH),
                       x, y, STRATEGY)
     _assert_native(model.optimizer)
+    assert model.optimizer.step_path == {"adam": "fused (Adam)",
+                                         "legacy_adam": "fused (Adam)"}[kind]
     assert len(got) == STEPS
     _assert_same_states(got, want)
 
