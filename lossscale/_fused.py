@@ -1447,10 +1447,11 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
             # MirroredStrategy; its workers' collectives are not.
             reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
                       "MirroredStrategy)")
-        elif clip is not None:
+        elif clip is not None and family.line is KERAS_3:
             # Keras clips in _backend_apply_gradients, each replica its own
             # gradients; the all-reduce comes after, in _backend_update_step.
-            # (tf_keras' clipping is stock on one replica already.)
+            # (tf_keras' loss-scale optimizer sums the gradients first, and
+            # its inner optimizer clips the sums, as the fused step does.)
             reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
                       "replica's gradients before their all-reduce)")
     if reason is None and tf.distribute.has_strategy() and (

@@ -51,6 +51,14 @@ INNER = {
     "legacy_rmsprop": (lambda: tf_keras.optimizers.legacy.RMSprop(1e-3, momentum=0.5,
                                                                   centered=True), "RMSprop"),
     "legacy_adagrad": (lambda: tf_keras.optimizers.legacy.Adagrad(1e-2), "Adagrad"),
+    # The legacy optimizers clip the sums (tf_keras' loss-scale optimizer
+    # sums the gradients before its inner optimizer clips them).
+    "legacy_adam_global_clipnorm": (lambda: tf_keras.optimizers.legacy.Adam(
+        1e-2, global_clipnorm=2.0), "Adam"),
+    "legacy_sgd_clipnorm": (lambda: tf_keras.optimizers.legacy.SGD(
+        1e-2, momentum=0.9, clipnorm=1.0), "SGD"),
+    "legacy_rmsprop_clipvalue": (lambda: tf_keras.optimizers.legacy.RMSprop(
+        1e-3, clipvalue=0.5), "RMSprop"),
 }
 # The one many-step run of each of fit and the custom loop.
 LONG = {"fit": "legacy_adam", "loop": "adamw"}
