@@ -285,6 +285,12 @@ def _is_keras_variable(variable):
     return isinstance(variable, keras.Variable)
 
 
+def clip_gradients(optimizer, grads):
+    """``grads`` clipped by ``optimizer``'s own ``_clip_gradients``: Keras'
+    clipnorm, global_clipnorm or clipvalue, its ops in its order."""
+    return optimizer._clip_gradients(grads)  # pylint: disable=protected-access
+
+
 def check_variables_are_known(optimizer, variables):
     """Raises Keras' own ValueError (naming the variable) when ``optimizer``
     was not built with every one of ``variables``, as its ``apply`` does."""
