@@ -21,13 +21,14 @@ dense ones, made by hand (a spoiled step puts one non-finite element in one
 slice: an infinity that clipvalue would clip to a finite value, a NaN) or
 by a ``GradientTape`` over a model with a ``keras.layers.Embedding``, and
 ``Model.fit`` of such a model (a spoiled batch has a non-finite sample
-weight).  Adam, AdamW, SGD with momentum, Adagrad (int32 indices) and
-RMSprop (whose sparse step stays stock: it says why), in a ``tf.function``
-and eagerly; clipnorm, clipvalue and global_clipnorm with Adam and SGD with
-momentum, and global_clipnorm with RMSprop and with SGD's weight decay
-(the clip makes their sparse gradient dense; in one replica's graph
-TensorFlow would reorder SGD's clip and decay products, which the
-all-reduce's sum prevents here).
+weight).  Adam, AdamW (float16 gradients), SGD with momentum, Adagrad
+(int32 indices) and RMSprop (whose sparse step stays stock: it says why),
+in a ``tf.function`` and eagerly; clipnorm, clipvalue and global_clipnorm
+with Adam and SGD with momentum, and global_clipnorm with RMSprop and with
+SGD's weight decay (the clip makes their sparse gradient dense; in one
+replica's graph TensorFlow would reorder SGD's clip and decay products,
+which the all-reduce's sum prevents here).  The Adam cases run again on
+two workers of a MultiWorkerMirroredStrategy.
 """
 
 import json
@@ -37,7 +38,7 @@ import numpy as np
 import pytest
 
 from test_fused_distributed import TIMEOUT, copies, digest, per_replica, spoil, state
-from test_multiworker import Child, collect
+from test_multiworker import Child, ChildFailed, collect, free_ports, port_collision
 
 GROWTH = 3
 INITIAL_SCALE = 2.0**10
@@ -45,15 +46,17 @@ VOCAB, DIM, OUT = 24, 4, 3  # indices < 16: rows 16.. never reached
 SLICES = (6, 5)  # slices on replica 0 and 1
 STEPS = 24
 
-# name -> (inner, clip keyword and value or None, how the step runs, index dtype,
-#          None where the step is fused, else what its step_path says).  The
+# name -> (inner, clip keyword and value or None, how the step runs, the
+#          gradients ("int64" or "int32" indices, float32 values; "float16":
+#          int64 indices, every gradient float16), None where the step is
+#          fused, else what its step_path says).  The
 # step runs "eager", or in a tf.function that returns nothing ("function")
 # or a value ("returns": TensorFlow's graph optimizer rewrites some of a
 # step by whether it knows the function's outputs).
 CASES = {
     "adam": ("adam", None, "function", "int64", None),
     "adam_eager": ("adam", None, "eager", "int64", None),
-    "adamw": ("adamw", None, "function", "int64", None),
+    "adamw_float16": ("adamw", None, "function", "float16", None),
     "sgd_momentum": ("sgd_momentum", None, "function", "int64", None),
     "adagrad_int32": ("adagrad", None, "function", "int32", None),
     "rmsprop": ("rmsprop", None, "function", "int64",
@@ -61,6 +64,7 @@ CASES = {
     "adam_clipnorm": ("adam", ("clipnorm", 3.0), "function", "int64", None),
     "adam_clipvalue": ("adam", ("clipvalue", 2.0), "function", "int64", None),
     "adam_global_clipnorm": ("adam", ("global_clipnorm", 10.0), "function", "int64", None),
+    "adam_clipnorm_float16": ("adam", ("clipnorm", 3.0), "function", "float16", None),
     "sgd_clipnorm": ("sgd_momentum", ("clipnorm", 3.0), "returns", "int64", None),
     "sgd_clipvalue": ("sgd_momentum", ("clipvalue", 2.0), "function", "int64", None),
     "sgd_global_clipnorm": ("sgd_momentum", ("global_clipnorm", 10.0), "function", "int64",
@@ -148,13 +152,15 @@ def make_optimizers(strategy, inner, clip, build_variables):
     return made
 
 
-def hand_made_step(strategy, variables, opt, mode, index_dtype):
+def hand_made_step(strategy, variables, opt, mode, kind):
     """One step: ``strategy.run`` of ``opt.apply`` on each replica's slices
     of the table and its dense gradients."""
     import tensorflow as tf
 
     def replica(indices, values, kernel, bias):
-        table = tf.IndexedSlices(values, tf.cast(indices, index_dtype),
+        if kind == "float16":
+            values, kernel, bias = (tf.cast(x, tf.float16) for x in (values, kernel, bias))
+        table = tf.IndexedSlices(values, tf.cast(indices, "int32" if kind == "int32" else "int64"),
                                  tf.constant([VOCAB, DIM], tf.int64))
         opt.apply([table, kernel, bias], variables)
         return tf.reduce_sum(kernel)
@@ -169,9 +175,9 @@ def hand_made_step(strategy, variables, opt, mode, index_dtype):
 
 
 def run_hand_made(strategy, name):
-    inner, clip, mode, index_dtype, _ = CASES[name]
+    inner, clip, mode, kind, _ = CASES[name]
     made = make_optimizers(strategy, inner, clip, make_table_variables)
-    functions = {m: hand_made_step(strategy, *made[m], mode, index_dtype) for m in made}
+    functions = {m: hand_made_step(strategy, *made[m], mode, kind) for m in made}
 
     def inputs(step, m):
         def of(r, i):
@@ -319,6 +325,29 @@ def run_fit(strategy, inner, clip):
     return runs
 
 
+WORKER_CASES = ["adam", "adam_clipvalue", "adam_global_clipnorm", "adam_clipnorm_float16"]
+
+
+def run_worker():
+    """One worker of the two in ``TF_CONFIG``, one replica each: the worker
+    cases, each worker's gradients those of its replica number."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    worker = strategy.cluster_resolver.task_id
+    report = {"worker": worker, "replicas": strategy.num_replicas_in_sync, "cases": {}}
+    for name in WORKER_CASES:
+        inner, clip, mode, kind, _ = CASES[name]
+        made = make_optimizers(strategy, inner, clip, make_table_variables)
+        functions = {m: hand_made_step(strategy, *made[m], mode, kind) for m in made}
+
+        def inputs(step, m):
+            return tuple(tf.constant(x) for x in gradients(step, worker, one_sided=m == "one"))
+
+        report["cases"][name] = run_steps(made, functions, inputs, STEPS)
+    return report
+
+
 def run_mirrored():
     from helpers import two_cpu_replicas
 
@@ -404,6 +433,29 @@ def test_mirrored_embedding_fit_bit_identical_to_stock(mirrored, name):
     assert all(run["copies_agree"] for run in fit.values())
 
 
+def test_workers_sparse_and_clip_bit_identical_to_stock(tmp_path):
+    for attempt in range(3):
+        ports = free_ports(2)
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+        children = [Child("worker", tmp_path, f"worker{i}-{attempt}",
+                          {"cluster": cluster, "task": {"type": "worker", "index": i}},
+                          script=__file__)
+                    for i in range(2)]
+        try:
+            reports = collect(children, TIMEOUT)
+            break
+        except ChildFailed as failure:
+            if attempt == 2 or not port_collision(failure.stderr):
+                raise
+    assert sorted(r["worker"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["replicas"] == 2
+        for name, case in report["cases"].items():
+            check_case(case, f"worker {report['worker']}, {name}")
+    for name in WORKER_CASES:
+        assert len({r["cases"][name]["state"] for r in reports}) == 1, name
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_mirrored()), flush=True)
-    sys.exit(0)
+    result = run_worker() if sys.argv[1] == "worker" else run_mirrored()
+    print(json.dumps(result), flush=True)
