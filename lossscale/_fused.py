@@ -31,7 +31,12 @@ zeroed apart (``LossScaleZeroVariables``).  The EMA follows every
 applied step: without accumulation the op itself moves each average right
 after its variable's update (``ls_param.average``, Keras' momentum and
 ``1 - momentum`` from ``_compat.moving_average_numbers``); the averages no
-op moved (accumulation, tf_keras) by Keras' ops.
+op moved (accumulation, tf_keras) by Keras' ops.  Under a ``tf.distribute``
+strategy the op moves each replica's copies of the averages, where Keras'
+ops would make the strategy's merge call inside a ``cond``: the EMA fuses
+there where the op moves every average and, in a ``tf.function``, nothing
+is overwritten with them; accumulation does not
+(``_strategy_around_update_reason``).
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
 is every family's: the native op clips each unscaled gradient in its one
@@ -529,7 +534,7 @@ class Plan:
         state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
         self.state = line.learning_rate_state(inner, lr) + state
-        if line.folds_moving_average(inner) and not self.replicated:
+        if line.folds_moving_average(inner):
             self.ema = list(_compat.moving_average_numbers(inner))
         return self.checks
 
@@ -1425,12 +1430,8 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         reason = "a sparse (IndexedSlices) gradient with gradient_accumulation_steps"
     if reason is None and _replicas() > 1 and family.line is not KERAS_3:
         reason = "a tf_keras optimizer under several replicas"
-    if reason is None and tf.distribute.has_strategy() and (
-            steps or getattr(inner, "use_ema", False)):
-        # Keras' accumulation and EMA steps go through the strategy's merge
-        # call, which the cond around them here does not allow (nor does
-        # stock Keras' own cond).
-        reason = "EMA or gradient accumulation under a tf.distribute strategy"
+    if reason is None and tf.distribute.has_strategy():
+        reason = _strategy_around_update_reason(inner, grads, variables)
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -1441,6 +1442,33 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
                                      [v for _, v in pairs], forms, clip=clip))
+
+
+def _strategy_around_update_reason(inner, grads, variables):
+    """Why the EMA or the accumulation of ``inner`` cannot be fused under a
+    ``tf.distribute`` strategy, or None.
+
+    What Keras' ops do there on a mirrored variable (an accumulator, an
+    average moved by Keras' ops, the variables overwritten with their
+    averages) goes through the strategy's merge call, which a ``cond``
+    in a ``tf.function`` does not allow (stock Keras' own ``cond`` fails
+    there too).  The fused op moves each average of a variable it updates
+    on each replica's copy, with no merge call: an EMA fuses where it moves
+    every average, and overwrites nothing in a graph."""
+    if _accumulation_steps(inner):
+        return "gradient accumulation under a tf.distribute strategy"
+    if not getattr(inner, "use_ema", False):
+        return None
+    if inner.ema_overwrite_frequency and not tf.executing_eagerly():
+        return ("EMA with ema_overwrite_frequency in a tf.function under a tf.distribute "
+                "strategy (Keras overwrites the variables by the strategy's merge call, in "
+                "a cond)")
+    given = {_compat.variable_key(inner, v) for g, v in zip(grads, variables) if g is not None}
+    for v in _compat.optimizer_trainable_variables(inner):
+        if _compat.variable_key(inner, v) not in given:
+            return (f"EMA under a tf.distribute strategy with no gradient for {v.name} "
+                    "(Keras moves its average by the strategy's merge call, in a cond)")
+    return None
 
 
 def _check_accumulable(pairs):

@@ -27,8 +27,11 @@ in a ``tf.function`` and eagerly; clipnorm, clipvalue and global_clipnorm
 with Adam and SGD with momentum, and global_clipnorm with RMSprop and with
 SGD's weight decay (the clip makes their sparse gradient dense; in one
 replica's graph TensorFlow would reorder SGD's clip and decay products,
-which the all-reduce's sum prevents here).  The Adam cases run again on
-two workers of a MultiWorkerMirroredStrategy.
+which the all-reduce's sum prevents here).  ``use_ema`` with Adam, and
+with SGD under clipnorm, in a ``tf.function``; with
+``ema_overwrite_frequency`` eagerly (in a ``tf.function`` stock Keras
+fails); with a variable without a gradient it stays stock, saying why.
+The Adam cases run again on two workers of a MultiWorkerMirroredStrategy.
 """
 
 import json
@@ -48,8 +51,9 @@ STEPS = 24
 
 # name -> (inner, clip keyword and value or None, how the step runs, the
 #          gradients ("int64" or "int32" indices, float32 values; "float16":
-#          int64 indices, every gradient float16), None where the step is
-#          fused, else what its step_path says).  The
+#          int64 indices, every gradient float16; "no_kernel_gradient": the
+#          kernel's None), None where the step is fused, else what its
+#          step_path says).  The
 # step runs "eager", or in a tf.function that returns nothing ("function")
 # or a value ("returns": TensorFlow's graph optimizer rewrites some of a
 # step by whether it knows the function's outputs).
@@ -72,6 +76,12 @@ CASES = {
     "sgd_decay_global_clipnorm": ("sgd_momentum_decay", ("global_clipnorm", 10.0), "returns",
                                   "int64", None),
     "sgd_clipvalue_eager": ("sgd_momentum", ("clipvalue", 2.0), "eager", "int64", None),
+    "adam_ema": ("adam_ema", None, "function", "int64", None),
+    "sgd_ema_clipnorm": ("sgd_momentum_ema", ("clipnorm", 3.0), "function", "int64", None),
+    "adam_ema_overwrite_eager": ("adam_ema_overwrite", None, "eager", "int64", None),
+    "adam_ema_no_kernel_gradient": ("adam_ema", None, "function", "no_kernel_gradient",
+                                    "EMA under a tf.distribute strategy with no gradient for "
+                                    "kernel"),
     "rmsprop_global_clipnorm": ("rmsprop", ("global_clipnorm", 10.0), "function", "int64",
                                 None),
 }
@@ -88,6 +98,12 @@ def inner_optimizer(name, clip):
                                                      **kwargs),
         "sgd_momentum_decay": lambda: keras.optimizers.SGD(0.05, momentum=0.5,
                                                            weight_decay=0.01, **kwargs),
+        "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9,
+                                                  **kwargs),
+        "adam_ema_overwrite": lambda: keras.optimizers.Adam(
+            0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3, **kwargs),
+        "sgd_momentum_ema": lambda: keras.optimizers.SGD(0.05, momentum=0.5, use_ema=True,
+                                                         ema_momentum=0.8, **kwargs),
         "adagrad": lambda: keras.optimizers.Adagrad(0.05, **kwargs),
         "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.3, **kwargs),
     }[name]()
@@ -162,7 +178,7 @@ def hand_made_step(strategy, variables, opt, mode, kind):
             values, kernel, bias = (tf.cast(x, tf.float16) for x in (values, kernel, bias))
         table = tf.IndexedSlices(values, tf.cast(indices, "int32" if kind == "int32" else "int64"),
                                  tf.constant([VOCAB, DIM], tf.int64))
-        opt.apply([table, kernel, bias], variables)
+        opt.apply([table, None if kind == "no_kernel_gradient" else kernel, bias], variables)
         return tf.reduce_sum(kernel)
 
     def step(*args):
@@ -325,7 +341,8 @@ def run_fit(strategy, inner, clip):
     return runs
 
 
-WORKER_CASES = ["adam", "adam_clipvalue", "adam_global_clipnorm", "adam_clipnorm_float16"]
+WORKER_CASES = ["adam", "adam_clipvalue", "adam_global_clipnorm", "adam_clipnorm_float16",
+                "adam_ema"]
 
 
 def run_worker():
