@@ -22,7 +22,7 @@ slice: an infinity that clipvalue would clip to a finite value, a NaN) or
 by a ``GradientTape`` over a model with a ``keras.layers.Embedding``, and
 ``Model.fit`` of such a model (a spoiled batch has a non-finite sample
 weight).  Adam, AdamW (float16 gradients), SGD with momentum, Adagrad
-(int32 indices) and RMSprop (whose sparse step stays stock: it says why),
+(int32 indices), Lion and RMSprop (whose sparse step stays stock: it says why),
 in a ``tf.function`` and eagerly; clipnorm, clipvalue and global_clipnorm
 with Adam and SGD with momentum, and global_clipnorm with RMSprop and with
 SGD's weight decay (the clip makes their sparse gradient dense; in one
@@ -63,6 +63,7 @@ CASES = {
     "adamw_float16": ("adamw", None, "function", "float16", None),
     "sgd_momentum": ("sgd_momentum", None, "function", "int64", None),
     "adagrad_int32": ("adagrad", None, "function", "int32", None),
+    "lion": ("lion", None, "function", "int64", None),
     "rmsprop": ("rmsprop", None, "function", "int64",
                 "RMSprop divides each slice of a sparse gradient"),
     "adam_clipnorm": ("adam", ("clipnorm", 3.0), "function", "int64", None),
@@ -104,6 +105,7 @@ def inner_optimizer(name, clip):
             0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3, **kwargs),
         "sgd_momentum_ema": lambda: keras.optimizers.SGD(0.05, momentum=0.5, use_ema=True,
                                                          ema_momentum=0.8, **kwargs),
+        "lion": lambda: keras.optimizers.Lion(0.001, **kwargs),
         "adagrad": lambda: keras.optimizers.Adagrad(0.05, **kwargs),
         "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.3, **kwargs),
     }[name]()
@@ -149,20 +151,25 @@ def make_table_variables(seed=0):
                                 ("bias", (OUT,)))]
 
 
-def make_optimizers(strategy, inner, clip, build_variables):
-    """``{model name: (variables, optimizer)}`` for stock, ours and one."""
+def loss_scale_optimizer(model_name, inner, clip):
+    """The stock optimizer for ``"stock"``, else ours, around a new inner."""
     import keras
 
     import lossscale
 
+    cls = keras.optimizers.LossScaleOptimizer if model_name == "stock" else \
+        lossscale.LossScaleOptimizer
+    return cls(inner_optimizer(inner, clip), initial_scale=INITIAL_SCALE,
+               dynamic_growth_steps=GROWTH)
+
+
+def make_optimizers(strategy, inner, clip, build_variables):
+    """``{model name: (variables, optimizer)}`` for stock, ours and one."""
     made = {}
     for name in ("stock", "ours", "one"):
-        cls = keras.optimizers.LossScaleOptimizer if name == "stock" else \
-            lossscale.LossScaleOptimizer
         with strategy.scope():
             variables = build_variables()
-            opt = cls(inner_optimizer(inner, clip), initial_scale=INITIAL_SCALE,
-                      dynamic_growth_steps=GROWTH)
+            opt = loss_scale_optimizer(name, inner, clip)
             opt.build(variables)
         made[name] = (variables, opt)
     return made
@@ -176,7 +183,8 @@ def hand_made_step(strategy, variables, opt, mode, kind):
     def replica(indices, values, kernel, bias):
         if kind == "float16":
             values, kernel, bias = (tf.cast(x, tf.float16) for x in (values, kernel, bias))
-        table = tf.IndexedSlices(values, tf.cast(indices, "int32" if kind == "int32" else "int64"),
+        index_dtype = tf.int32 if kind == "int32" else tf.int64
+        table = tf.IndexedSlices(values, tf.cast(indices, index_dtype),
                                  tf.constant([VOCAB, DIM], tf.int64))
         opt.apply([table, None if kind == "no_kernel_gradient" else kernel, bias], variables)
         return tf.reduce_sum(kernel)
@@ -259,19 +267,13 @@ def tokens(step, replica, n=4):
 def run_tape(strategy):
     """A custom loop over a model with an Embedding (mixed_float16): each
     replica's GradientTape gradients, its loss times the spoiled value."""
-    import keras
     import tensorflow as tf
-
-    import lossscale
 
     made = {}
     for m in ("stock", "ours", "one"):
-        cls = keras.optimizers.LossScaleOptimizer if m == "stock" else \
-            lossscale.LossScaleOptimizer
         with strategy.scope():
             model = embedding_model("mixed_float16")
-            opt = cls(inner_optimizer("adam", None), initial_scale=INITIAL_SCALE,
-                      dynamic_growth_steps=GROWTH)
+            opt = loss_scale_optimizer(m, "adam", None)
             opt.build(model.trainable_variables)
         made[m] = (model, opt)
     replicas = strategy.num_replicas_in_sync
@@ -301,7 +303,9 @@ def run_tape(strategy):
                      functions, inputs, STEPS)
 
 
-FITS = {"adamw": ("adamw", None), "sgd_global_clipnorm": ("sgd_momentum", ("global_clipnorm", 0.05))}
+# name -> (inner, clip)
+FITS = {"adamw": ("adamw", None),
+        "sgd_global_clipnorm": ("sgd_momentum", ("global_clipnorm", 0.05))}
 
 
 def run_fit(strategy, inner, clip):
@@ -323,14 +327,9 @@ def run_fit(strategy, inner, clip):
                 halves = [0 if who == "all" else who] if m == "one" else [0, 1]
                 for h in halves:
                     weights[8 * b + 4 * h + 1] = value
-        cls = keras.optimizers.LossScaleOptimizer
-        if m != "stock":
-            import lossscale
-            cls = lossscale.LossScaleOptimizer
         with strategy.scope():
             model = embedding_model("mixed_float16")
-            opt = cls(inner_optimizer(inner, clip), initial_scale=INITIAL_SCALE,
-                      dynamic_growth_steps=GROWTH)
+            opt = loss_scale_optimizer(m, inner, clip)
             model.compile(optimizer=opt, loss="mse")
         snapshots = batch_recorder(keras.callbacks, lambda model, opt: digest(state(model, opt)))
         model.fit(x, y, sample_weight=weights, batch_size=8, shuffle=False, verbose=0,
@@ -365,6 +364,29 @@ def run_worker():
     return report
 
 
+def global_norm_overflow(strategy):
+    """Each replica's finite gradients with a global norm beyond float32:
+    stock's clip makes them NaN and stock applies them; the fused step
+    finds NaN in the sums and skips."""
+    import keras
+    import tensorflow as tf
+
+    import lossscale
+
+    report = {}
+    for m, cls in (("stock", keras.optimizers.LossScaleOptimizer),
+                   ("ours", lossscale.LossScaleOptimizer)):
+        with strategy.scope():
+            v = keras.Variable(np.ones(3, np.float32))
+            opt = cls(keras.optimizers.SGD(0.1, global_clipnorm=1.0), initial_scale=1.0)
+            opt.build([v])
+        tf.function(lambda: strategy.run(lambda: opt.apply([tf.fill([3], 1e20)], [v])))()
+        report[m] = {"weights": [float(x) for x in v.numpy()],
+                     "scale": float(opt.dynamic_scale.numpy()),
+                     "path": getattr(opt, "step_path", None)}
+    return report
+
+
 def run_mirrored():
     from helpers import two_cpu_replicas
 
@@ -373,6 +395,7 @@ def run_mirrored():
     for name in CASES:
         report["cases"][name] = run_hand_made(strategy, name)
     report["tape"] = run_tape(strategy)
+    report["global_norm_overflow"] = global_norm_overflow(strategy)
     report["fit"] = {name: run_fit(strategy, *FITS[name]) for name in FITS}
     return report
 
@@ -438,6 +461,14 @@ def test_mirrored_sparse_and_clip_bit_identical_to_stock(mirrored, name):
 
 def test_mirrored_embedding_tape_bit_identical_to_stock(mirrored):
     check_case(mirrored["tape"], "tape")
+
+
+def test_mirrored_global_norm_overflow_is_skipped_where_stock_applies_nan(mirrored):
+    """A documented difference: stock checks each replica's scaled
+    gradients, the fused step their clipped sums."""
+    result = mirrored["global_norm_overflow"]
+    assert result["ours"] == {"weights": [1.0] * 3, "scale": 0.5, "path": "fused (SGD)"}
+    assert all(np.isnan(result["stock"]["weights"])) and result["stock"]["scale"] == 1.0
 
 
 @pytest.mark.parametrize("name", list(FITS))
