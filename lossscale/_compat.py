@@ -236,6 +236,12 @@ def moving_average_numbers(optimizer, dtype="float32"):
     return momentum, ops.subtract(1, momentum)
 
 
+def variable_key(optimizer, variable):
+    """The key ``optimizer`` keeps ``variable``'s slots by (one for a Keras
+    variable, its ``tf.Variable`` and a mirrored variable's copies)."""
+    return optimizer._var_key(variable)  # pylint: disable=protected-access
+
+
 def update_moving_averages(optimizer, done=()):
     """Moves the EMA of every variable ``optimizer`` was built for, as Keras
     does after each applied step with ``use_ema``
@@ -249,10 +255,9 @@ def update_moving_averages(optimizer, done=()):
         return
     from keras import ops
 
-    key = optimizer._var_key  # pylint: disable=protected-access
-    done = {key(v) for v in done}
+    done = {variable_key(optimizer, v) for v in done}
     for var, average in zip(variables, _slot_list(optimizer, "average")):
-        if average is not None and key(var) not in done:
+        if average is not None and variable_key(optimizer, var) not in done:
             momentum, rest = moving_average_numbers(optimizer, var.dtype)
             average.assign(ops.add(ops.multiply(momentum, average), ops.multiply(rest, var)))
 
@@ -283,6 +288,12 @@ def _is_keras_variable(variable):
     import keras  # pylint: disable=import-outside-toplevel
 
     return isinstance(variable, keras.Variable)
+
+
+def clip_gradients(optimizer, grads):
+    """``grads`` clipped by ``optimizer``'s own ``_clip_gradients``: Keras'
+    clipnorm, global_clipnorm or clipvalue, its ops in its order."""
+    return optimizer._clip_gradients(grads)  # pylint: disable=protected-access
 
 
 def check_variables_are_known(optimizer, variables):

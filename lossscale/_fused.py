@@ -31,7 +31,12 @@ zeroed apart (``LossScaleZeroVariables``).  The EMA follows every
 applied step: without accumulation the op itself moves each average right
 after its variable's update (``ls_param.average``, Keras' momentum and
 ``1 - momentum`` from ``_compat.moving_average_numbers``); the averages no
-op moved (accumulation, tf_keras) by Keras' ops.
+op moved (accumulation, tf_keras) by Keras' ops.  Under a ``tf.distribute``
+strategy the op moves each replica's copies of the averages, where Keras'
+ops would make the strategy's merge call inside a ``cond``: the EMA fuses
+there where the op moves every average and, in a ``tf.function``, nothing
+is overwritten with them; accumulation does not
+(``_strategy_around_update_reason``).
 
 Keras' gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``)
 is every family's: the native op clips each unscaled gradient in its one
@@ -68,8 +73,8 @@ the same chain, which the optimizer rewrites as it rewrites stock's
 
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
-gradient accumulation, a sparse gradient with accumulation or several
-replicas or one its family has no form for, variable constraints or
+gradient accumulation, a sparse gradient with accumulation or one its
+family has no form for, variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
@@ -87,7 +92,12 @@ of its own, and a non-finite gradient on any replica makes its sum
 non-finite, so every replica skips.  (Stock checks each replica's scaled
 gradients and trusts the first replica's flag.)  Where every replica's
 gradients are finite but their sum is not (beyond float32's range), stock
-applies it and the step here is skipped.
+applies it and the step here is skipped.  A sparse gradient's
+all-reduce is TensorFlow's concatenation of the replicas' slices, in
+replica order, which the family's sparse form takes as one replica's.
+With a clip, each replica clips its unscaled gradients by Keras' own
+``_clip_gradients`` before the all-reduce, as stock does (each replica by
+its own norms), and the fused op clips nothing (``Plan.sum_replicas``).
 
 ``tf_keras`` (Keras 2) optimizers have families of their own
 (``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
@@ -288,12 +298,15 @@ class Plan:
         self.decay_by_ops = [bool(d) and _decay_follows_schedule(inner) for d in self.decay]
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
+        self.replicated = _replicas() > 1
         # A rank-0 gradient has nothing to broadcast: the graph optimizer
         # leaves its chain of products alone.
         merges = clip is not None and family.merges_global_clip(inner)
         self.merged_clip = [merges and len(v.shape) > 0 for v in variables]
         self.clip_scalars = []
-        self.replicated = _replicas() > 1
+        # Under several replicas with clipvalue: whether every replica's
+        # gradients were finite before their clip (``sum_replicas``).
+        self.replicas_finite = None
         self.scalars = None
         self.state = []
         # use_ema: Keras' momentum and 1 - momentum for the op to move the
@@ -306,17 +319,47 @@ class Plan:
         """Under several replicas, stock's order before its update: this
         replica's gradients unscaled by ``rule`` (a ``_step`` rule) as stock
         unscales them, unless ``unscale`` is ``"none"`` (they came
-        unscaled), then summed over the replicas as stock sums them (Keras
-        3's ``_all_reduce_sum_gradients``, tf_keras' loss-scale optimizer's
+        unscaled), clipped as Keras 3's inner optimizer clips them, then
+        summed over the replicas as stock sums them (Keras 3's
+        ``_all_reduce_sum_gradients``, tf_keras' loss-scale optimizer's
         ``aggregate_gradients``: one all-reduce of the whole list by the
         strategy's own cross-device op, so the same packing and order of
         additions give the same sums).  Returns the unscale the fused pass
-        then applies: ``"none"``, or ``unscale`` without replicas."""
+        then applies: ``"none"``, or ``unscale`` without replicas.
+
+        A sparse gradient's all-reduce is TensorFlow's: the replicas' slices
+        and indices concatenated in replica order (no sum), which the
+        family's sparse form then takes as a single replica's, a row's
+        slices added in that order.
+
+        Keras 3 clips each replica's gradients before their all-reduce (its
+        ``_clip_gradients``, in ``_backend_apply_gradients``), each by its
+        own norms: the clip here is that one call, its ops in its order,
+        and the fused pass clips nothing.  ``global_clipnorm`` makes a
+        sparse gradient dense there, so its sum is dense.  A non-finite
+        gradient on any replica still reaches every sum as a NaN through a
+        norm (its norm is not finite, and the clipped values of its replica
+        are NaN); ``clipvalue`` clips an infinity to a finite value, so its
+        replicas' own finite checks are summed too (``replicas_finite``).
+        tf_keras' loss-scale optimizer sums the gradients first and its
+        inner optimizer clips the sums: the fused pass clips them there."""
         if not self.replicated:
             return unscale
-        if unscale != "none":
-            self.grads, _ = rule.unscale_and_check(self.grads, scale)
         context = tf.distribute.get_replica_context()
+        finite = None
+        if unscale != "none":
+            self.grads, finite = rule.unscale_and_check(self.grads, scale)
+        if self.clip is not None and self.family.line is KERAS_3:
+            if self.clip[0] == "value":
+                if finite is None:
+                    finite = native_ops.all_finite_grouped(self.grads)
+                failed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                            tf.cast(tf.logical_not(finite), tf.float32))
+                self.replicas_finite = tf.equal(failed, 0.0)
+            self.grads = list(_compat.clip_gradients(self.inner, self.grads))
+            self.forms = [form if isinstance(g, tf.IndexedSlices) else None
+                          for g, form in zip(self.grads, self.forms)]
+            self.clip = None
         self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
         return "none"
 
@@ -498,7 +541,7 @@ class Plan:
         state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
         self.state = line.learning_rate_state(inner, lr) + state
-        if line.folds_moving_average(inner) and not self.replicated:
+        if line.folds_moving_average(inner):
             self.ema = list(_compat.moving_average_numbers(inner))
         return self.checks
 
@@ -514,7 +557,10 @@ class Plan:
         """
         mode = self.clip[0] if self.clip else None
         if mode not in ("norm", "global"):
-            return native_ops.all_finite_grouped(self.grads)
+            finite = native_ops.all_finite_grouped(self.grads)
+            if self.replicas_finite is not None:
+                finite = tf.logical_and(finite, self.replicas_finite)
+            return finite
         clipnorm = self.clip[1]
         if mode == "norm":
             sums = _squared_norms(self.grads, scale, unscale, self.variables, mode)
@@ -719,8 +765,11 @@ def _sgd_merges_global_clip(inner):
     learning_rate`; in a graph the graph optimizer may reorder it to `u *
     (factor * learning_rate)` (``_graph_reorders_clip`` tells when)."""
     clip = clip_of(inner)
+    # Under several replicas the all-reduce's sum ends that chain: each
+    # replica clips before it (``Plan.sum_replicas``), the sum is then
+    # multiplied by the learning rate as written.
     return (_grappler_reassociates_products() and isinstance(clip, tuple)
-            and clip[0] == "global")
+            and clip[0] == "global" and _replicas() == 1)
 
 
 def _sgd_sparse(inner, variable):
@@ -1430,36 +1479,21 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     reason = (family.unsupported(inner) or family.line.variables_reason(inner, variables)
               or _step_reason(family, inner, grads, variables)
               or _clip_reason(clip, grads, unscale))
-    if reason is None and any(isinstance(g, tf.IndexedSlices) for g in grads):
+    if reason is None and steps and any(isinstance(g, tf.IndexedSlices) for g in grads):
         # A sparse gradient's terms are made per row from the slices, the
         # way Keras' update_step densifies them, or, clipped, densified as
-        # Keras' clip densifies them (DENSIFIED_BY_CLIP); what Keras does
-        # before that otherwise (accumulate, all-reduce the slices) is not
-        # reproduced here.
-        sparse_with = ("gradient_accumulation_steps" if steps
-                       else "several replicas" if _replicas() > 1 else None)
-        if sparse_with:
-            reason = f"a sparse (IndexedSlices) gradient with {sparse_with}"
-    if reason is None and _replicas() > 1:
-        if family.line is not KERAS_3 and isinstance(
-                tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
-            # tf_keras' fused step is held to tf_keras' own under
-            # MirroredStrategy; its workers' collectives are not.
-            reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
-                      "MirroredStrategy)")
-        elif clip is not None and family.line is KERAS_3:
-            # Keras clips in _backend_apply_gradients, each replica its own
-            # gradients; the all-reduce comes after, in _backend_update_step.
-            # (tf_keras' loss-scale optimizer sums the gradients first, and
-            # its inner optimizer clips the sums, as the fused step does.)
-            reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
-                      "replica's gradients before their all-reduce)")
-    if reason is None and tf.distribute.has_strategy() and (
-            steps or getattr(inner, "use_ema", False)):
-        # Keras' accumulation and EMA steps go through the strategy's merge
-        # call, which the cond around them here does not allow (nor does
-        # stock Keras' own cond).
-        reason = "EMA or gradient accumulation under a tf.distribute strategy"
+        # Keras' clip densifies them (DENSIFIED_BY_CLIP); Keras' accumulators
+        # of them are not reproduced here.
+        reason = "a sparse (IndexedSlices) gradient with gradient_accumulation_steps"
+    if (reason is None and _replicas() > 1 and family.line is not KERAS_3
+            and isinstance(tf.distribute.get_strategy(),
+                           tf.distribute.MultiWorkerMirroredStrategy)):
+        # tf_keras' fused step is held to tf_keras' own under
+        # MirroredStrategy; its workers' collectives are not.
+        reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
+                  "MirroredStrategy)")
+    if reason is None and tf.distribute.has_strategy():
+        reason = _strategy_around_update_reason(inner, grads, variables)
     if reason is not None:
         return stock(reason)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -1470,6 +1504,33 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
                                      [v for _, v in pairs], forms, clip=clip))
+
+
+def _strategy_around_update_reason(inner, grads, variables):
+    """Why the EMA or the accumulation of ``inner`` cannot be fused under a
+    ``tf.distribute`` strategy, or None.
+
+    What Keras' ops do there on a mirrored variable (an accumulator, an
+    average moved by Keras' ops, the variables overwritten with their
+    averages) goes through the strategy's merge call, which a ``cond``
+    in a ``tf.function`` does not allow (stock Keras' own ``cond`` fails
+    there too).  The fused op moves each average of a variable it updates
+    on each replica's copy, with no merge call: an EMA fuses where it moves
+    every average, and overwrites nothing in a graph."""
+    if _accumulation_steps(inner):
+        return "gradient accumulation under a tf.distribute strategy"
+    if not getattr(inner, "use_ema", False):
+        return None
+    if inner.ema_overwrite_frequency and not tf.executing_eagerly():
+        return ("EMA with ema_overwrite_frequency in a tf.function under a tf.distribute "
+                "strategy (Keras overwrites the variables by the strategy's merge call, in "
+                "a cond)")
+    given = {_compat.variable_key(inner, v) for g, v in zip(grads, variables) if g is not None}
+    for v in _compat.optimizer_trainable_variables(inner):
+        if _compat.variable_key(inner, v) not in given:
+            return (f"EMA under a tf.distribute strategy with no gradient for {v.name} "
+                    "(Keras moves its average by the strategy's merge call, in a cond)")
+    return None
 
 
 def _check_accumulable(pairs):

@@ -332,8 +332,8 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
         per op; with a norm to clip by, the norms), the rule, then one
         native pass that unscales, clips and updates every variable and
         slot.  Under several replicas, each replica's gradients are
-        unscaled and all-reduced first, as stock does, and the check and
-        the pass read the sums."""
+        unscaled (and clipped) and all-reduced first, as stock does, and
+        the check and the pass read the sums."""
         # Mistakes fail before any state moves, with the stock step's message.
         _compat.check_variables_are_known(self.inner_optimizer, plan.variables)
         # The scale the gradients were made with: read before the rule moves it.
