@@ -98,8 +98,8 @@ TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
 slots and the weight decay.  Under ``MirroredStrategy`` they follow
 ``tf_keras``' loss-scale optimizer, whose order is the one above (it
 multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
-range is skipped there too); under ``MultiWorkerMirroredStrategy`` they
-are left to the stock path.
+range is skipped there too), and so under ``MultiWorkerMirroredStrategy``,
+where the one all-reduce both sum with is the workers' collective one.
 """
 
 import platform
@@ -1440,20 +1440,13 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
                        else "several replicas" if _replicas() > 1 else None)
         if sparse_with:
             reason = f"a sparse (IndexedSlices) gradient with {sparse_with}"
-    if reason is None and _replicas() > 1:
-        if family.line is not KERAS_3 and isinstance(
-                tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
-            # tf_keras' fused step is held to tf_keras' own under
-            # MirroredStrategy; its workers' collectives are not.
-            reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
-                      "MirroredStrategy)")
-        elif clip is not None and family.line is KERAS_3:
-            # Keras clips in _backend_apply_gradients, each replica its own
-            # gradients; the all-reduce comes after, in _backend_update_step.
-            # (tf_keras' loss-scale optimizer sums the gradients first, and
-            # its inner optimizer clips the sums, as the fused step does.)
-            reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
-                      "replica's gradients before their all-reduce)")
+    if reason is None and _replicas() > 1 and clip is not None and family.line is KERAS_3:
+        # Keras clips in _backend_apply_gradients, each replica its own
+        # gradients; the all-reduce comes after, in _backend_update_step.
+        # (tf_keras' loss-scale optimizer sums the gradients first, and its
+        # inner optimizer clips the sums, as the fused step does.)
+        reason = (f"{_CLIP_ATTRS[clip[0]]} under several replicas (Keras clips each "
+                  "replica's gradients before their all-reduce)")
     if reason is None and tf.distribute.has_strategy() and (
             steps or getattr(inner, "use_ema", False)):
         # Keras' accumulation and EMA steps go through the strategy's merge
