@@ -25,12 +25,16 @@ were; ours' ``step_path`` says fused.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import sys
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
+                                reason="tf_keras is not installed")
 
 STEPS = 8
 GROWTH = 2
