@@ -108,8 +108,8 @@ TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
 slots and the weight decay.  Under ``MirroredStrategy`` they follow
 ``tf_keras``' loss-scale optimizer, whose order is the one above (it
 multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
-range is skipped there too); under ``MultiWorkerMirroredStrategy`` they
-are left to the stock path.
+range is skipped there too), and so under ``MultiWorkerMirroredStrategy``,
+where the one all-reduce both sum with is the workers' collective one.
 """
 
 import platform
@@ -1485,13 +1485,6 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         # Keras' clip densifies them (DENSIFIED_BY_CLIP); Keras' accumulators
         # of them are not reproduced here.
         reason = "a sparse (IndexedSlices) gradient with gradient_accumulation_steps"
-    if (reason is None and _replicas() > 1 and family.line is not KERAS_3
-            and isinstance(tf.distribute.get_strategy(),
-                           tf.distribute.MultiWorkerMirroredStrategy)):
-        # tf_keras' fused step is held to tf_keras' own under
-        # MirroredStrategy; its workers' collectives are not.
-        reason = ("a tf_keras optimizer under MultiWorkerMirroredStrategy (fused under "
-                  "MirroredStrategy)")
     if reason is None and tf.distribute.has_strategy():
         reason = _strategy_around_update_reason(inner, grads, variables)
     if reason is not None:

@@ -19,7 +19,8 @@ user hands them ``tf_keras`` objects:
   check and update run as the native ops, on TensorFlow 2.4's rule, which is
   ``tf_keras``'s, and for a stock SGD, Adam, AdamW, RMSprop or (legacy)
   Adagrad the step itself is fused (``lossscale._fused``), on one replica
-  and under ``MirroredStrategy``: the results are bit-identical;
+  and under ``MirroredStrategy`` and ``MultiWorkerMirroredStrategy``: the
+  results are bit-identical;
 * the compile hook: ``tf_keras``'s ``Model`` wraps a plain optimizer in its
   ``_get_optimizer``; ``GET_OPTIMIZER`` replaces that method, through
   ``lossscale._compile_hook`` (which also holds the rule it follows), once

@@ -352,11 +352,11 @@ def mirrored_fit(strategy):
 PROXIES = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
 
 
-def worker_env(tf_config=None):
+def worker_env(tf_config=None, values=None):
     env = helpers.child_env(
         drop=("LOSSSCALE_FORCE_FALLBACK", "LOSSSCALE_SIMD", "TF_CONFIG")
         + PROXIES + tuple(name.upper() for name in PROXIES),
-        TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+        TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", **(values or {}))
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return env
@@ -375,14 +375,16 @@ def free_ports(n):
 
 class Child:
     """A child process with its stdout and stderr in files: ``script`` (this
-    file by default) run with the arguments ``mode`` and ``args``."""
+    file by default) run with the arguments ``mode`` and ``args``, and the
+    variables in ``env`` set in its environment."""
 
-    def __init__(self, mode, directory, name, tf_config=None, script=__file__, args=()):
+    def __init__(self, mode, directory, name, tf_config=None, script=__file__, args=(),
+                 env=None):
         self.out, self.log = directory / f"{name}.out", directory / f"{name}.log"
         with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), mode,
                                           *map(str, args)],
-                                         cwd=ROOT, env=worker_env(tf_config), stdout=stdout,
+                                         cwd=ROOT, env=worker_env(tf_config, env), stdout=stdout,
                                          stderr=stderr)
 
     def tail(self):
@@ -434,26 +436,34 @@ def port_collision(stderr):
                                               "could not start grpc server"))
 
 
+def two_workers(directory, name="worker", script=__file__, mode="worker", args=(), env=None,
+                timeout=TIMEOUT):
+    """The reports of ``script`` run as the two workers of a cluster on two
+    free loopback ports (its children ``Child``'s), the launch retried
+    when a port was taken in the meantime."""
+    for attempt in range(3):
+        ports = free_ports(2)
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+        workers = [Child(mode, directory, f"{name}{i}-{attempt}",
+                         {"cluster": cluster, "task": {"type": "worker", "index": i}},
+                         script=script, args=args, env=env)
+                   for i in range(2)]
+        try:
+            return collect(workers, timeout)
+        except ChildFailed as failure:
+            if attempt == 2 or not port_collision(failure.stderr):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """The two workers' reports and the MirroredStrategy one, run side by side."""
     tmp = tmp_path_factory.mktemp("multiworker")
     children = [Child("mirrored", tmp, "mirrored")]
     try:
-        for attempt in range(3):
-            ports = free_ports(2)
-            cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-            workers = [Child("worker", tmp, f"worker{i}-{attempt}",
-                             {"cluster": cluster, "task": {"type": "worker", "index": i}})
-                       for i in range(2)]
-            children += workers
-            try:
-                workers = collect(workers, TIMEOUT)
-                break
-            except ChildFailed as failure:
-                if attempt == 2 or not port_collision(failure.stderr):
-                    raise
-        (mirrored,) = collect(children[:1], TIMEOUT)
+        workers = two_workers(tmp)
+        (mirrored,) = collect(children, TIMEOUT)
     finally:
         for child in children:
             child.kill()
