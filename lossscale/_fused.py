@@ -1161,7 +1161,8 @@ def _tf_keras_rmsprop_variable_hyper(inner, variable, numbers):
     then lr or g, whichever sorts first.  Unclipped, g comes into the
     stock step's cond from outside it, under a name its lowering gives it
     (``_graph_orders_gradient_first``).  Clipped, g is the clip's output,
-    made in the same name scope as lr's read (``.../ReadVariableOp_<k>``),
+    made in the same name scope as lr's read (``.../ReadVariableOp_<k>``;
+    not so under a MirroredStrategy, ``_tf_keras_rmsprop_variables_reason``),
     and named after the clip (``.../clip_by_value_<k>``,
     ``.../clip_by_norm_<k>/truediv``, ``.../clip_by_global_norm/mul_<k>``),
     which sorts after it: lr first, g * (lr * rsqrt(d)), as a larger
@@ -1223,21 +1224,22 @@ def _tf_keras_rmsprop_reason(inner):
 
 
 def _tf_keras_rmsprop_variables_reason(inner, variables):
-    # Under several replicas in a graph, a clipped one-element variable's
-    # lr * g * rsqrt(d) is ordered by names that differ per replica: lr is
-    # read in the strategy's update scope (.../update_<replica>_<k>/),
-    # replica 0's clip in the optimizer's scope, the others' in their own
-    # (replica_<r>/...); replica 0 multiplies g * rsqrt(d) first, replica 1
-    # lr * rsqrt(d), by names the optimizer's own name decides.
-    if (_replicas() > 1 and _grappler_reassociates_products()
-            and isinstance(clip_of(inner), tuple)):
+    # A clipped one-element variable's lr * g * rsqrt(d) is ordered by the
+    # names of lr's read and of the clip's op (_tf_keras_rmsprop_variable_
+    # hyper).  A MirroredStrategy (of one replica too) reads lr in its
+    # update scope (.../update_<replica>_<k>/), which sorts after replica
+    # 0's clip (g * rsqrt(d) first) and before the others' (replica_<r>/...,
+    # lr * rsqrt(d) first, by the optimizer's name).
+    strategy = tf.distribute.get_strategy()
+    if (tf.distribute.has_strategy() and not isinstance(strategy, tf.distribute.OneDeviceStrategy)
+            and _grappler_reassociates_products() and isinstance(clip_of(inner), tuple)):
         for v in variables:
             shape = tf.TensorShape(v.shape)
             if shape.rank and shape.num_elements() == 1:
                 return (f"{_CLIP_ATTRS[clip_of(inner)[0]]} with a one-element variable "
-                        f"({v.name}) under several replicas in a graph (TensorFlow's graph "
-                        "optimizer orders tf_keras RMSprop's lr * g * rsqrt(d) by each "
-                        "replica's tensor names)")
+                        f"({v.name}) under a {type(strategy).__name__} in a graph "
+                        "(TensorFlow's graph optimizer orders tf_keras RMSprop's "
+                        "lr * g * rsqrt(d) by names the strategy's update scopes change)")
     return None
 
 

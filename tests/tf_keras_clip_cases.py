@@ -249,24 +249,45 @@ def test_current_clip_fit_bit_identical(kind, clip):
     _assert_same_states(states[1], states[0])
 
 
-def test_current_rmsprop_clip_of_one_element_variables_under_replicas_is_stock():
-    # Under MirroredStrategy the one-element order follows names that differ
-    # per replica (lr read in the strategy's update scope, replica 1's clip
-    # in its replica_1 scope): replica 0 multiplies g * rsqrt(d) first,
-    # replica 1 lr * rsqrt(d).  The other families' clips fuse there
-    # (tf_keras_mirrored_cases), as RMSprop's eagerly.
-    with STRATEGY.scope():
+@pytest.mark.parametrize("devices", [2, 1])
+def test_current_rmsprop_clip_of_one_element_variables_under_mirrored_is_stock(devices):
+    # A MirroredStrategy's update scope renames lr's read, and its order
+    # with the clip's op differs per replica (replica 0 multiplies
+    # g * rsqrt(d) first, replica 1 lr * rsqrt(d)), with one replica too.
+    # The other families' clips fuse there (tf_keras_mirrored_cases), as
+    # RMSprop's eagerly and under OneDeviceStrategy.
+    strategy = STRATEGY if devices == 2 else tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
         var = tf.Variable([1.0])
         wide = tf.Variable([1.0, 2.0])
         opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.RMSprop(clipvalue=0.5))
 
     @tf.function
     def step():
-        STRATEGY.run(lambda: opt.apply_gradients([(tf.constant([0.5, 0.25]), wide),
+        strategy.run(lambda: opt.apply_gradients([(tf.constant([0.5, 0.25]), wide),
                                                   (tf.constant([0.5]), var)]))
 
     step()
     assert opt.step_path == (
-        f"stock: clipvalue with a one-element variable ({var.name}) under several replicas in "
-        "a graph (TensorFlow's graph optimizer orders tf_keras RMSprop's lr * g * rsqrt(d) by "
-        "each replica's tensor names)")
+        f"stock: clipvalue with a one-element variable ({var.name}) under a MirroredStrategy "
+        "in a graph (TensorFlow's graph optimizer orders tf_keras RMSprop's lr * g * rsqrt(d) "
+        "by names the strategy's update scopes change)")
+
+
+def test_current_rmsprop_clip_under_one_device_strategy_bit_identical():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    x, y = _fused_data(12)
+    runs = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        with strategy.scope():
+            model = _current_model()
+            opt = make(CURRENT["rmsprop_centered_momentum"][0](clipvalue=CLIPS["clipvalue"]),
+                       initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+        step = _apply_step(opt, model)
+        run = tf.function(lambda xb, yb, step=step: strategy.run(step, args=(xb, yb)))
+        runs.append([])
+        for i in range(12):
+            run(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+            runs[-1].append(_fused_state(model, opt))
+    assert opt.step_path == "fused (RMSprop)", opt.step_path
+    _assert_same_states(runs[1], runs[0])
