@@ -110,6 +110,11 @@ slots and the weight decay.  Under ``MirroredStrategy`` they follow
 multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
 range is skipped there too), and so under ``MultiWorkerMirroredStrategy``,
 where the one all-reduce both sum with is the workers' collective one.
+Both lines clip with TensorFlow's ``clip_by_norm``,
+``clip_by_global_norm`` (``_tf_global_clip_factor``) and
+``clip_by_value``; the current ones' update, Python-level ops, leaves the
+clip's products alone in a graph (the clipped gradient feeds several ops),
+but for RMSprop's one-element order (``_tf_keras_rmsprop_variable_hyper``).
 """
 
 import platform
@@ -180,6 +185,8 @@ class Family:
       supports: the ``_OPTIONS`` it takes.
       unsupported: ``unsupported(inner)`` -> why the step built here cannot
         be fused, or None.
+      unsupported_variables: ``unsupported_variables(inner, variables)`` ->
+        why the step built here cannot be fused for ``variables``, or None.
       scales_gradient: whether ``update_step`` multiplies the gradient by
         a scalar (SGD's ``g * lr``), a product TensorFlow's graph optimizer
         merges with the ``1 / steps`` of an accumulated average.
@@ -207,7 +214,7 @@ class Family:
     def __init__(self, name, keras_class, *, slots, numbers, hyper, scalars=None,
                  state=None, supports=(), unsupported=None, scales_gradient=True, line=None,
                  sparse=None, merges_global_clip=None, run_time_forms=None,
-                 variable_hyper=None):
+                 variable_hyper=None, unsupported_variables=None):
         self.name = name
         self._keras_class = keras_class
         self.line = line or KERAS_3
@@ -218,6 +225,7 @@ class Family:
         self.state = state or (lambda inner: [])
         self.supports = frozenset(supports)
         self.unsupported = unsupported or (lambda inner: None)
+        self.unsupported_variables = unsupported_variables or (lambda inner, variables: None)
         self.scales_gradient = scales_gradient
         self.sparse = sparse
         self.merges_global_clip = merges_global_clip or (lambda inner: False)
@@ -657,11 +665,6 @@ class KerasLine:
         the reason the step is left to the stock path."""
         return clip_of(inner)
 
-    def clip_reason(self, clip):
-        """Why the fused step cannot clip as this optimizer clips, or None."""
-        del clip
-        return None
-
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
         """The factor of a global-norm clip, and the sums whose finiteness
         shows that every gradient is finite: Keras' ``clip_by_global_norm``,
@@ -1096,10 +1099,10 @@ class _TfKerasLine(KerasLine):
         # tf_keras' EMA is its own (Keras' ops after the fused op).
         return False
 
-    def clip_reason(self, clip):
-        # Its update is Python-level ops, which TensorFlow's graph optimizer
-        # merges with the clip's products in orders of its own.
-        return f"the inner optimizer sets {_CLIP_ATTRS[clip[0]]}"
+    def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
+        # Its _clip_gradients is tf.clip_by_global_norm, as the legacy ones'.
+        del variables
+        return _tf_global_clip_factor(grads, scale, unscale, clip_norm)
 
 
 class _TfKerasLegacyLine(KerasLine):
@@ -1143,15 +1146,21 @@ class _TfKerasLegacyLine(KerasLine):
         return clip_of(inner)
 
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
-        """``tf.clip_by_global_norm``'s factor, as its ``global_norm`` takes
-        it: each gradient's ``l2_loss`` (TensorFlow's own op, on the
-        gradient unscaled as stock unscales it, whose sum is not in the
-        order of the native sums), their sum times 2, its root."""
-        halves = [tf.nn.l2_loss(_unscaled_like_stock(g, scale, unscale)) for g in grads]
-        use_norm = tf.sqrt(tf.reduce_sum(tf.stack(halves)) * tf.constant(2.0, tf.float32))
-        scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm,
-                                                  tf.constant(1.0, tf.float32) / clip_norm)
-        return scale_for_finite + (use_norm - use_norm), halves
+        del variables
+        return _tf_global_clip_factor(grads, scale, unscale, clip_norm)
+
+
+def _tf_global_clip_factor(grads, scale, unscale, clip_norm):
+    """``tf.clip_by_global_norm``'s factor (tf_keras' clip, current and
+    legacy), as its ``global_norm`` takes it: each gradient's ``l2_loss``
+    (TensorFlow's own op, on the gradient unscaled as stock unscales it,
+    whose sum is not in the order of the native sums), their sum times 2,
+    its root; and the halves, whose finiteness shows every gradient's."""
+    halves = [tf.nn.l2_loss(_unscaled_like_stock(g, scale, unscale)) for g in grads]
+    use_norm = tf.sqrt(tf.reduce_sum(tf.stack(halves)) * tf.constant(2.0, tf.float32))
+    scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm,
+                                              tf.constant(1.0, tf.float32) / clip_norm)
+    return scale_for_finite + (use_norm - use_norm), halves
 
 
 TF_KERAS = _TfKerasLine()
@@ -1198,13 +1207,21 @@ def _tf_keras_rmsprop_variable_hyper(inner, variable, numbers):
     broadcast: as written.  A larger one's takes lr, the one scalar, with
     rsqrt(d): g * (lr * rsqrt(d)).  A one-element one's three factors tie,
     and stay in their canonical order, by the names of their tensors:
-    rsqrt(d), then lr or g, whichever sorts first
-    (``_graph_orders_gradient_first``)."""
-    del inner
+    rsqrt(d) (``.../Rsqrt_<k>``, before the ``.../mul_<k>`` of lr * g),
+    then lr or g, whichever sorts first.  Unclipped, g comes into the
+    stock step's cond from outside it, under a name its lowering gives it
+    (``_graph_orders_gradient_first``).  Clipped, g is the clip's output,
+    made in the same name scope as lr's read (``.../ReadVariableOp_<k>``;
+    not so under a MirroredStrategy, ``_tf_keras_rmsprop_variables_reason``),
+    and named after the clip (``.../clip_by_value_<k>``,
+    ``.../clip_by_norm_<k>/truediv``, ``.../clip_by_global_norm/mul_<k>``),
+    which sorts after it: lr first, g * (lr * rsqrt(d)), as a larger
+    variable's."""
     if numbers[_RMSPROP_RSQRT] == _RMSPROP_LR_RSQRT:
         if len(variable.shape) == 0:
             numbers[_RMSPROP_RSQRT] = _RMSPROP_LR_G
-        elif tf.TensorShape(variable.shape).num_elements() == 1:
+        elif (tf.TensorShape(variable.shape).num_elements() == 1
+              and not isinstance(clip_of(inner), tuple)):
             numbers[_RMSPROP_RSQRT] = _RMSPROP_G_RSQRT
     return numbers
 
@@ -1254,6 +1271,26 @@ def _graph_orders_gradient_first(one):
 
 def _tf_keras_rmsprop_reason(inner):
     return _tf_keras_reason(inner) or _tf_rsqrt_reason()
+
+
+def _tf_keras_rmsprop_variables_reason(inner, variables):
+    # A clipped one-element variable's lr * g * rsqrt(d) is ordered by the
+    # names of lr's read and of the clip's op (_tf_keras_rmsprop_variable_
+    # hyper).  A MirroredStrategy (of one replica too) reads lr in its
+    # update scope (.../update_<replica>_<k>/), which sorts after replica
+    # 0's clip (g * rsqrt(d) first) and before the others' (replica_<r>/...,
+    # lr * rsqrt(d) first, by the optimizer's name).
+    strategy = tf.distribute.get_strategy()
+    if (tf.distribute.has_strategy() and not isinstance(strategy, tf.distribute.OneDeviceStrategy)
+            and _grappler_reassociates_products() and isinstance(clip_of(inner), tuple)):
+        for v in variables:
+            shape = tf.TensorShape(v.shape)
+            if shape.rank and shape.num_elements() == 1:
+                return (f"{_CLIP_ATTRS[clip_of(inner)[0]]} with a one-element variable "
+                        f"({v.name}) under a {type(strategy).__name__} in a graph "
+                        "(TensorFlow's graph optimizer orders tf_keras RMSprop's "
+                        "lr * g * rsqrt(d) by names the strategy's update scopes change)")
+    return None
 
 
 def _legacy_hyper(inner, name):
@@ -1331,7 +1368,8 @@ def tf_keras_families():
                              hyper=_tf_keras_rmsprop_hyper,
                              variable_hyper=_tf_keras_rmsprop_variable_hyper,
                              run_time_forms=_tf_keras_rmsprop_run_time_forms,
-                             unsupported=_tf_keras_rmsprop_reason),
+                             unsupported=_tf_keras_rmsprop_reason,
+                             unsupported_variables=_tf_keras_rmsprop_variables_reason),
             _legacy_family("legacy_sgd", "SGD",
                            slots=lambda inner: ("momentum",) if _legacy_momentum_flag(inner)
                            else (),
@@ -1438,8 +1476,6 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     clip = family.line.clip_of(inner)
     if isinstance(clip, str):
         return stock(clip)
-    if clip is not None and family.line.clip_reason(clip) is not None:
-        return stock(family.line.clip_reason(clip))
     for attr in family.numbers:
         value = getattr(inner, attr, 0.0)
         if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
@@ -1476,7 +1512,10 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
                      f"optimizer merges the average's 1 / {steps} into the update's products)")
     if grads is None:
         return Decision(inner)
-    reason = (family.unsupported(inner) or family.line.variables_reason(inner, variables)
+    reason = (family.unsupported(inner)
+              or family.unsupported_variables(
+                  inner, [v for g, v in zip(grads, variables) if g is not None])
+              or family.line.variables_reason(inner, variables)
               or _step_reason(family, inner, grads, variables)
               or _clip_reason(clip, grads, unscale))
     if reason is None and steps and any(isinstance(g, tf.IndexedSlices) for g in grads):

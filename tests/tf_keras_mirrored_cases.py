@@ -59,6 +59,12 @@ INNER = {
         1e-2, momentum=0.9, clipnorm=1.0), "SGD"),
     "legacy_rmsprop_clipvalue": (lambda: tf_keras.optimizers.legacy.RMSprop(
         1e-3, clipvalue=0.5), "RMSprop"),
+    # So do the current ones (RMSprop's with a one-element variable, the
+    # bias here, stays stock in a graph: tf_keras_clip_cases).
+    "adamw_clipvalue": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004,
+                                                          clipvalue=0.5), "AdamW"),
+    "sgd_global_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, global_clipnorm=2.0),
+                            "SGD"),
 }
 # The one many-step run of each of fit and the custom loop.
 LONG = {"fit": "legacy_adam", "loop": "adamw"}
