@@ -211,6 +211,17 @@ def tf24_train_step(model, optimizer, loss_of=mse_loss):
 
 # ------------------------------------------------------------ child processes
 
+
+def replica_factor(spoiled, replica, one_sided):
+    """What ``replica``'s loss is multiplied by at a step that ``spoiled``
+    (None, or ``(who, value)``: ``who`` a replica, or ``"all"``) describes;
+    ``one_sided``: only ``who``'s is, else every replica's."""
+    if spoiled is None:
+        return np.float32(1.0)
+    who, value = spoiled
+    hit = who == "all" or who == replica or not one_sided
+    return np.float32(value if hit else 1.0)
+
 def child_env(drop=(), **values):
     """The environment of a test's child Python process: the source tree and
     the tests first on PYTHONPATH, TensorFlow quiet and on the CPU unless

@@ -44,6 +44,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers import replica_factor
 from test_multiworker import Child, ChildFailed, collect, free_ports, port_collision
 
 TIMEOUT = 400  # seconds for one child run, TensorFlow's start-up included
@@ -86,12 +87,7 @@ def spoil(step):
 
 
 def factor(step, replica, one_sided):
-    spoiled = spoil(step)
-    if spoiled is None:
-        return np.float32(1.0)
-    who, value = spoiled
-    hit = who == "all" or who == replica or not one_sided
-    return np.float32(value if hit else 1.0)
+    return replica_factor(spoil(step), replica, one_sided)
 
 
 def batch(step, replica, n=4):
@@ -213,17 +209,26 @@ def run_case(strategy, name, cases, inputs):
     made = make_case(strategy, name, cases, {"stock": "stock", "ours": "ours", "one": "ours"})
     _, _, steps, extra = cases[name]
     functions = {m: step_function(strategy, *made[m], extra) for m in made}
+    return run_steps(made, functions, inputs, steps)
+
+
+def run_steps(made, functions, inputs, steps, state_of=state, model_size=None):
+    """Trains the three models ``made`` (``{name: (model, optimizer)}``) by
+    their ``functions`` for ``steps`` steps; the report ``check_case``
+    reads.  ``state_of(model, opt)``: every copy, the model's first
+    (``model_size(model)`` of them; default: its variables)."""
+    model_size = model_size or (lambda model: len(model.variables))
     mismatch, disagree, moved, scales = [], [], [], []
     for step in range(steps):
-        before = state(*made["one"])
+        before = state_of(*made["one"])
         for m, function in functions.items():
             function(*inputs(step, m))
-        now = {m: state(*made[m]) for m in made}
+        now = {m: state_of(*made[m]) for m in made}
         if not now["stock"] == now["ours"] == now["one"]:
             mismatch.append(step)
         if not all(len(set(c)) == 1 for s in now.values() for c in s):
             disagree.append(step)
-        n = len(made["one"][0].variables)
+        n = model_size(made["one"][0])
         if (now["one"][:n] != before[:n]) != (spoil(step) is None):
             moved.append(step)
         scales.append(float(np.frombuffer(copies(made["ours"][1].dynamic_scale)[0],
@@ -232,7 +237,7 @@ def run_case(strategy, name, cases, inputs):
     return {"mismatch": mismatch, "copies_disagree": disagree, "wrong_moves": moved,
             "scales": scales, "iterations": int(ours.iterations.numpy()),
             "paths": [made[m][1].step_path for m in ("ours", "one")],
-            "state": digest(state(*made["ours"]))}
+            "state": digest(state_of(*made["ours"]))}
 
 
 def per_replica(strategy, fn):

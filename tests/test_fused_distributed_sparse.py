@@ -40,6 +40,7 @@ import sys
 import numpy as np
 import pytest
 
+import test_fused_distributed as distributed
 from test_fused_distributed import TIMEOUT, copies, digest, per_replica, spoil, state
 from test_multiworker import Child, ChildFailed, collect, free_ports, port_collision
 
@@ -218,26 +219,7 @@ def state_of(variables, opt):
 
 def run_steps(made, functions, inputs, steps):
     """Trains the three; the report ``check_case`` reads."""
-    mismatch, disagree, moved, scales = [], [], [], []
-    for step in range(steps):
-        before = state_of(*made["one"])
-        for m, function in functions.items():
-            function(*inputs(step, m))
-        now = {m: state_of(*made[m]) for m in made}
-        if not now["stock"] == now["ours"] == now["one"]:
-            mismatch.append(step)
-        if not all(len(set(c)) == 1 for s in now.values() for c in s):
-            disagree.append(step)
-        n = len(made["one"][0])
-        if (now["one"][:n] != before[:n]) != (spoil(step) is None):
-            moved.append(step)
-        scales.append(float(np.frombuffer(copies(made["ours"][1].dynamic_scale)[0],
-                                          np.float32)[0]))
-    ours = made["ours"][1]
-    return {"mismatch": mismatch, "copies_disagree": disagree, "wrong_moves": moved,
-            "scales": scales, "iterations": int(ours.iterations.numpy()),
-            "paths": [made[m][1].step_path for m in ("ours", "one")],
-            "state": digest(state_of(*made["ours"]))}
+    return distributed.run_steps(made, functions, inputs, steps, state_of, len)
 
 
 def embedding_model(policy, seed=0):

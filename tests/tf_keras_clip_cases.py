@@ -111,17 +111,23 @@ def test_legacy_clip_minimize_bit_identical(kind, clip):
 @pytest.mark.parametrize("clip", sorted(CLIPS))
 @pytest.mark.parametrize("kind", ["adam", "rmsprop_centered_momentum"])
 def test_legacy_clip_fit_bit_identical(kind, clip):
+    _fit_bit_identical(LEGACY[kind], clip, _fused_model)
+
+
+def _fit_bit_identical(kind, clip, make_model):
+    """``fit`` with ours and with stock around ``kind``'s (``(make,
+    family)``) optimizer clipped by ``clip``: the same states, fused."""
     x, y = _fused_data(FUSED_STEPS)
     states = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
-        model = _fused_model()
-        model.compile(make(LEGACY[kind][0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
+        model = make_model()
+        model.compile(make(kind[0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
                            dynamic_growth_steps=GROWTH), "mse")
         recorder = batch_recorder(tf_keras.callbacks, _fused_state)
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[recorder])
         states.append(recorder.states)
-    assert model.optimizer.step_path == f"fused ({LEGACY[kind][1]})"
+    assert model.optimizer.step_path == f"fused ({kind[1]})"
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])
 
@@ -234,19 +240,7 @@ def test_current_clip_variants_bit_identical(kind, clip, make_step):
 def test_current_clip_fit_bit_identical(kind, clip):
     # fit's train function returns its logs (the graph optimizer then
     # drops the Identity of each gradient's way into the step's cond).
-    x, y = _fused_data(FUSED_STEPS)
-    states = []
-    for make in (STOCK, lossscale.LossScaleOptimizer):
-        model = _current_model()
-        model.compile(make(CURRENT[kind][0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
-                           dynamic_growth_steps=GROWTH), "mse")
-        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        states.append(recorder.states)
-    assert model.optimizer.step_path == f"fused ({CURRENT[kind][1]})"
-    _assert_moved(states[0])
-    _assert_same_states(states[1], states[0])
+    _fit_bit_identical(CURRENT[kind], clip, _current_model)
 
 
 @pytest.mark.parametrize("devices", [2, 1])

@@ -21,7 +21,7 @@ its counter and ``iterations``; the copies of each agree; a spoiled step
 leaves ``one``'s weights as they were; and ``step_path`` says fused.
 """
 
-from helpers import batch_recorder, two_cpu_replicas
+from helpers import batch_recorder, replica_factor, two_cpu_replicas
 
 STRATEGY = two_cpu_replicas()
 
@@ -86,12 +86,7 @@ def spoil(step):
 
 def factor(step, replica, one_sided):
     """What replica ``replica``'s loss is multiplied by at ``step``."""
-    spoiled = spoil(step)
-    if spoiled is None:
-        return np.float32(1.0)
-    who, value = spoiled
-    hit = who == "all" or who == replica or not one_sided
-    return np.float32(value if hit else 1.0)
+    return replica_factor(spoil(step), replica, one_sided)
 
 
 def batch(step, replica, n=PER_REPLICA):
