@@ -258,7 +258,10 @@ def child_benchmarks(what, nodes, settings, rounds, env=None):
     thread count and quick setting, ``rounds`` rounds, with ``env`` added to
     its environment; each entry's ``child_wall_s`` is the child's wall time,
     and the child's lines on skipped peers join this run's.  A child that
-    fails is an error naming ``what`` it ran, with the end of its output."""
+    fails is an error naming ``what`` it ran, with the end of its output.
+    The child builds its own workload (BERT-base's: gigabytes), so this
+    process lets go of every layer's first."""
+    drop_all()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "child.json")
         cmd = [sys.executable, "-m", "pytest", *nodes, "-q",
@@ -321,6 +324,16 @@ _cases = {}
 
 
 def live(layer, key, build):
+    """``layer``'s data for ``key``, made by ``build`` when it is not the one
+    held.  Layers run one after the other: the data other layers still hold
+    (their last workload: up to gigabytes of arrays, tensors and graphs) is
+    dropped first, or a full run holds the last workload of every layer at
+    once and runs out of memory by its last layers."""
+    if any(other != layer and case.value is not None for other, case in _cases.items()):
+        for other, case in _cases.items():
+            if other != layer:
+                case.key = case.value = None
+        gc.collect()
     return _cases.setdefault(layer, LiveCase()).get(key, build)
 
 
