@@ -361,9 +361,7 @@ class Plan:
             if self.clip[0] == "value":
                 if finite is None:
                     finite = native_ops.all_finite_grouped(self.grads)
-                failed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                            tf.cast(tf.logical_not(finite), tf.float32))
-                self.replicas_finite = tf.equal(failed, 0.0)
+                self.replicas_finite = _step.all_replicas_finite(context, finite)
             self.grads = list(_compat.clip_gradients(self.inner, self.grads))
             self.forms = [form if isinstance(g, tf.IndexedSlices) else None
                           for g, form in zip(self.grads, self.forms)]

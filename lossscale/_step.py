@@ -33,7 +33,7 @@ from lossscale import loss_scale as loss_scale_module
 from lossscale import ops as native_ops
 from lossscale._config import keras_rule_config
 
-__all__ = ["KerasRule", "LossScaleObjectRule", "update_copies", "cond", "as_float_flag",
+__all__ = ["KerasRule", "LossScaleObjectRule", "update_copies", "cond", "as_float_flag", "all_replicas_finite",
            "tf_variable", "check_gradients", "plain_python"]
 
 # The step is written for graph mode as it is; AutoGraph would only re-trace
@@ -48,6 +48,13 @@ def tf_variable(variable):
 def as_float_flag(finite):
     # Strategies reduce numbers, not booleans.
     return tf.cast(finite, tf.float32)
+
+
+def all_replicas_finite(context, finite):
+    """Whether ``finite`` holds on every replica of the replica context
+    ``context``: one all-reduce of the flags, the same answer on each."""
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, as_float_flag(finite))
+    return tf.equal(total, context.num_replicas_in_sync)
 
 
 def cond(pred, true_fn, false_fn):

@@ -119,19 +119,6 @@ class _NativeDynamicLossScaleState(_compat.tf_keras_dynamic_loss_scale_state_cla
         return self._step(is_finite, self.current_loss_scale, self.counter), is_finite
 
 
-class _TfKerasUnscale:
-    """tf_keras' unscaling as ``_fused.Plan.sum_replicas`` asks a rule for it:
-    each gradient times ``tf.cast(1 / scale, g.dtype)`` (its
-    ``get_unscaled_gradients``), the native op's product."""
-
-    @staticmethod
-    def unscale_and_check(grads, scale):
-        return ops.unscale_and_check(grads, scale)
-
-
-_TF_KERAS_UNSCALE = _TfKerasUnscale()
-
-
 class _NativeOps:
     """What ours changes in a ``tf_keras`` loss-scale optimizer: the unscaling
     (tf_keras multiplies by ``tf.cast(1 / scale, g.dtype)``, which is what
@@ -285,15 +272,15 @@ class _NativeOps:
         # The scale the gradients were made with: read before it moves.
         scale = tf.convert_to_tensor(self.loss_scale, tf.float32)
         if aggregate:
-            unscale = plan.sum_replicas(_TF_KERAS_UNSCALE, scale, unscale)
+            # tf_keras' unscaling is the native op's product (times
+            # tf.cast(1 / scale, g.dtype)): ``ops`` serves as the rule.
+            unscale = plan.sum_replicas(ops, scale, unscale)
         state = self._loss_scale
         if isinstance(state, _NativeDynamicLossScaleState):
             def advance(finite):
                 if plan.replicated and not aggregate:
-                    context = tf.distribute.get_replica_context()
-                    total = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                               _step.as_float_flag(finite))
-                    finite = tf.equal(total, context.num_replicas_in_sync)
+                    finite = _step.all_replicas_finite(tf.distribute.get_replica_context(),
+                                                       finite)
                 # Each replica steps its own copies of the state, by the
                 # same flag.
                 return _step.update_copies(state._step, finite,

@@ -430,9 +430,7 @@ class LossScaleOptimizer(_StockLossScaleOptimizer):
                 and replica_context.num_replicas_in_sync > 1):
             # No merge call (e.g. MultiWorkerMirroredStrategy): combine the
             # replicas' flags so that all of them skip or apply together.
-            total = replica_context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                               _step.as_float_flag(finite))
-            finite = tf.equal(total, replica_context.num_replicas_in_sync)
+            finite = _step.all_replicas_finite(replica_context, finite)
         should_apply = self._rule.advance(finite, unscaled)
 
         def apply():
