@@ -277,6 +277,15 @@ class SparseForm:
 # slices, as the op clips each slice value.)
 DENSIFIED_BY_CLIP = SparseForm()
 
+# A sparse gradient that tf_keras' current optimizers sum per row before
+# their update: ``apply_gradients`` adds a row's duplicate slices
+# (``_deduplicate_sparse_grad``: ``unsorted_segment_sum`` onto 0, in their
+# order), and where ``update_step``'s scatters of those sums come to the
+# dense update of the densified gradient bit for bit (a row without slices
+# taking a gradient of 0 unchanged), the kernel takes the gradient dense, as
+# TensorFlow's conversion densifies it (the same sums).
+SUMMED_BY_ROW = SparseForm()
+
 # The families whose native kernels take a sparse gradient's slices (the
 # core's LS_OPTIM_SPARSE_FAMILIES: an element's update reads that element
 # alone).
@@ -384,9 +393,9 @@ class Plan:
         dense = [i for i, form in enumerate(self.forms)
                  if form is None or (form is DENSIFIED_BY_CLIP and native)]
         densified = [i for i, form in enumerate(self.forms)
-                     if form is DENSIFIED_BY_CLIP and not native]
+                     if (form is DENSIFIED_BY_CLIP and not native) or form is SUMMED_BY_ROW]
         sparse = [i for i, form in enumerate(self.forms)
-                  if form is not None and form is not DENSIFIED_BY_CLIP]
+                  if form is not None and form not in (DENSIFIED_BY_CLIP, SUMMED_BY_ROW)]
         if accumulation is not None and len(dense) != len(self.forms):
             # decide() keeps a sparse gradient with accumulation stock.
             raise ValueError("gradient accumulation takes dense gradients only")
@@ -548,7 +557,7 @@ class Plan:
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
         self.state = line.learning_rate_state(inner, lr) + state
         if line.folds_moving_average(inner):
-            self.ema = list(_compat.moving_average_numbers(inner))
+            self.ema = list(line.moving_average_numbers(inner))
         return self.checks
 
     def check_finite(self, scale, unscale):
@@ -657,6 +666,30 @@ class KerasLine:
         (Keras 3's ``use_ema`` without accumulation, whose average moves on
         steps that only accumulate too)."""
         return bool(getattr(inner, "use_ema", False)) and not _accumulation_steps(inner)
+
+    def moving_average_numbers(self, inner):
+        """This step's EMA momentum and ``1 - momentum``, float32 tensors,
+        as the optimizer moves each average with them."""
+        return _compat.moving_average_numbers(inner)
+
+    def move_averages(self, inner, variables, done):
+        """Moves the EMA of what the optimizer moves after an applied step
+        (``variables``: the step's), but for the variables in ``done``
+        (moved by the fused op), by Keras' own ops."""
+        del variables
+        _compat.update_moving_averages(inner, done)
+
+    def overwrite_with_averages(self, inner, variables):
+        """Assigns what the optimizer overwrites every
+        ``ema_overwrite_frequency`` steps its EMA (``variables``: the
+        step's)."""
+        del variables
+        _compat.overwrite_with_moving_averages(inner)
+
+    def clip_densifies_sparse(self, clip):
+        """Whether the optimizer's clip ``clip`` (``clip_of``) makes a
+        sparse gradient dense."""
+        return _densifies(clip)
 
     def clip_of(self, inner):
         """The optimizer's clip as the native op takes it (``clip_of``), or
@@ -1094,7 +1127,32 @@ class _TfKerasLine(KerasLine):
             f"the inner optimizer was not built with {unknown.name}"
 
     def folds_moving_average(self, inner):
-        # tf_keras' EMA is its own (Keras' ops after the fused op).
+        # No accumulation: every applied step moves the averages.
+        return bool(inner.use_ema)
+
+    def moving_average_numbers(self, inner):
+        # Its _update_model_variables_moving_average: ema_momentum * average
+        # + (1 - ema_momentum) * var, the numbers Python floats made float32
+        # (no momentum 0 on the first step, unlike Keras 3's).
+        momentum = float(inner.ema_momentum)
+        return (tf.constant(np.float32(momentum)), tf.constant(np.float32(1 - momentum)))
+
+    def move_averages(self, inner, variables, done):
+        # Its EMA moves the averages of the step's variables alone (those
+        # with a gradient), after every update.
+        done = {_compat.variable_key(inner, v) for v in done}
+        rest = [v for v in variables if _compat.variable_key(inner, v) not in done]
+        if rest:
+            inner._update_model_variables_moving_average(rest)  # pylint: disable=protected-access
+
+    def overwrite_with_averages(self, inner, variables):
+        inner._overwrite_model_variables_with_average_value(  # pylint: disable=protected-access
+            list(variables))
+
+    def clip_densifies_sparse(self, clip):
+        # tf.clip_by_global_norm clips a sparse gradient's slices (its norm
+        # is their l2_loss): the gradient stays sparse.
+        del clip
         return False
 
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
@@ -1179,7 +1237,62 @@ def _first_reason(*checks):
 def _tf_keras_reason(inner):
     return _first_reason(
         (inner.jit_compile, "the inner optimizer compiles its update with XLA (jit_compile)"),
-        (_compat.tf_keras_uses_dtensor(inner), "the inner optimizer runs under DTensor"))
+        (_compat.tf_keras_uses_dtensor(inner), "the inner optimizer runs under DTensor"),
+        (inner.use_ema and (isinstance(inner.ema_momentum, bool)
+                            or not isinstance(inner.ema_momentum, (int, float, np.number))),
+         "the inner optimizer's ema_momentum is not a number"),
+        (inner.use_ema and tf.distribute.has_strategy(),
+         "tf_keras' EMA under a tf.distribute strategy (it moves the averages and overwrites "
+         "the variables by the strategy's update calls)"))
+
+
+def _tf_keras_sparse_reason(inner, variable):
+    """Why a sparse gradient of ``variable`` cannot take the fused step of
+    any current ``tf_keras`` optimizer, or None: its ``apply_gradients``
+    clips the slices (clip_by_norm and clip_by_value each slice as it came,
+    clip_by_global_norm by the norm of the slices, keeping the gradient
+    sparse) before it sums a row's duplicates, which the kernels' clip of
+    the summed rows does not reproduce."""
+    clip = clip_of(inner)
+    if isinstance(clip, tuple):
+        return (f"{_CLIP_ATTRS[clip[0]]} with a sparse (IndexedSlices) gradient of "
+                f"{variable.name} (tf_keras clips its slices before summing a row's "
+                "duplicates)")
+    return None
+
+
+def _tf_keras_sgd_sparse(inner, variable):
+    # tf_keras' SGD.update_step on a row's summed slices s (SUMMED_BY_ROW):
+    # m = m * momentum, s * -lr scatter-added, then w + m (momentum 0 too:
+    # tf_keras keeps the slot) -- the dense m * mu - g * lr of the densified
+    # sums, a row without slices subtracting 0 * lr, which changes no value.
+    # Nesterov then adds s * -lr to w before m * momentum.
+    reason = _tf_keras_sparse_reason(inner, variable)
+    if reason is not None:
+        return reason
+    if inner.nesterov:
+        return ("tf_keras' Nesterov SGD adds a sparse gradient's slices times -lr to "
+                f"{variable.name} before m * momentum ((w - g * lr) + m * momentum, where "
+                "the dense update is w + (m * momentum - g * lr))")
+    return SUMMED_BY_ROW
+
+
+def _tf_keras_adam_sparse(inner, variable):
+    # tf_keras' Adam.update_step on an IndexedSlices.
+    return _tf_keras_sparse_reason(inner, variable) or (
+        "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
+        "slices times (1 - beta_1) scattered (v alike, of their squares), where its dense "
+        f"update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
+        f"({variable.name})")
+
+
+def _tf_keras_rmsprop_sparse(inner, variable):
+    # tf_keras' RMSprop.update_step on an IndexedSlices.
+    return _tf_keras_sparse_reason(inner, variable) or (
+        "tf_keras' RMSprop multiplies a sparse gradient's summed slices by lr and the rsqrt "
+        "of their rows' denominators gathered, a tensor of its own (TensorFlow's Rsqrt "
+        "rounds an element by where it falls in its tensor, a vector packet or the tail), "
+        f"and rows without slices take no 0 * rsqrt(d) ({variable.name})")
 
 
 def _tf_keras_adam_reason(inner):
@@ -1329,7 +1442,7 @@ def _legacy_rmsprop_scalars(inner, lr):
 
 # What Keras 3's families take around their update and from a sparse
 # gradient (EMA, accumulation, the sparse forms) is Keras 3's code: a
-# tf_keras family takes none of it.
+# legacy tf_keras family takes none of it.
 _KERAS_3_ONLY = dict(supports=(), sparse=None)
 
 
@@ -1340,9 +1453,11 @@ def _legacy_family(name, cls, **kwargs):
 
 
 def _tf_keras_family(name, cls, **kwargs):
+    # EMA (tf_keras has no gradient accumulation); a sparse gradient as the
+    # family's ``sparse`` says.
     kwargs.setdefault("unsupported", _tf_keras_reason)
     return Family(name, lambda: getattr(_tf_keras_optimizers(), cls), line=TF_KERAS,
-                  **dict(kwargs, **_KERAS_3_ONLY))
+                  **dict(kwargs, supports=("use_ema",)))
 
 
 _TF_KERAS_FAMILIES = []
@@ -1356,18 +1471,21 @@ def tf_keras_families():
     (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step."""
     if not _TF_KERAS_FAMILIES:
         _TF_KERAS_FAMILIES.extend([
-            _tf_keras_family("adam", "AdamW", **_ADAM),
-            _tf_keras_family("adam", "Adam", **dict(_ADAM, unsupported=_tf_keras_adam_reason)),
+            _tf_keras_family("adam", "AdamW", **dict(_ADAM, sparse=_tf_keras_adam_sparse)),
+            _tf_keras_family("adam", "Adam", **dict(_ADAM, unsupported=_tf_keras_adam_reason,
+                                                    sparse=_tf_keras_adam_sparse)),
             _tf_keras_family("legacy_sgd", "SGD", slots=lambda inner: ("momentum",),
                              numbers=(), hyper=lambda inner: [1.0, 1.0 if inner.nesterov else 0.0],
-                             scalars=lambda inner, lr: [tf.cast(inner.momentum, tf.float32)]),
+                             scalars=lambda inner, lr: [tf.cast(inner.momentum, tf.float32)],
+                             sparse=_tf_keras_sgd_sparse),
             _tf_keras_family("rmsprop", "RMSprop", slots=_rmsprop_slots,
                              numbers=("rho", "momentum", "epsilon"),
                              hyper=_tf_keras_rmsprop_hyper,
                              variable_hyper=_tf_keras_rmsprop_variable_hyper,
                              run_time_forms=_tf_keras_rmsprop_run_time_forms,
                              unsupported=_tf_keras_rmsprop_reason,
-                             unsupported_variables=_tf_keras_rmsprop_variables_reason),
+                             unsupported_variables=_tf_keras_rmsprop_variables_reason,
+                             sparse=_tf_keras_rmsprop_sparse),
             _legacy_family("legacy_sgd", "SGD",
                            slots=lambda inner: ("momentum",) if _legacy_momentum_flag(inner)
                            else (),
@@ -1529,7 +1647,8 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
-    forms = [(DENSIFIED_BY_CLIP if _densifies(clip) else family.sparse(inner, v))
+    forms = [(DENSIFIED_BY_CLIP if family.line.clip_densifies_sparse(clip)
+              else family.sparse(inner, v))
              if isinstance(g, tf.IndexedSlices) else None
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
@@ -1596,7 +1715,8 @@ def _step_reason(family, inner, grads, variables):
     for g, v in pairs:
         if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
             return f"{v.name} is not mirrored (made outside the strategy's scope)"
-        if isinstance(g, tf.IndexedSlices) and not _densifies(clip_of(inner)):
+        if (isinstance(g, tf.IndexedSlices)
+                and not family.line.clip_densifies_sparse(family.line.clip_of(inner))):
             form = family.sparse(inner, v) if family.sparse else None
             if not isinstance(form, SparseForm):
                 return form or f"the gradient of {v.name} is sparse (IndexedSlices)"
@@ -2081,7 +2201,9 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
     else:
         plan.run(library, should_apply, scale, unscale)
     if getattr(inner, "use_ema", False):
-        _step.cond(should_apply, lambda: _moving_average_step(inner, plan.ema_done),
+        _step.cond(should_apply,
+                   lambda: _moving_average_step(inner, plan.variables, plan.ema_done,
+                                                plan.family.line),
                    lambda: None)
     iterations = local_copy(_compat.optimizer_iterations(plan.inner))
     if advance_iterations_always:
@@ -2125,15 +2247,17 @@ def _accumulate_or_update(plan, library, scale, unscale):
     _step.cond(is_update_step, update, accumulate)
 
 
-def _moving_average_step(inner, done=()):
+def _moving_average_step(inner, variables, done=(), line=None):
     """An applied step's EMA of an inner optimizer with ``use_ema``, after
-    its update: Keras' ``_backend_apply_gradients``, its last part (but for
-    the averages of ``done``, which the fused op moved)."""
-    _compat.update_moving_averages(inner, done)
+    its update of ``variables``: Keras' ``_backend_apply_gradients``, its
+    last part (but for the averages of ``done``, which the fused op moved);
+    ``line``, the ``KerasLine`` of ``inner``."""
+    line = line or KERAS_3
+    line.move_averages(inner, variables, done)
     frequency = inner.ema_overwrite_frequency
     if frequency:
         _step.cond((inner.iterations + 1) % frequency == 0,
-                   lambda: _compat.overwrite_with_moving_averages(inner), lambda: None)
+                   lambda: line.overwrite_with_averages(inner, variables), lambda: None)
 
 
 def check_and_apply(plan, *, scale, advance, unscale, advance_iterations_always=False):

@@ -666,7 +666,7 @@ def test_fused_step_paths():
          "stock: the inner optimizer sets clipnorm and clipvalue (tf_keras' legacy optimizers "
          "clip by each in turn)"),
         (tf_keras.optimizers.Adam(global_clipnorm=1.0), "fused (Adam)"),
-        (tf_keras.optimizers.Adam(use_ema=True), "stock: the inner optimizer uses EMA"),
+        (tf_keras.optimizers.Adam(use_ema=True), "fused (Adam)"),
         (tf_keras.optimizers.legacy.Adamax(), "stock: the inner optimizer (Adamax) is not a "
          "stock tf_keras Adagrad, Adam, AdamW, RMSprop or SGD"),
     ]

@@ -1,0 +1,273 @@
+"""tf_keras' current optimizers (``tf_keras.optimizers``) with sparse
+gradients and with EMA on the fused step, run by ``test_tf_keras.py`` in a
+child pytest with ``TF_USE_LEGACY_KERAS=1``.
+
+Their ``apply_gradients`` sums a sparse gradient's duplicate slices per row
+(``_deduplicate_sparse_grad``) before ``update_step`` scatters the sums;
+with ``use_ema`` it moves the averages of the step's variables after their
+updates (``ema_momentum * average + (1 - ema_momentum) * var``) and, every
+``ema_overwrite_frequency`` steps, overwrites the variables with them.
+Every check trains with ours and with ``tf_keras``' own
+``LossScaleOptimizer`` from the same weights and data and compares every
+weight, slot, average, the loss scale, its counter and ``iterations`` bit
+for bit after every step, through overflowing steps (skipped, the scale
+backing off) and growing ones.
+"""
+
+from tf_keras_cases import (BATCH, GROWTH, STOCK, _apply_step, _assert_moved,
+                            _assert_same_states, _custom_loop, _fused_model, _fused_state,
+                            _minimize_step)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import lossscale  # noqa: E402
+from helpers import assert_same_bits, batch_recorder  # noqa: E402
+
+STEPS = 63
+ROWS, IDS = 29, 6
+
+
+def _sparse_data(steps):
+    """Ids (duplicates within a batch, rows no batch takes) and targets;
+    every ninth batch's targets overflow float16 at any scale a run
+    reaches."""
+    rng = np.random.default_rng(13)
+    ids = rng.integers(0, ROWS - 3, size=(steps * BATCH, IDS)).astype("int32")
+    y = (rng.normal(size=(steps * BATCH, 1)) * 40).astype("float32")
+    for i in range(4, steps, 9):
+        y[i * BATCH:(i + 1) * BATCH] *= 3e3
+    return ids, y
+
+
+def _sparse_model():
+    """An ``Embedding`` (its gradient a ``tf.IndexedSlices``) under
+    mixed_float16, then dense layers (a one-element bias among them)."""
+    tf_keras.utils.set_random_seed(5)
+    model = tf_keras.Sequential([
+        tf_keras.Input((IDS,), dtype="int32"),
+        tf_keras.layers.Embedding(ROWS, 7, dtype="mixed_float16"),
+        tf_keras.layers.Flatten(dtype="mixed_float16"),
+        tf_keras.layers.Dense(11, activation="relu", dtype="mixed_float16"),
+        tf_keras.layers.Dense(1, dtype="float32")])
+    return model
+
+
+def _dense_data(steps):
+    from helpers import overflowing_batches
+
+    return overflowing_batches(steps, BATCH, seed=11, first=4, every=9, factor=3e3)
+
+
+# (make the inner optimizer, the model, its data, the family step_path names)
+SPARSE = {
+    "sgd": (lambda: tf_keras.optimizers.SGD(1e-2), "SGD"),
+    "sgd_momentum": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9), "SGD"),
+    "sgd_momentum_decay_ema_overwrite": (lambda: tf_keras.optimizers.SGD(
+        1e-2, momentum=0.9, weight_decay=0.004, use_ema=True, ema_momentum=0.9,
+        ema_overwrite_frequency=5), "SGD"),
+    "sgd_ema": (lambda: tf_keras.optimizers.SGD(1e-2, use_ema=True), "SGD"),
+}
+
+EMA = {
+    "adam_ema": (lambda: tf_keras.optimizers.Adam(1e-2, use_ema=True), "Adam"),
+    "adam_ema_overwrite": (lambda: tf_keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4), "Adam"),
+    "adamw_amsgrad_ema_overwrite": (lambda: tf_keras.optimizers.AdamW(
+        1e-3, weight_decay=0.004, amsgrad=True, use_ema=True, ema_overwrite_frequency=7),
+        "AdamW"),
+    "sgd_nesterov_ema_overwrite": (lambda: tf_keras.optimizers.SGD(
+        1e-2, momentum=0.9, nesterov=True, use_ema=True, ema_momentum=0.9,
+        ema_overwrite_frequency=3), "SGD"),
+    "sgd_ema": (lambda: tf_keras.optimizers.SGD(1e-2, use_ema=True), "SGD"),
+    "rmsprop_ema": (lambda: tf_keras.optimizers.RMSprop(1e-3, use_ema=True), "RMSprop"),
+    "rmsprop_centered_momentum_ema_overwrite": (lambda: tf_keras.optimizers.RMSprop(
+        1e-3, momentum=0.5, centered=True, use_ema=True, ema_overwrite_frequency=6),
+        "RMSprop"),
+}
+
+CASES = dict([(f"sparse_{k}", (make, name, _sparse_model, _sparse_data))
+              for k, (make, name) in SPARSE.items()]
+             + [(f"dense_{k}", (make, name, lambda k=k: _fused_model(k), _dense_data))
+                for k, (make, name) in EMA.items()])
+
+
+def _make(cls, inner):
+    return cls(inner, initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+
+
+def _run(cls, kind, use_function, make_step=_apply_step, steps=STEPS):
+    make, _, model, data = CASES[kind]
+    x, y = data(steps)
+    opt = _make(cls, make())
+    return opt, _custom_loop(opt, model(), x, y, use_function, steps, _fused_state, make_step)
+
+
+def _assert_sparse(kind):
+    """The sparse cases' model has a sparse gradient, with duplicate
+    indices, and rows without one."""
+    if kind.startswith("sparse"):
+        model = _sparse_model()
+        ids, y = _sparse_data(1)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids) - y))
+        grad = tape.gradient(loss, model.trainable_variables)[0]
+        assert isinstance(grad, tf.IndexedSlices)
+        taken = np.unique(grad.indices.numpy())
+        assert len(taken) < len(grad.indices) and len(taken) < ROWS
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_custom_loop_bit_identical(kind, use_function):
+    # TensorFlow 2.4's custom loop: get_scaled_loss, get_unscaled_gradients,
+    # apply_gradients.
+    _, want = _run(STOCK, kind, use_function)
+    opt, got = _run(lossscale.LossScaleOptimizer, kind, use_function)
+    assert opt.step_path == f"fused ({CASES[kind][1]})", opt.step_path
+    _assert_sparse(kind)
+    _assert_moved(want)
+    _assert_same_states(got, want)
+
+
+@pytest.mark.parametrize("kind", ["sparse_sgd_momentum", "sparse_sgd_momentum_decay_ema_overwrite",
+                                  "dense_adam_ema_overwrite",
+                                  "dense_rmsprop_centered_momentum_ema_overwrite"])
+def test_minimize_bit_identical(kind):
+    # TensorFlow 2.4's minimize: the gradients reach the step scaled.
+    _, want = _run(STOCK, kind, True, _minimize_step)
+    opt, got = _run(lossscale.LossScaleOptimizer, kind, True, _minimize_step)
+    assert opt.step_path == f"fused ({CASES[kind][1]})", opt.step_path
+    _assert_same_states(got, want)
+
+
+@pytest.mark.parametrize("kind", ["sparse_sgd", "sparse_sgd_momentum_decay_ema_overwrite",
+                                  "dense_adam_ema", "dense_adamw_amsgrad_ema_overwrite",
+                                  "dense_sgd_nesterov_ema_overwrite",
+                                  "dense_rmsprop_centered_momentum_ema_overwrite"])
+def test_fit_bit_identical(kind):
+    # fit's train step (minimize), then finalize_variable_values: with EMA
+    # the model's weights become their averages when training ends.
+    make, name, make_model, data = CASES[kind]
+    x, y = data(STEPS)
+    states, finals = [], []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        model = make_model()
+        model.compile(_make(cls, make()), "mse")
+        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        states.append(recorder.states)
+        finals.append(_fused_state(model, model.optimizer))
+    assert model.optimizer.step_path == f"fused ({name})", model.optimizer.step_path
+    assert len(states[0]) == STEPS
+    _assert_moved(states[0])
+    _assert_same_states(states[1], states[0])
+    _assert_same_states([finals[1]], [finals[0]])
+
+
+def test_averages_move_and_overwrite():
+    # The EMA runs are not vacuous: the averages differ from the weights,
+    # and an overwrite makes them equal, on its steps alone.
+    def state(model, opt):
+        averages = opt.inner_optimizer._model_variables_moving_average  # pylint: disable=protected-access
+        return [w.numpy() for w in model.trainable_weights], [a.numpy() for a in averages]
+
+    opt = _make(STOCK, EMA["adam_ema_overwrite"][0]())
+    x, y = _dense_data(12)
+    states = _custom_loop(opt, _fused_model(), x, y, False, 12, state)
+    equal = [all(np.array_equal(w, a) for w, a in zip(*s)) for s in states]
+    assert any(equal) and not all(equal), equal
+
+
+_STOCK_SPARSE = {
+    "adam": (lambda: tf_keras.optimizers.Adam(1e-2),
+             "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
+             "slices times (1 - beta_1) scattered (v alike, of their squares), where its dense "
+             "update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
+             "({name})"),
+    "adamw_ema": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004, use_ema=True),
+                  "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its "
+                  "summed slices times (1 - beta_1) scattered (v alike, of their squares), "
+                  "where its dense update is m + (g - m) * (1 - beta_1): a form the fused "
+                  "kernel does not take ({name})"),
+    "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3),
+                "tf_keras' RMSprop multiplies a sparse gradient's summed slices by lr and the "
+                "rsqrt of their rows' denominators gathered, a tensor of its own (TensorFlow's "
+                "Rsqrt rounds an element by where it falls in its tensor, a vector packet or "
+                "the tail), and rows without slices take no 0 * rsqrt(d) ({name})"),
+    "sgd_nesterov": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True),
+                     "tf_keras' Nesterov SGD adds a sparse gradient's slices times -lr to "
+                     "{name} before m * momentum ((w - g * lr) + m * momentum, where the dense "
+                     "update is w + (m * momentum - g * lr))"),
+    "sgd_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, clipnorm=1.0),
+                     "clipnorm with a sparse (IndexedSlices) gradient of {name} (tf_keras clips "
+                     "its slices before summing a row's duplicates)"),
+    "sgd_global_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, global_clipnorm=1.0),
+                            "global_clipnorm with a sparse (IndexedSlices) gradient of {name} "
+                            "(tf_keras clips its slices before summing a row's duplicates)"),
+    "adam_clipvalue": (lambda: tf_keras.optimizers.Adam(1e-2, clipvalue=1.0),
+                       "clipvalue with a sparse (IndexedSlices) gradient of {name} (tf_keras "
+                       "clips its slices before summing a row's duplicates)"),
+}
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind", sorted(_STOCK_SPARSE))
+def test_sparse_stock_paths_are_exact(kind, use_function):
+    # What stays stock says why, and trains as tf_keras' own.
+    make, reason = _STOCK_SPARSE[kind]
+    runs = []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        opt = _make(cls, make())
+        x, y = _sparse_data(12)
+        model = _sparse_model()
+        runs.append(_custom_loop(opt, model, x, y, use_function, 12, _fused_state))
+    name = model.layers[0].embeddings.name
+    assert opt.step_path == "stock: " + reason.format(name=name), opt.step_path
+    _assert_same_states(runs[1], runs[0])
+
+
+def test_ema_under_a_strategy_is_stock():
+    strategy = tf.distribute.OneDeviceStrategy("CPU:0")
+    with strategy.scope():
+        var = tf.Variable(tf.ones([3]))
+        opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.SGD(use_ema=True))
+    strategy.run(lambda: opt.apply_gradients([(tf.ones([3]), var)]))
+    assert opt.step_path == ("stock: tf_keras' EMA under a tf.distribute strategy (it moves the "
+                             "averages and overwrites the variables by the strategy's update "
+                             "calls)")
+
+
+def test_sparse_rows_sum_in_order():
+    # Duplicate indices in any order, a row no slice takes, and values whose
+    # sums round by their order: ours and stock's after each step.
+    rng = np.random.default_rng(3)
+    values = (rng.normal(size=(9, 3)) * np.exp2(rng.integers(-12, 12, size=(9, 1)))).astype(
+        np.float32)
+    indices = tf.constant([4, 0, 4, 2, 0, 4, 5, 2, 4])
+    for use_function in (False, True):
+        states = []
+        for cls in (STOCK, lossscale.LossScaleOptimizer):
+            var = tf.Variable(np.arange(18, dtype=np.float32).reshape(6, 3) / 7)
+            opt = _make(cls, tf_keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True,
+                                                     ema_overwrite_frequency=2))
+
+            def step(k):
+                grads = tf.IndexedSlices(tf.constant(values) * k * opt.loss_scale, indices,
+                                         tf.constant([6, 3]))
+                opt.apply_gradients([(opt.get_unscaled_gradients([grads])[0], var)])
+
+            if use_function:
+                step = tf.function(step)
+            states.append([])
+            for k in (1.0, 3.0, -2.0, 0.5):
+                step(tf.constant(k))
+                states[-1].append([var.numpy()] + [v.numpy() for v in
+                                                   opt.inner_optimizer.variables])
+        assert opt.step_path == "fused (SGD)", opt.step_path
+        for a, b in zip(states[1], states[0]):
+            for x, w in zip(a, b):
+                assert_same_bits(x, w, "sparse step")
