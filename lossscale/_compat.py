@@ -446,6 +446,7 @@ __all__ += [
     "tf_keras_learning_rate_schedule", "tf_keras_uses_dtensor", "tf_keras_legacy_same_update_as",
     "tf_keras_legacy_learning_rate", "tf_keras_legacy_hyper", "tf_keras_legacy_has_momentum",
     "tf_keras_legacy_create_weights", "tf_keras_warn_about_scaling",
+    "tf_keras_update_moving_averages", "tf_keras_overwrite_with_moving_averages",
 ]
 
 
@@ -465,6 +466,23 @@ def tf_keras_optimizer_slots(optimizer, kind, variables):
     slots = _slot_list(optimizer, kind)
     index = optimizer._index_dict  # pylint: disable=protected-access
     return [slots[index[optimizer._var_key(v)]] for v in variables]  # pylint: disable=protected-access
+
+
+def tf_keras_update_moving_averages(optimizer, variables):
+    """Moves the EMA of ``variables`` as a current ``tf_keras`` optimizer
+    with ``use_ema`` does after an applied step's updates
+    (``_update_model_variables_moving_average``: ``ema_momentum * average +
+    (1 - ema_momentum) * var``)."""
+    optimizer._update_model_variables_moving_average(  # pylint: disable=protected-access
+        list(variables))
+
+
+def tf_keras_overwrite_with_moving_averages(optimizer, variables):
+    """Assigns ``variables`` their EMA, as a current ``tf_keras`` optimizer
+    does every ``ema_overwrite_frequency`` steps
+    (``_overwrite_model_variables_with_average_value``)."""
+    optimizer._overwrite_model_variables_with_average_value(  # pylint: disable=protected-access
+        list(variables))
 
 
 def tf_keras_unknown_variable(optimizer, variables):

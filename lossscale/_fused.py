@@ -29,9 +29,9 @@ that TensorFlow's graph optimizer makes of it), the update, and the
 accumulator zeroed; the accumulators of variables without a gradient are
 zeroed apart (``LossScaleZeroVariables``).  The EMA follows every
 applied step: without accumulation the op itself moves each average right
-after its variable's update (``ls_param.average``, Keras' momentum and
-``1 - momentum`` from ``_compat.moving_average_numbers``); the averages no
-op moved (accumulation, tf_keras) by Keras' ops.  Under a ``tf.distribute``
+after its variable's update (``ls_param.average``, with the momentum and
+``1 - momentum`` of its Keras, ``KerasLine.moving_average_numbers``); the
+averages no op moved (accumulation) by Keras' ops.  Under a ``tf.distribute``
 strategy the op moves each replica's copies of the averages, where Keras'
 ops would make the strategy's merge call inside a ``cond``: the EMA fuses
 there where the op moves every average and, in a ``tf.function``, nothing
@@ -57,7 +57,12 @@ rows they index alone, slice by slice in their order.  Clipped, a sparse
 gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
 (``DENSIFIED_BY_CLIP``, any family: the row sums clipped, or TensorFlow's
 conversion where the family takes no slices), its slices clipped under
-``clipnorm`` and ``clipvalue``.
+``clipnorm`` and ``clipvalue``.  ``tf_keras``' current optimizers sum a
+sparse gradient's duplicate slices per row before their update, which then
+scatters the sums: where that comes to the dense update of the densified
+gradient bit for bit (SGD without Nesterov), the kernel takes it so
+(``SUMMED_BY_ROW``); their other forms stay stock, as does a clipped
+sparse gradient (``tf.clip_by_global_norm`` keeps it sparse there).
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
 ``tf.function`` hangs on whether that function returns a value (it then
@@ -105,7 +110,11 @@ Keras 3's kernels where their arithmetic is the same, and the legacy ones
 (``tf_keras.optimizers.legacy``) the ``legacy_*`` kernels, which reproduce
 TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
 ``line`` (``KerasLine``) where that Keras keeps the learning rate, the
-slots and the weight decay.  Under ``MirroredStrategy`` they follow
+slots, the weight decay and the EMA.  The current ones take ``use_ema``:
+the op moves each average as ``tf_keras`` does (``ema_momentum`` and
+``1 - ema_momentum`` as float32 constants, on the first step too), and
+``tf_keras``' own ``_overwrite_model_variables_with_average_value``
+overwrites the step's variables on its schedule.  Under ``MirroredStrategy`` they follow
 ``tf_keras``' loss-scale optimizer, whose order is the one above (it
 multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
 range is skipped there too), and so under ``MultiWorkerMirroredStrategy``,
@@ -1143,11 +1152,10 @@ class _TfKerasLine(KerasLine):
         done = {_compat.variable_key(inner, v) for v in done}
         rest = [v for v in variables if _compat.variable_key(inner, v) not in done]
         if rest:
-            inner._update_model_variables_moving_average(rest)  # pylint: disable=protected-access
+            _compat.tf_keras_update_moving_averages(inner, rest)
 
     def overwrite_with_averages(self, inner, variables):
-        inner._overwrite_model_variables_with_average_value(  # pylint: disable=protected-access
-            list(variables))
+        _compat.tf_keras_overwrite_with_moving_averages(inner, variables)
 
     def clip_densifies_sparse(self, clip):
         # tf.clip_by_global_norm clips a sparse gradient's slices (its norm
@@ -1281,7 +1289,7 @@ def _tf_keras_adam_sparse(inner, variable):
     # tf_keras' Adam.update_step on an IndexedSlices.
     return _tf_keras_sparse_reason(inner, variable) or (
         "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
-        "slices times (1 - beta_1) scattered (v alike, of their squares), where its dense "
+        "slices times (1 - beta_1) scattered (v alike, of the sums' squares), where its dense "
         f"update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
         f"({variable.name})")
 
@@ -1468,7 +1476,9 @@ def tf_keras_families():
     (made on first use: they name ``tf_keras`` classes).  The current ones
     are Keras 3's kernels, the arithmetic being the same op for op, except
     SGD: tf_keras keeps a momentum slot even without momentum and moves it
-    (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step."""
+    (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step.  They
+    take ``use_ema``, and a sparse gradient where their ``sparse`` says how
+    (SGD without Nesterov, ``SUMMED_BY_ROW``)."""
     if not _TF_KERAS_FAMILIES:
         _TF_KERAS_FAMILIES.extend([
             _tf_keras_family("adam", "AdamW", **dict(_ADAM, sparse=_tf_keras_adam_sparse)),

@@ -185,12 +185,12 @@ def test_averages_move_and_overwrite():
 _STOCK_SPARSE = {
     "adam": (lambda: tf_keras.optimizers.Adam(1e-2),
              "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
-             "slices times (1 - beta_1) scattered (v alike, of their squares), where its dense "
+             "slices times (1 - beta_1) scattered (v alike, of the sums' squares), where its dense "
              "update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
              "({name})"),
     "adamw_ema": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004, use_ema=True),
                   "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its "
-                  "summed slices times (1 - beta_1) scattered (v alike, of their squares), "
+                  "summed slices times (1 - beta_1) scattered (v alike, of the sums' squares), "
                   "where its dense update is m + (g - m) * (1 - beta_1): a form the fused "
                   "kernel does not take ({name})"),
     "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3),
