@@ -14,7 +14,7 @@ for bit after every step, through overflowing steps (skipped, the scale
 backing off) and growing ones.
 """
 
-from tf_keras_cases import (BATCH, GROWTH, STOCK, _apply_step, _assert_moved,
+from tf_keras_cases import (BATCH, GROWTH, STOCK, STRATEGY, _apply_step, _assert_moved,
                             _assert_same_states, _custom_loop, _fused_model, _fused_state,
                             _minimize_step)
 
@@ -236,9 +236,7 @@ def test_ema_under_a_strategy_is_stock():
         var = tf.Variable(tf.ones([3]))
         opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.SGD(use_ema=True))
     strategy.run(lambda: opt.apply_gradients([(tf.ones([3]), var)]))
-    assert opt.step_path == ("stock: tf_keras' EMA under a tf.distribute strategy (it moves the "
-                             "averages and overwrites the variables by the strategy's update "
-                             "calls)")
+    assert opt.step_path == _EMA_UNDER_A_STRATEGY
 
 
 def test_sparse_rows_sum_in_order():
@@ -271,3 +269,53 @@ def test_sparse_rows_sum_in_order():
         for a, b in zip(states[1], states[0]):
             for x, w in zip(a, b):
                 assert_same_bits(x, w, "sparse step")
+
+
+_EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA under a tf.distribute strategy (it moves the "
+                        "averages and overwrites the variables by the strategy's update calls)")
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("kind, path", [("sgd_momentum", "fused (SGD)"),
+                                        ("sgd_momentum_decay_ema_overwrite",
+                                         _EMA_UNDER_A_STRATEGY)])
+def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
+    # Two replicas, each on its own half of the batch: tf_keras sums the
+    # replicas' gradients (a sparse one's slices concatenated in replica
+    # order), then sums a row's duplicates; the fused step takes the
+    # concatenation as one replica's.
+    steps = 14
+    ids, y = _sparse_data(steps)
+    runs = []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        with STRATEGY.scope():
+            model = _sparse_model()
+            opt = _make(cls, SPARSE[kind][0]())
+
+        def replica_step(xb, yb, model=model, opt=opt):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+                scaled = opt.get_scaled_loss(loss)
+            grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        def step(xb, yb, replica_step=replica_step):
+            STRATEGY.run(replica_step, args=(xb, yb))
+
+        if use_function:
+            step = tf.function(step)
+        states = []
+        for i in range(steps):
+            batch = slice(i * BATCH, (i + 1) * BATCH)
+            dataset = STRATEGY.experimental_distribute_values_from_function(
+                lambda context, batch=batch: (
+                    ids[batch][context.replica_id_in_sync_group::2],
+                    y[batch][context.replica_id_in_sync_group::2]))
+            step(*dataset)
+            states.append([np.asarray(v.numpy()) for v in
+                           model.weights + list(opt.inner_optimizer.variables)
+                           + [opt.loss_scale, opt.dynamic_counter, opt.iterations]])
+        runs.append(states)
+    assert opt.step_path == path, opt.step_path
+    _assert_moved(runs[0])
+    _assert_same_states(runs[1], runs[0])
