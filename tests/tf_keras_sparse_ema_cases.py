@@ -24,7 +24,8 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import lossscale  # noqa: E402
-from helpers import assert_same_bits, batch_recorder  # noqa: E402
+from lossscale import _compat  # noqa: E402
+from helpers import assert_same_bits, batch_recorder, overflowing_batches  # noqa: E402
 
 STEPS = 63
 ROWS, IDS = 29, 6
@@ -56,12 +57,11 @@ def _sparse_model():
 
 
 def _dense_data(steps):
-    from helpers import overflowing_batches
-
     return overflowing_batches(steps, BATCH, seed=11, first=4, every=9, factor=3e3)
 
 
-# (make the inner optimizer, the model, its data, the family step_path names)
+# Each case: (the inner optimizer's maker, the class step_path names).  On
+# the Embedding model:
 SPARSE = {
     "sgd": (lambda: tf_keras.optimizers.SGD(1e-2), "SGD"),
     "sgd_momentum": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9), "SGD"),
@@ -71,6 +71,7 @@ SPARSE = {
     "sgd_ema": (lambda: tf_keras.optimizers.SGD(1e-2, use_ema=True), "SGD"),
 }
 
+# On tf_keras_cases' dense model (with a rank-0 weight for RMSprop):
 EMA = {
     "adam_ema": (lambda: tf_keras.optimizers.Adam(1e-2, use_ema=True), "Adam"),
     "adam_ema_overwrite": (lambda: tf_keras.optimizers.Adam(
@@ -88,6 +89,7 @@ EMA = {
         "RMSprop"),
 }
 
+# kind -> (maker, class name, model, data).
 CASES = dict([(f"sparse_{k}", (make, name, _sparse_model, _sparse_data))
               for k, (make, name) in SPARSE.items()]
              + [(f"dense_{k}", (make, name, lambda k=k: _fused_model(k), _dense_data))
@@ -172,8 +174,9 @@ def test_averages_move_and_overwrite():
     # The EMA runs are not vacuous: the averages differ from the weights,
     # and an overwrite makes them equal, on its steps alone.
     def state(model, opt):
-        averages = opt.inner_optimizer._model_variables_moving_average  # pylint: disable=protected-access
-        return [w.numpy() for w in model.trainable_weights], [a.numpy() for a in averages]
+        weights = model.trainable_weights
+        averages = _compat.tf_keras_optimizer_slots(opt.inner_optimizer, "average", weights)
+        return [w.numpy() for w in weights], [a.numpy() for a in averages]
 
     opt = _make(STOCK, EMA["adam_ema_overwrite"][0]())
     x, y = _dense_data(12)
