@@ -114,11 +114,12 @@ slots, the weight decay and the EMA.  The current ones take ``use_ema``:
 the op moves each average as ``tf_keras`` does (``ema_momentum`` and
 ``1 - ema_momentum`` as float32 constants, on the first step too), and
 ``tf_keras``' own ``_overwrite_model_variables_with_average_value``
-overwrites the step's variables on its schedule.  Under ``MirroredStrategy`` they follow
-``tf_keras``' loss-scale optimizer, whose order is the one above (it
-multiplies by ``1 / scale``, and checks the sums, so a sum beyond float32's
-range is skipped there too), and so under ``MultiWorkerMirroredStrategy``,
-where the one all-reduce both sum with is the workers' collective one.
+overwrites the step's variables on its schedule (under a strategy that
+EMA stays stock).  Under ``MirroredStrategy`` they follow ``tf_keras``'
+loss-scale optimizer, whose order is the one above (it multiplies by
+``1 / scale``, and checks the sums, so a sum beyond float32's range is
+skipped there too), and so under ``MultiWorkerMirroredStrategy``, where
+the one all-reduce both sum with is the workers' collective one.
 Both lines clip with TensorFlow's ``clip_by_norm``,
 ``clip_by_global_norm`` (``_tf_global_clip_factor``) and
 ``clip_by_value``; the current ones' update, Python-level ops, leaves the
