@@ -24,7 +24,8 @@ from helpers import TESTS, assert_child_case_passed, case_names, child_pytest
 tf_keras = pytest.importorskip("tf_keras")
 
 CASE_FILES = ("tf_keras_cases.py", "tf_keras_lso_cases.py", "tf_keras_loop_cases.py",
-              "tf_keras_clip_cases.py", "tf_keras_mirrored_cases.py")
+              "tf_keras_clip_cases.py", "tf_keras_mirrored_cases.py",
+              "tf_keras_legacy_sparse_cases.py")
 
 
 @pytest.fixture(scope="module")
