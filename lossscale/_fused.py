@@ -103,7 +103,15 @@ its own norms), and the fused op clips nothing (``Plan.sum_replicas``).
 (``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
 Keras 3's kernels where their arithmetic is the same, and the legacy ones
 (``tf_keras.optimizers.legacy``) the ``legacy_*`` kernels, which reproduce
-TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
+TensorFlow's ``ResourceApply*`` ops.  A legacy one takes a sparse gradient
+as tf_keras hands it to TensorFlow (``_legacy_sparse``): each row's slices
+summed in ``unsorted_segment_sum``'s order (its
+``_deduplicate_indexed_slices``), then the rows named alone updated as
+TensorFlow's ``ResourceSparseApply*`` kernels update them (SGD with
+momentum, RMSprop with momentum, Adagrad), or every row's slots decayed
+first as tf_keras' own ops do (Adam, RMSprop without momentum); SGD
+without momentum (slice by slice) and a clipped sparse gradient (its
+slices clipped before the sum) are stock.  Each such family says through its
 ``line`` (``KerasLine``) where that Keras keeps the learning rate, the
 slots and the weight decay.  Under ``MirroredStrategy`` they follow
 ``tf_keras``' loss-scale optimizer, whose order is the one above (it
@@ -519,10 +527,12 @@ class Plan:
             accumulated = dict(accumulation=accumulation.mode,
                                accumulation_steps=accumulation.steps)
 
+        step_scalars = self.scalars if scalars is None else scalars
+
         def run(numbers):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
-                self.weight_decay, self.scalars if scalars is None else scalars, clip_scalars, [], averages, ema, indices,
+                self.weight_decay, step_scalars, clip_scalars, [], averages, ema, indices,
                 slice_factor, accumulators, family=self.family.name, hyper=numbers,
                 decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0, sparse=sparse, **accumulated)

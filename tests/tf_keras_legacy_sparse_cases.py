@@ -14,7 +14,7 @@ counter and ``iterations`` bit for bit after every step, through
 overflowing steps (skipped, the scale backing off) and growing ones.
 """
 
-from tf_keras_cases import (BATCH, GROWTH, STOCK, _apply_step, _assert_moved,
+from tf_keras_cases import (BATCH, GROWTH, STOCK, STRATEGY, _apply_step, _assert_moved,
                             _assert_same_states, _custom_loop, _fused_state, _minimize_step)
 
 import numpy as np  # noqa: E402
@@ -198,3 +198,25 @@ def test_legacy_sparse_bad_slices_change_nothing(kind, indices, rows, match, use
         (tf.function(step) if use_function else step)()
     after = [v.numpy() for v in [var] + opt.inner_optimizer.variables() + [opt.loss_scale]]
     _assert_same_states([after], [before])
+
+
+@pytest.mark.parametrize("kind", ["sgd_nesterov_schedule", "adam_amsgrad", "rmsprop_centered",
+                                  "rmsprop_momentum_centered", "adagrad"])
+def test_legacy_sparse_mirrored_fit_bit_identical(kind):
+    """Under MirroredStrategy (two replicas): the all-reduce concatenates the
+    replicas' slices, which tf_keras then sums per row as one replica's."""
+    x, y = _data(24)
+    states = []
+    for make in (STOCK, lossscale.LossScaleOptimizer):
+        with STRATEGY.scope():
+            model = _model()
+            model.compile(make(LEGACY[kind][0](), initial_scale=2.0**10,
+                               dynamic_growth_steps=GROWTH), "mse")
+        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        states.append(recorder.states)
+    assert model.optimizer.step_path == f"fused ({LEGACY[kind][1]})"
+    assert len(states[0]) == 24
+    _assert_moved(states[0])
+    _assert_same_states(states[1], states[0])
