@@ -108,7 +108,15 @@ its own norms), and the fused op clips nothing (``Plan.sum_replicas``).
 (``tf_keras_families``): the current ones (``tf_keras.optimizers``) run
 Keras 3's kernels where their arithmetic is the same, and the legacy ones
 (``tf_keras.optimizers.legacy``) the ``legacy_*`` kernels, which reproduce
-TensorFlow's ``ResourceApply*`` ops.  Each such family says through its
+TensorFlow's ``ResourceApply*`` ops.  A legacy one takes a sparse gradient
+as tf_keras hands it to TensorFlow (``_legacy_sparse``): each row's slices
+summed in ``unsorted_segment_sum``'s order (its
+``_deduplicate_indexed_slices``), then the rows named alone updated as
+TensorFlow's ``ResourceSparseApply*`` kernels update them (SGD with
+momentum, RMSprop with momentum, Adagrad), or every row's slots decayed
+first as tf_keras' own ops do (Adam, RMSprop without momentum); SGD
+without momentum (slice by slice) and a clipped sparse gradient (its
+slices clipped before the sum) are stock.  Each such family says through its
 ``line`` (``KerasLine``) where that Keras keeps the learning rate, the
 slots, the weight decay and the EMA.  The current ones take ``use_ema``:
 the op moves each average as ``tf_keras`` does (``ema_momentum`` and
@@ -268,12 +276,19 @@ class SparseForm:
 
     Adagrad's kernel (the core's row family), whose Keras update applies
     the slices row by row (scatters), takes them so: the rows they index
-    alone, slice by slice."""
+    alone, slice by slice.
 
-    def __init__(self, slice_factor=None, learning_rate=None, hyper=None):
+    tf_keras' legacy families (the core's summed families) take the slices
+    as tf_keras hands them to TensorFlow: a row's slices summed, then the
+    family's sparse form of each element (what a row no slice names does
+    is the family's own); ``scalars(inner, lr)``, where given, the
+    ``iterations``-derived scalars of that form, in place of the family's."""
+
+    def __init__(self, slice_factor=None, learning_rate=None, hyper=None, scalars=None):
         self.slice_factor = slice_factor
         self.learning_rate = learning_rate or (lambda lr: lr)
         self.hyper = hyper
+        self.scalars = scalars
 
 
 # A sparse gradient that Keras' global_clipnorm makes dense, for every
@@ -335,6 +350,7 @@ class Plan:
         # gradients were finite before their clip (``sum_replicas``).
         self.replicas_finite = None
         self.scalars = None
+        self.sparse_scalars = None
         self.state = []
         # use_ema: Keras' momentum and 1 - momentum for the op to move the
         # averages with (``prepare_scalars``), and the variables whose
@@ -424,7 +440,7 @@ class Plan:
             factor = form.slice_factor(self.learning_rate) if form.slice_factor else None
             self._launch(library, should_apply, sparse, [self.grads[i] for i in sparse], scale,
                          form.learning_rate(self.learning_rate), unscale, form.hyper,
-                         clip=self.clip, slice_factor=factor)
+                         clip=self.clip, slice_factor=factor, scalars=self.sparse_scalars)
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
@@ -466,13 +482,14 @@ class Plan:
 
     def _launch(self, library, should_apply, which, grads, scale, learning_rate, unscale,
                 hyper=None, clip=None, clip_scalars=None, slice_factor=None,
-                accumulation=None):
+                accumulation=None, scalars=None):
         """One native op over the variables ``which`` (positions in the plan)
         and their ``grads``, clipped as ``clip`` says (with the
         plan's clip scalars, or ``clip_scalars``).  A sparse gradient goes in
         as its slices and their rows, after the checks of its indices (a
         bad index fails there, with the variable's name), each slice value
-        times ``slice_factor`` (None: 1) before a row's sum.  With an
+        times ``slice_factor`` (None: 1) before a row's sum, the family's
+        step scalars ``scalars`` (None: the plan's).  With an
         ``accumulation`` the op averages each gradient with its variable's
         accumulator and zeroes it."""
         mode, value = clip or ("none", 0.0)
@@ -490,7 +507,8 @@ class Plan:
                              hyper=lambda inner, key=key: list(key), clip=clip,
                              clip_scalars=(clip_scalars if clip_scalars is None or mode != "norm"
                                            else [clip_scalars[k] for k in ks]),
-                             slice_factor=slice_factor, accumulation=accumulation)
+                             slice_factor=slice_factor, accumulation=accumulation,
+                             scalars=scalars)
             return
         numbers = list(next(iter(groups)))
 
@@ -528,10 +546,12 @@ class Plan:
             accumulated = dict(accumulation=accumulation.mode,
                                accumulation_steps=accumulation.steps)
 
+        step_scalars = self.scalars if scalars is None else scalars
+
         def run(numbers):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
-                self.weight_decay, self.scalars, clip_scalars, [], averages, ema, indices,
+                self.weight_decay, step_scalars, clip_scalars, [], averages, ema, indices,
                 slice_factor, accumulators, family=self.family.name, hyper=numbers,
                 decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0, sparse=sparse, **accumulated)
@@ -565,6 +585,9 @@ class Plan:
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
         state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
+        sparse = [form for form in self.forms
+                  if isinstance(form, SparseForm) and form.scalars is not None]
+        self.sparse_scalars = list(sparse[0].scalars(inner, lr)) if sparse else None
         self.state = line.learning_rate_state(inner, lr) + state
         if line.folds_moving_average(inner):
             self.ema = list(line.moving_average_numbers(inner))
@@ -671,6 +694,11 @@ class KerasLine:
         del inner, variables
         return None
 
+    def densifies(self, clip):
+        """Whether the clip ``clip`` (``clip_of``) makes a sparse gradient
+        dense (Keras 3's ``global_clipnorm``: ``_densifies``)."""
+        return _densifies(clip)
+
     def folds_moving_average(self, inner):
         """Whether the op moves each variable's EMA right after its update
         (Keras 3's ``use_ema`` without accumulation, whose average moves on
@@ -695,11 +723,6 @@ class KerasLine:
         step's)."""
         del variables
         _compat.overwrite_with_moving_averages(inner)
-
-    def clip_densifies_sparse(self, clip):
-        """Whether the optimizer's clip ``clip`` (``clip_of``) makes a
-        sparse gradient dense."""
-        return _densifies(clip)
 
     def clip_of(self, inner):
         """The optimizer's clip as the native op takes it (``clip_of``), or
@@ -1158,7 +1181,7 @@ class _TfKerasLine(KerasLine):
     def overwrite_with_averages(self, inner, variables):
         _compat.tf_keras_overwrite_with_moving_averages(inner, variables)
 
-    def clip_densifies_sparse(self, clip):
+    def densifies(self, clip):
         # tf.clip_by_global_norm clips a sparse gradient's slices (its norm
         # is their l2_loss): the gradient stays sparse.
         del clip
@@ -1192,6 +1215,10 @@ class _TfKerasLegacyLine(KerasLine):
         return None
 
     def folds_moving_average(self, inner):
+        return False
+
+    def densifies(self, clip):
+        # TensorFlow's clip_by_global_norm keeps a tf.IndexedSlices sparse.
         return False
 
     def clip_of(self, inner):
@@ -1449,16 +1476,59 @@ def _legacy_rmsprop_scalars(inner, lr):
     return [rho, 1.0 - rho, _legacy_hyper(inner, "momentum"), _legacy_epsilon(inner)]
 
 
-# What Keras 3's families take around their update and from a sparse
-# gradient (EMA, accumulation, the sparse forms) is Keras 3's code: a
-# legacy tf_keras family takes none of it.
-_KERAS_3_ONLY = dict(supports=(), sparse=None)
+def _legacy_adam_sparse_scalars(inner, lr):
+    # tf_keras' legacy Adam._resource_apply_sparse: its own ops, with
+    # beta_1 and beta_2 themselves and _prepare_local's
+    # lr * (sqrt(1 - beta_2^t) / (1 - beta_1^t)) (family_legacy_adam.h).
+    local_step = tf.cast(inner.iterations + 1, tf.float32)
+    beta_1_t = _legacy_hyper(inner, "beta_1")
+    beta_2_t = _legacy_hyper(inner, "beta_2")
+    beta_1_power = tf.pow(beta_1_t, local_step)
+    beta_2_power = tf.pow(beta_2_t, local_step)
+    alpha = lr * (tf.sqrt(1 - beta_2_power) / (1 - beta_1_power))
+    return [beta_1_t, beta_2_t, _legacy_epsilon(inner), alpha]
+
+
+def _legacy_scalar_first():
+    """1.0 where the stock step built here has a sparse gradient's
+    ``(g * g) * (1 - beta)`` (legacy Adam's, RMSprop's without momentum)
+    regrouped ``((1 - beta) * g) * g``: in a graph that TensorFlow's graph
+    optimizer rewrites (MinimizeBroadcasts, the scalar first)."""
+    return 1.0 if _grappler_reassociates_products() else 0.0
+
+
+def _legacy_sparse(inner, variable):
+    """How a legacy family takes a sparse gradient of ``variable``.
+
+    tf_keras' ``_resource_apply_sparse_duplicate_indices`` sums the slices
+    of each row first (``_deduplicate_indexed_slices``: ``unique``, then
+    ``unsorted_segment_sum``, a row's slices added in their order onto 0),
+    then updates by TensorFlow's ``ResourceSparseApply*`` kernels, which
+    move the rows named alone (SGD's momentum, RMSprop's with momentum,
+    Adagrad), or by its own ops (Adam; RMSprop without momentum), which
+    decay the slots of every row first.  The core sums the slices so and
+    runs each family's sparse form (``family_legacy_<name>.h``)."""
+    given = [attr for attr, _ in _CLIP_OPTIONS if getattr(inner, attr, None) is not None]
+    if given:
+        # clip_by_norm and clip_by_global_norm take the norms of the slices
+        # as they came, duplicates apart, not of the row sums.
+        return (f"a sparse gradient ({variable.name}) with {given[0]} (tf_keras' legacy "
+                "optimizers clip its slices before summing a row's duplicates)")
+    if isinstance(inner, _tf_keras_optimizers(legacy=True).SGD) \
+            and not _legacy_momentum_flag(inner):
+        return ("tf_keras' legacy SGD without momentum adds a sparse gradient's slices to "
+                f"{variable.name} one by one (ResourceScatterAdd), duplicates apart")
+    if isinstance(inner, _tf_keras_optimizers(legacy=True).Adam):
+        return SparseForm(scalars=_legacy_adam_sparse_scalars)
+    return SparseForm()
 
 
 def _legacy_family(name, cls, **kwargs):
+    # No EMA (the legacy optimizers have none); a sparse gradient in the
+    # legacy forms (_legacy_sparse).
     return Family(name, lambda: getattr(_tf_keras_optimizers(legacy=True), cls), numbers=(),
                   unsupported=_legacy_reason, line=TF_KERAS_LEGACY,
-                  **dict(kwargs, **_KERAS_3_ONLY))
+                  **dict(kwargs, supports=(), sparse=_legacy_sparse))
 
 
 def _tf_keras_family(name, cls, **kwargs):
@@ -1505,7 +1575,8 @@ def tf_keras_families():
                            scalars=lambda inner, lr: [_legacy_hyper(inner, "momentum")]),
             _legacy_family("legacy_adam", "Adam",
                            slots=lambda inner: ("m", "v", "vhat") if inner.amsgrad else ("m", "v"),
-                           hyper=lambda inner: [1.0 if inner.amsgrad else 0.0],
+                           hyper=lambda inner: [1.0 if inner.amsgrad else 0.0,
+                                                _legacy_scalar_first()],
                            scalars=_legacy_adam_scalars),
             _legacy_family("legacy_rmsprop", "RMSprop",
                            slots=lambda inner: (("rms",)
@@ -1513,7 +1584,8 @@ def tf_keras_families():
                                                    else ())
                                                 + (("mg",) if inner.centered else ())),
                            hyper=lambda inner: [_legacy_momentum_flag(inner),
-                                                1.0 if inner.centered else 0.0],
+                                                1.0 if inner.centered else 0.0,
+                                                _legacy_scalar_first()],
                            scalars=_legacy_rmsprop_scalars),
             _legacy_family("legacy_adagrad", "Adagrad", slots=lambda inner: ("accumulator",),
                            hyper=lambda inner: [],
@@ -1658,8 +1730,7 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
-    forms = [(DENSIFIED_BY_CLIP if family.line.clip_densifies_sparse(clip)
-              else family.sparse(inner, v))
+    forms = [(DENSIFIED_BY_CLIP if family.line.densifies(clip) else family.sparse(inner, v))
              if isinstance(g, tf.IndexedSlices) else None
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
@@ -1727,7 +1798,7 @@ def _step_reason(family, inner, grads, variables):
         if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
             return f"{v.name} is not mirrored (made outside the strategy's scope)"
         if (isinstance(g, tf.IndexedSlices)
-                and not family.line.clip_densifies_sparse(family.line.clip_of(inner))):
+                and not family.line.densifies(family.line.clip_of(inner))):
             form = family.sparse(inner, v) if family.sparse else None
             if not isinstance(form, SparseForm):
                 return form or f"the gradient of {v.name} is sparse (IndexedSlices)"
@@ -2218,7 +2289,10 @@ def apply(plan, *, scale, unscale, should_apply, advance_iterations_always=False
                    lambda: None)
     iterations = local_copy(_compat.optimizer_iterations(plan.inner))
     if advance_iterations_always:
-        iterations.assign_add(1)
+        # A bad learning rate or slice fails before iterations moves, in a
+        # tf.function too.
+        with tf.control_dependencies(plan.checks):
+            iterations.assign_add(1)
     else:
         iterations.assign_add(tf.cast(should_apply, iterations.dtype))
 

@@ -470,7 +470,8 @@ def _legacy_adam_update(cfg, g, w, slots, lr, t, store):
 
 
 def _legacy_adam_hyper(cfg, lr, t):
-    return [1.0 if cfg["amsgrad"] else 0.0] + [float(x) for x in legacy_adam_scalars(cfg, lr, t)]
+    return ([1.0 if cfg["amsgrad"] else 0.0, 0.0]
+            + [float(x) for x in legacy_adam_scalars(cfg, lr, t)])
 
 
 def _legacy_rmsprop_slots(cfg):
@@ -505,7 +506,7 @@ def _legacy_rmsprop_update(cfg, g, w, slots, lr, t, store):
 
 def _legacy_rmsprop_hyper(cfg, lr, t):
     rho = F32(cfg["rho"])
-    return [1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0, float(rho),
+    return [1.0 if cfg["momentum"] > 0 else 0.0, 1.0 if cfg["centered"] else 0.0, 0.0, float(rho),
             float(F32(1) - rho), cfg["momentum"], cfg["epsilon"]]
 
 
@@ -544,7 +545,7 @@ FAMILIES = {
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
               flush_denormals=False, terms=None, indices=None, slice_factor=None,
-              accumulators=None, accumulation_steps=None, accumulation="divide"):
+              accumulators=None, accumulation_steps=None, accumulation="divide", hyper=None):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
     other family and for ``terms``, sparse gradients (``indices``, with
@@ -566,7 +567,8 @@ def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="di
         sparse = {} if indices is None else {"indices": indices, "slice_factor": slice_factor}
         return core.optimizer_step_(cfg["opt"], variables, grads,
                                     [slots[k] for k in slot_names(cfg)],
-                                    hyper=FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t),
+                                    hyper=(FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t)
+                                           if hyper is None else hyper),
                                     terms=terms, **sparse, **common)
     if cfg["opt"] == "sgd":
         return core.sgd_step_(variables, grads, slots.get("momentum"),
@@ -896,6 +898,125 @@ SPARSE_SIMD_SHAPES = ([((n,), n + n // 2) for n in (1, 3, 4, 5, 7, 8, 9, 15, 16,
 SPARSE_SIMD_UNSCALES = [(None, "divide"), (3.0, "divide"), (1000.0, "multiply")]
 
 
+# tf_keras' legacy optimizers sum a sparse gradient's slices per row
+# (_deduplicate_indexed_slices), then update: SGD's momentum, RMSprop's with
+# momentum and Adagrad by TensorFlow's ResourceSparseApply* kernels, on the
+# rows named alone; Adam and RMSprop without momentum by tf_keras' own ops,
+# the slots of every row decayed first.  scalar_first: a graph's (k * g) * g
+# for tf_keras' (g * g) * k.
+SPARSE_LEGACY_CONFIGS = {
+    "legacy_sgd_momentum": CONFIGS["legacy_sgd_momentum"],
+    "legacy_sgd_nesterov": CONFIGS["legacy_sgd_nesterov"],
+    "legacy_adam": CONFIGS["legacy_adam"],
+    "legacy_adam_amsgrad_odd_graph": dict(CONFIGS["legacy_adam_amsgrad_odd"], scalar_first=True),
+    "legacy_rmsprop": CONFIGS["legacy_rmsprop"],
+    "legacy_rmsprop_centered_graph": dict(CONFIGS["legacy_rmsprop_centered"], scalar_first=True),
+    "legacy_rmsprop_momentum": CONFIGS["legacy_rmsprop_momentum"],
+    "legacy_rmsprop_centered_momentum": CONFIGS["legacy_rmsprop_centered_momentum"],
+    "legacy_adagrad": CONFIGS["legacy_adagrad"],
+    "legacy_adagrad_clipvalue": dict(CONFIGS["legacy_adagrad"], clip=("value", 0.03)),
+}
+
+
+def legacy_sparse_hyper(cfg, lr, t):
+    """A legacy family's numbers for a sparse gradient: the dense ones with
+    the scalar-first form; Adam's beta_1, beta_2 and tf_keras'
+    lr * (sqrt(1 - beta_2^t) / (1 - beta_1^t)) in place of 1 - beta and
+    ApplyAdam's alpha."""
+    first = 1.0 if cfg.get("scalar_first") else 0.0
+    if cfg["opt"] == "legacy_adam":
+        b1, b2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
+        alpha = F32(lr) * (np.sqrt(F32(1) - b2 ** F32(t)) / (F32(1) - b1 ** F32(t)))
+        return [1.0 if cfg["amsgrad"] else 0.0, first, float(b1), float(b2),
+                float(F32(cfg["epsilon"])), float(F32(alpha))]
+    hyper = FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t)
+    if cfg["opt"] == "legacy_rmsprop":
+        hyper[2] = first
+    return hyper
+
+
+def _row_rsqrt(d):
+    """Eigen's rsqrt of each row of ``d`` (rows, n), as TensorFlow's sparse
+    RMSprop takes it a row at a time: TensorFlow's own packets (its Rsqrt
+    of the packet columns, whole packets) and 1 / sqrt on the last n % 8."""
+    p = d.shape[1] - d.shape[1] % 8
+    out = np.empty_like(d)
+    if p:
+        out[:, :p] = tf_rsqrt(np.ascontiguousarray(d[:, :p]).ravel()).reshape(-1, p)
+    with np.errstate(all="ignore"):
+        out[:, p:] = F32(1) / np.sqrt(d[:, p:])
+    return out
+
+
+def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, scale=None,
+                     mode="divide", slice_factor=None):
+    """tf_keras' legacy step of sparse gradients (every ``indices[i]`` given):
+    each slice value unscaled and clipped, a row's slices summed onto +0 in
+    their order, then the family's sparse update with the numbers
+    ``hyper`` (``legacy_sparse_hyper``).  ``(variables, slots)`` after it."""
+    assert slice_factor is None
+    opt, lr, n = cfg["opt"], F32(lr), len(variables)
+    variables = [v.copy() for v in variables]
+    slots = {k: [s.copy() for s in v] for k, v in slots.items()}
+    with np.errstate(all="ignore"):
+        for i, index in enumerate(indices):
+            w = variables[i].reshape(variables[i].shape[0], -1)
+            s = {k: v[i].reshape(w.shape) for k, v in slots.items()}
+            u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
+            g = densify(u, index, w.shape[0]).reshape(w.shape)
+            named = np.unique(index)
+            g = g[named]
+
+            def square(k):
+                return (k * g) * g if hyper[{"legacy_adam": 1, "legacy_rmsprop": 2}[opt]] \
+                    else (g * g) * k
+            if opt == "legacy_sgd":
+                mu = F32(hyper[2])
+                m = s["momentum"][named] * mu - g * lr
+                s["momentum"][named] = m
+                w[named] = w[named] + (m * mu - g * lr) if hyper[1] else w[named] + m
+            elif opt == "legacy_adagrad":
+                acc = s["accumulator"][named] + g * g
+                s["accumulator"][named] = acc
+                w[named] = w[named] - (g * lr) / (np.sqrt(acc) + F32(hyper[0]))
+            elif opt == "legacy_rmsprop":
+                rho, k, mu, eps = (F32(x) for x in hyper[3:7])
+                if hyper[0]:
+                    ms = s["velocity"][named] * rho + (g * g) * k
+                    s["velocity"][named] = ms
+                    d = ms + eps
+                    if hyper[1]:
+                        mg = s["average_gradient"][named] * rho + g * k
+                        s["average_gradient"][named] = mg
+                        d = d - mg * mg
+                    mom = s["momentum"][named] * mu + (_row_rsqrt(d) * lr) * g
+                    s["momentum"][named] = mom
+                    w[named] = w[named] - mom
+                else:
+                    s["velocity"][:] = s["velocity"] * rho
+                    ms = s["velocity"][named] + square(k)
+                    s["velocity"][named] = ms
+                    d = ms
+                    if hyper[1]:
+                        s["average_gradient"][:] = s["average_gradient"] * rho
+                        mg = s["average_gradient"][named] + g * k
+                        s["average_gradient"][named] = mg
+                        d = ms - mg * mg
+                    w[named] = w[named] - (lr * g) / (np.sqrt(d) + eps)
+            else:
+                b1, b2, eps, alpha = (F32(x) for x in hyper[2:6])
+                s["m"][:] = s["m"] * b1
+                s["v"][:] = s["v"] * b2
+                s["m"][named] = s["m"][named] + g * (F32(1) - b1)
+                s["v"][named] = s["v"][named] + square(F32(1) - b2)
+                v = s["v"]
+                if hyper[0]:
+                    s["v_hat"][:] = np.maximum(s["v_hat"], v)
+                    v = s["v_hat"]
+                w[:] = w - (alpha * s["m"]) / (np.sqrt(v) + eps)
+    return variables, slots
+
+
 def sparse_simd_runs():
     """Each sparse configuration (plain, clipped, Adagrad's scattered rows)
     under each grad dtype and
@@ -905,10 +1026,10 @@ def sparse_simd_runs():
     slice factor (``sparse_forms``).  Slices of subnormal and huge values
     among them."""
     seed = 20_000
-    shapes = [s for s, _ in SPARSE_SIMD_SHAPES]
     for name, cfg in (list(SPARSE_CONFIGS.items()) + list(SPARSE_CLIP_CONFIGS.items())
-                      + list(SPARSE_ROW_CONFIGS.items())):
-        forms = ({"rows": (cfg, F32(cfg["lr"]), None)} if name in SPARSE_ROW_CONFIGS
+                      + list(SPARSE_ROW_CONFIGS.items()) + list(SPARSE_LEGACY_CONFIGS.items())):
+        forms = ({"rows": (cfg, F32(cfg["lr"]), None)}
+                 if name in SPARSE_ROW_CONFIGS or name in SPARSE_LEGACY_CONFIGS
                  else sparse_forms(cfg, cfg["lr"]))
         for form, (run_cfg, lr, factor) in forms.items():
             for dtype in GRAD_DTYPES:
@@ -916,25 +1037,36 @@ def sparse_simd_runs():
                     for flush in (False, True):
                         seed += 1
                         rng = np.random.default_rng(seed)
-                        variables, slots = make_state(rng, run_cfg, shapes, special=True)
+                        variables, slots = make_state(
+                            rng, run_cfg, [s for s, count in SPARSE_SIMD_SHAPES
+                                           if count is not None
+                                           or not run_cfg["opt"].startswith("legacy_")],
+                            special=True)
                         yield (f"{name}/{form}/{dtype}/{mode}-{scale}/flush={flush}", run_cfg,
                                flush, variables, slots,
                                _sparse_simd_steps(rng, GRAD_DTYPES[dtype], scale, mode, lr,
-                                                  factor))
+                                                  factor, run_cfg))
 
 
-def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor):
+def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor, cfg):
+    legacy = cfg["opt"].startswith("legacy_")
     for step in range(SIMD_STEPS):
         grads, indices = [], []
         for shape, count in SPARSE_SIMD_SHAPES:
+            if count is None and legacy:
+                # A legacy sparse gradient's numbers are its own: no dense
+                # gradient in the same call.
+                continue
             if count is None:
                 grads.append(make_grads(rng, [shape], dtype, scale, special=True)[0])
                 indices.append(None)
                 continue
             indices.append(make_indices(rng, shape[0], count))
             grads.append(make_slices(rng, shape, count, dtype, scale, special=True))
-        yield step + 1, grads, dict(lr=lr, scale=scale, mode=mode, indices=indices,
-                                    slice_factor=factor)
+        kwargs = dict(lr=lr, scale=scale, mode=mode, indices=indices, slice_factor=factor)
+        if legacy:
+            kwargs["hyper"] = legacy_sparse_hyper(cfg, lr, step + 1)
+        yield step + 1, grads, kwargs
 
 
 # Adagrad takes a sparse gradient as Keras' update scatters it: the squared

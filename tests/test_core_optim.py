@@ -30,7 +30,8 @@ from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS,
                          slot_names, keras_step, make_accumulators, make_grads, make_indices,
                          make_slices, make_terms, make_state, simd_runs, sparse_forms,
                          sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
-                         adagrad_rows_step)
+                         adagrad_rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
+                         legacy_sparse_hyper)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -1123,6 +1124,9 @@ def test_sparse_scalar_level_matches_keras_model(sparse_level_results):
                 assert kwargs.pop("slice_factor") is None
                 variables, slots = adagrad_rows_step(cfg, variables, grads, slots, t=t,
                                                      **kwargs)
+            elif cfg["opt"].startswith("legacy_"):
+                variables, slots = legacy_rows_step(cfg, variables, grads, slots, t=t,
+                                                    **kwargs)
             else:
                 variables, slots = sparse_keras_step(cfg, variables, grads, slots, t=t,
                                                      **kwargs)
@@ -1223,13 +1227,14 @@ def test_sparse_bad_input_raises_and_writes_nothing(case):
     assert_unchanged(before, variables, slots, grads, given(indices))
 
 
-@pytest.mark.parametrize("name", ["rmsprop_momentum", "nadam", "legacy_adam"])
+@pytest.mark.parametrize("name", ["rmsprop_momentum", "nadam"])
 def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
     """Families whose update reads more than its element take no slices;
     even all-dense ``indices``."""
     assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
-    assert set(core.optimizer_families(sparse=True)) == {"sgd", "adam", "adamax", "lion",
-                                                         "adagrad"}
+    assert set(core.optimizer_families(sparse=True)) == {
+        "sgd", "adam", "adamax", "lion", "adagrad", "legacy_sgd", "legacy_adam",
+        "legacy_rmsprop", "legacy_adagrad"}
     cfg, variables, grads, slots, indices = sparse_setup(name)
     before = snapshot(variables, slots, grads, given(indices))
     for given_indices in (indices, [None, None]):
@@ -1284,6 +1289,40 @@ def test_adagrad_scatters_sparse_gradients_as_keras(split_threads, name, dtype, 
                                                   scale=scale, mode=mode)
         assert core_step(core, cfg, variables, grads, slots, lr=lr, t=step, scale=scale,
                          mode=mode, indices=indices) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+# ------------------------------------------ sparse: the legacy families
+
+# Sparse gradients alone: a legacy sparse gradient's numbers are its own.
+LEGACY_SPARSE_LAYOUT = [((4001, 37), 5000), ((300, 37), 400), ((7,), 12), ((5, 3, 4), 9),
+                        ((1, 37), 3), ((6, 5), 0), ((40, 16), 30)]
+
+
+@pytest.mark.parametrize("scale,mode", SPARSE_UNSCALES,
+                         ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("name", list(SPARSE_LEGACY_CONFIGS))
+def test_legacy_families_take_sparse_gradients_as_tf_keras(split_threads, name, dtype, scale,
+                                                           mode):
+    """tf_keras' legacy step of a sparse gradient: a row's slices (each
+    unscaled and clipped) summed in their order, then TensorFlow's sparse
+    kernel on the rows named or tf_keras' own ops on every row; several
+    blocks and threads, rows cut between them."""
+    cfg = SPARSE_LEGACY_CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"sparse-legacy/{name}/{dtype}/{scale}".encode()))
+    variables, slots = make_state(rng, cfg, [s for s, _ in LEGACY_SPARSE_LAYOUT])
+    want_vars, want_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    for step in range(1, STEPS + 1):
+        grads, indices = sparse_grads(rng, LEGACY_SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10)
+        assert_sparse_cases_cover(indices, LEGACY_SPARSE_LAYOUT)
+        lr = lr_at(cfg, step)
+        hyper = legacy_sparse_hyper(cfg, lr, step)
+        want_vars, want_slots = legacy_rows_step(cfg, want_vars, grads, want_slots,
+                                                 indices=indices, lr=lr, t=step, hyper=hyper,
+                                                 scale=scale, mode=mode)
+        assert core_step(core, cfg, variables, grads, slots, lr=lr, t=step, scale=scale,
+                         mode=mode, indices=indices, hyper=hyper) is True
         assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
 
 

@@ -25,7 +25,7 @@ tf_keras = pytest.importorskip("tf_keras")
 
 CASE_FILES = ("tf_keras_cases.py", "tf_keras_lso_cases.py", "tf_keras_loop_cases.py",
               "tf_keras_clip_cases.py", "tf_keras_mirrored_cases.py",
-              "tf_keras_sparse_ema_cases.py")
+              "tf_keras_sparse_ema_cases.py", "tf_keras_legacy_sparse_cases.py")
 
 
 @pytest.fixture(scope="module")

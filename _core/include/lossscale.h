@@ -383,7 +383,12 @@ typedef struct ls_param {
      * variable minus each slice's (lr * g) / sqrt(accumulator + epsilon)
      * in their order (a true division: its Rsqrt form is refused, as are
      * LS_CLIP_GLOBAL and a slice_factor other than 1); other rows stay as
-     * they are. */
+     * they are.  The legacy families (tf_keras.optimizers.legacy) take one
+     * as tf_keras hands it to TensorFlow: a row's slices (each unscaled,
+     * and clipped by value or not at all) summed in their order onto 0,
+     * then the family's sparse form of every element (family_legacy_*.h:
+     * TensorFlow's ResourceSparseApply* on the rows named, or tf_keras'
+     * own ops, which decay every row's slots), with a slice_factor of 1. */
     const int64_t *indices;
     size_t slices;
     size_t row_length;

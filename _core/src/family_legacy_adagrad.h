@@ -9,6 +9,11 @@
  *
  *   acc = acc + g * g
  *   w = w - (g * lr) / (sqrt(acc) + epsilon)
+ *
+ * A sparse gradient (ls_legacy_adagrad_sparse1): its slices summed per
+ * row, ResourceSparseApplyAdagradV2's update of the rows they name, the
+ * same arithmetic (lr * g first, a product that commutes); the other rows
+ * stay as they are.
  */
 #ifndef LOSSSCALE_FAMILY_LEGACY_ADAGRAD_H
 #define LOSSSCALE_FAMILY_LEGACY_ADAGRAD_H
@@ -29,6 +34,15 @@ static inline void ls_legacy_adagrad1(const ls_param *p, size_t i, float g,
     const float acc = p->slot[0][i] + g * g;
     p->slot[0][i] = acc;
     p->var[i] = w - (g * a->lr) / (sqrtf(acc) + a->h[LS_LEGACY_ADAGRAD_EPSILON]);
+}
+
+/* ls_legacy_sgd_sparse1's contract. */
+static inline void ls_legacy_adagrad_sparse1(const ls_param *p, size_t i, float g, int indexed,
+                                             size_t c, size_t n, const ls_optim_args *a)
+{
+    (void)c, (void)n;
+    if (indexed)
+        ls_legacy_adagrad1(p, i, g, a);
 }
 
 #endif /* LOSSSCALE_FAMILY_LEGACY_ADAGRAD_H */

@@ -8,6 +8,7 @@
  *
  *   h[LS_LEGACY_RMSPROP_HAS_MOMENTUM]  1: tf_keras' `_momentum` (a slot)
  *   h[LS_LEGACY_RMSPROP_CENTERED]      1: centered (an mg slot)
+ *   h[LS_LEGACY_RMSPROP_SCALAR_FIRST]  a sparse gradient's form (below)
  *   h[LS_LEGACY_RMSPROP_RHO]           rho
  *   h[LS_LEGACY_RMSPROP_C]             1 - rho (float32)
  *   h[LS_LEGACY_RMSPROP_MOMENTUM]      mu
@@ -22,11 +23,29 @@
  *              centered: mg = rho * mg + c * g;  d = rms - mg * mg
  *              else:     d = rms
  *              w = w - (lr * g) / (sqrt(d) + epsilon)
+ *
+ * A sparse gradient (ls_legacy_rmsprop_sparse1), its slices summed per
+ * row.  With momentum, TensorFlow's ResourceSparseApply(Centered)RMSProp
+ * on the rows they name, an arithmetic of its own (Eigen's rsqrt of each
+ * row, a packet at a time, ls_tf_rsqrt1 over the row's n elements):
+ *
+ *              rms = rms * rho + (g * g) * c
+ *              centered: mg = mg * rho + g * c;  d = (rms + epsilon) - mg * mg
+ *              else:     d = rms + epsilon
+ *              mom = mom * mu + (rsqrt(d) * lr) * g;  w = w - mom
+ *
+ * the other rows as they are.  Without, tf_keras' ops: rms (and mg) times
+ * rho everywhere, then the rows named take the rest of the dense step (the
+ * products commute: the same arithmetic) but for rms's (g * g) * c, which
+ * in a graph the graph optimizer regroups (c * g) * g
+ * (h[LS_LEGACY_RMSPROP_SCALAR_FIRST] 1, family_legacy_adam.h's
+ * ls_legacy_scaled_square); the others keep their weights.
  */
 #ifndef LOSSSCALE_FAMILY_LEGACY_RMSPROP_H
 #define LOSSSCALE_FAMILY_LEGACY_RMSPROP_H
 
-enum { LS_LEGACY_RMSPROP_HAS_MOMENTUM, LS_LEGACY_RMSPROP_CENTERED, LS_LEGACY_RMSPROP_RHO,
+enum { LS_LEGACY_RMSPROP_HAS_MOMENTUM, LS_LEGACY_RMSPROP_CENTERED,
+       LS_LEGACY_RMSPROP_SCALAR_FIRST, LS_LEGACY_RMSPROP_RHO,
        LS_LEGACY_RMSPROP_C, LS_LEGACY_RMSPROP_MOMENTUM, LS_LEGACY_RMSPROP_EPSILON,
        ls_legacy_rmsprop_hyper_count };
 
@@ -78,6 +97,51 @@ static inline void ls_legacy_rmsprop1(const ls_param *p, size_t i, float g,
         w = w - (a->lr * g) / (sqrtf(d) + eps);
     }
     p->var[i] = w;
+}
+
+/* ls_legacy_sgd_sparse1's contract. */
+static inline void ls_legacy_rmsprop_sparse1(const ls_param *p, size_t i, float g, int indexed,
+                                             size_t c, size_t n, const ls_optim_args *a)
+{
+    const float *h = a->h;
+    const int has_momentum = h[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f,
+              centered = h[LS_LEGACY_RMSPROP_CENTERED] != 0.0f;
+    const float rho = h[LS_LEGACY_RMSPROP_RHO], k = h[LS_LEGACY_RMSPROP_C],
+                eps = h[LS_LEGACY_RMSPROP_EPSILON];
+    float *mgs = p->slot[1 + has_momentum];
+    if (!has_momentum) {
+        if (indexed) {
+            const float rms = p->slot[0][i] * rho +
+                              ls_legacy_scaled_square(g, k, h[LS_LEGACY_RMSPROP_SCALAR_FIRST]);
+            p->slot[0][i] = rms;
+            float d = rms;
+            if (centered) {
+                const float mg = mgs[i] * rho + g * k;
+                mgs[i] = mg;
+                d = rms - mg * mg;
+            }
+            p->var[i] = ls_optim_decay1(p->var[i], a) - (a->lr * g) / (sqrtf(d) + eps);
+        } else {
+            p->slot[0][i] = p->slot[0][i] * rho;
+            if (centered)
+                mgs[i] = mgs[i] * rho;
+        }
+        return;
+    }
+    if (!indexed)
+        return;
+    const float rms = p->slot[0][i] * rho + (g * g) * k;
+    p->slot[0][i] = rms;
+    float d = rms + eps;
+    if (centered) {
+        const float mg = mgs[i] * rho + g * k;
+        mgs[i] = mg;
+        d = d - mg * mg;
+    }
+    const float mom =
+        p->slot[1][i] * h[LS_LEGACY_RMSPROP_MOMENTUM] + (ls_tf_rsqrt1(d, c, n) * a->lr) * g;
+    p->slot[1][i] = mom;
+    p->var[i] = ls_optim_decay1(p->var[i], a) - mom;
 }
 
 #endif /* LOSSSCALE_FAMILY_LEGACY_RMSPROP_H */

@@ -17,6 +17,10 @@
  *
  * Keras' SGD's arithmetic, op for op: the reference and the vector loop are
  * family_sgd.h's, given tf_keras' momentum flag in place of mu != 0.
+ *
+ * A sparse gradient (with momentum; ls_legacy_sgd_sparse1): its slices
+ * summed per row, ResourceSparseApplyKerasMomentum's update of the rows
+ * they name, the same arithmetic; the other rows stay as they are.
  */
 #ifndef LOSSSCALE_FAMILY_LEGACY_SGD_H
 #define LOSSSCALE_FAMILY_LEGACY_SGD_H
@@ -38,6 +42,16 @@ static inline void ls_legacy_sgd1(const ls_param *p, size_t i, float g, const ls
 {
     ls_sgd_step1(p, i, g, a, a->h[LS_LEGACY_SGD_MOMENTUM],
                  a->h[LS_LEGACY_SGD_HAS_MOMENTUM] != 0.0f, a->h[LS_LEGACY_SGD_NESTEROV] != 0.0f);
+}
+
+/* Element i, column c of a row of n, of a variable whose gradient is
+ * sparse: g is its row's summed slices when `indexed`. */
+static inline void ls_legacy_sgd_sparse1(const ls_param *p, size_t i, float g, int indexed,
+                                         size_t c, size_t n, const ls_optim_args *a)
+{
+    (void)c, (void)n;
+    if (indexed)
+        ls_legacy_sgd1(p, i, g, a);
 }
 
 #endif /* LOSSSCALE_FAMILY_LEGACY_SGD_H */

@@ -59,6 +59,20 @@ static int row_family(int family)
     return 0;
 }
 
+/* A summed family's sparse reference (LS_OPTIM_SUMMED_FAMILIES), or NULL. */
+typedef void (*sparse1_fn)(const ls_param *p, size_t i, float g, int indexed, size_t c,
+                           size_t n, const ls_optim_args *a);
+
+static sparse1_fn summed_family(int family)
+{
+#define LS_SUMMED_FAMILY(f)                                                             \
+    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+        return ls_##f##_sparse1;
+    LS_OPTIM_SUMMED_FAMILIES(LS_SUMMED_FAMILY)
+#undef LS_SUMMED_FAMILY
+    return NULL;
+}
+
 int ls_optim_takes_sparse(int family)
 {
 #define LS_TAKES_SPARSE(f)                                                              \
@@ -66,7 +80,7 @@ int ls_optim_takes_sparse(int family)
         return 1;
     LS_OPTIM_SPARSE_FAMILIES(LS_TAKES_SPARSE)
 #undef LS_TAKES_SPARSE
-    return row_family(family);
+    return row_family(family) || summed_family(family) != NULL;
 }
 
 const char *ls_optim_family_name(int family)
@@ -138,7 +152,8 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
     if (problem != NULL)
         return problem;
     if (!ls_optim_takes_sparse(c->family))
-        return "the family takes no sparse gradient (sgd, adam, adamax, lion and adagrad do)";
+        return "the family takes no sparse gradient (sgd, adam, adamax, lion, adagrad and the "
+               "legacy families do)";
     if (!ls_optim_finite(c->slice_factor))
         return "the slice factor must be finite";
     if (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f)
@@ -148,6 +163,14 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
         return "adagrad takes a sparse gradient as Keras scatters it: divided by a true "
                "square root (no Rsqrt form), clipped slice by slice (not the global clip), "
                "with a slice factor of 1";
+    if (summed_family(c->family) != NULL) {
+        if (c->slice_factor != 1.0f || (c->clip != LS_CLIP_NONE && c->clip != LS_CLIP_VALUE))
+            return "a legacy family takes a sparse gradient's slices as tf_keras sums them: "
+                   "clipped by value or not at all, with a slice factor of 1";
+        if (strcmp(families[c->family].name, "legacy_rmsprop") == 0 &&
+            c->hyper[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f)
+            return ls_optim_rsqrt_problem(1.0f);
+    }
     return NULL;
 }
 
@@ -263,6 +286,7 @@ typedef struct optim_job {
     int slice_term;     /* LS_SLICE_*: how the family's term is made */
     float slice_term_k; /* LS_SLICE_SCALED's factor */
     sparse_rows *rows;
+    sparse1_fn sparse1; /* a summed family's sparse reference */
     ls_optim_args args[LS_NUM_DTYPES];
 } optim_job;
 
@@ -382,6 +406,7 @@ static int job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *par
     j->ema_rest = c->ema_rest;
     j->slice_factor = c->slice_factor;
     slice_term_of(c, &j->slice_term, &j->slice_term_k);
+    j->sparse1 = summed_family(c->family);
     resolve(c, flags, j->args);
     return group_rows(j);
 }
@@ -536,6 +561,38 @@ static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r
         move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
 }
 
+/* Elements [lo, hi) of a legacy variable (LS_OPTIM_SUMMED_FAMILIES) whose
+ * gradient is sparse, as tf_keras hands it to TensorFlow: each row's
+ * slices, every value unscaled and clipped by `a`, added in their order
+ * onto 0 (UnsortedSegmentSum), a piece of a row at a time, then every
+ * element through the family's sparse reference, told whether a slice
+ * names its row and where in the row it is. */
+static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                            size_t lo, size_t hi, const ls_optim_args *a)
+{
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    enum { PIECE = 1024 };
+    float g[PIECE];
+    for (size_t row = lo / n; row * n < hi; row++) {
+        const size_t first = row * n < lo ? lo - row * n : 0;
+        const size_t last = hi - row * n < n ? hi - row * n : n;
+        const int indexed = r->start[row] < r->start[row + 1];
+        for (size_t c0 = first; c0 < last; c0 += PIECE) {
+            const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
+            memset(g, 0, m * sizeof(float));
+            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, g,
+                                      NULL);
+            }
+            for (size_t c = 0; c < m; c++)
+                j->sparse1(p, row * n + c0 + c, g[c], indexed, c0 + c, n, a);
+        }
+    }
+    if (p->average != NULL)
+        move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
+}
+
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
 {
@@ -552,7 +609,9 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         a.decay = p->decay;
         a.clip_scalar = p->clip_scalar;
         if (p->indices != NULL) {
-            (row_family(j->family) ? run_rows : run_sparse)(j, p, &j->rows[i], lo, hi, &a);
+            (j->sparse1 != NULL      ? run_summed_rows
+             : row_family(j->family) ? run_rows
+                                     : run_sparse)(j, p, &j->rows[i], lo, hi, &a);
             continue;
         }
         const ls_optim_fn fn = j->kernels->fn[j->family][p->grad_dtype];

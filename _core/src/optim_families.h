@@ -38,3 +38,12 @@
 /* The families whose Keras update applies a sparse gradient row by row
  * (scatters it) and that take one so (optim.c's run_rows): Adagrad. */
 #define LS_OPTIM_ROW_FAMILIES(X) X(adagrad)
+
+/* The legacy families, whose TensorFlow ops tf_keras hands a sparse
+ * gradient with its duplicate slices summed (_deduplicate_indexed_slices:
+ * UnsortedSegmentSum, a row's slices added in their order onto 0): the
+ * core sums them so, then runs each element through the family's sparse
+ * reference, ls_<family>_sparse1 (optim.c's run_summed_rows), which says
+ * what a row no slice names does. */
+#define LS_OPTIM_SUMMED_FAMILIES(X) X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) \
+    X(legacy_adagrad)
