@@ -21,7 +21,11 @@ accumulation (accumulators averaged, divided or times the reciprocal, over
 a count of steps that is a power of two and one that is not) for each
 family, gradients of every dtype, an EMA beside it, both unscales, and its
 refusals (an accumulator on a sparse gradient, beside a term, without a
-mode, an unknown mode, no steps).  Deterministic: rerunning rewrites the same
+mode, an unknown mode, no steps); and sparse gradients for every family
+and form that takes one (every clip mode the form takes, each gradient
+dtype, rows of 1, 3 and 8 elements, repeated indices, an EMA, no slices)
+with their refusals (an index one row too far or negative, a legacy
+form's clip norm or slice factor) and a non-finite slice.  Deterministic: rerunning rewrites the same
 files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
