@@ -15,9 +15,20 @@
  *     non-finite gradient, leaves every byte as it was; otherwise it
  *     equals the scalar set;
  *   - ls_optim_validate takes a sparse gradient exactly when lossscale.h's
- *     rules for one hold (read here apart from the core's check) and the
- *     call, every gradient dense, would be taken; ls_optim_sparse_problem
- *     finds none exactly when the configuration's part of them holds;
+ *     rules for one hold (read here apart from the core's check: the
+ *     legacy families' included) and the call, every gradient dense, would
+ *     be taken; ls_optim_sparse_problem finds none exactly when the
+ *     configuration's part of them holds;
+ *   - a sparse gradient's update (every family that takes one) equals its
+ *     form restated here from lossscale.h and family_<name>.h, a variable
+ *     at a time: each slice value unscaled and clipped, a row's slices
+ *     summed in their order onto +0; then Keras 3's SGD, Adam, Adamax and
+ *     Lion as the scalar set's dense step on that densified gradient (and
+ *     its summed term, or under the global clip the sums clipped); Adagrad
+ *     as Keras scatters it; legacy SGD, Adagrad and RMSprop without
+ *     momentum (in the kernel's order) as the dense step on each named
+ *     row's sums, their other rows as their forms say; legacy Adam and
+ *     RMSprop's other forms element by element; the EMA moved after;
  *   - ls_optim_validate takes accumulators exactly when lossscale.h's
  *     rules for them hold (a known accumulation mode, steps >= 1 under
  *     one, an accumulator only under one, on a dense gradient without a
@@ -251,15 +262,34 @@ static int gradients_finite(const arena *a)
     return 1;
 }
 
+/* 1 when `family` is one of tf_keras' legacy families (their names). */
+static int legacy_family(int family)
+{
+    const char *name = ls_optim_family_name(family);
+    return name != NULL && strncmp(name, "legacy_", 7) == 0;
+}
+
 /* lossscale.h's rules for a configuration that takes sparse gradients
  * (ls_param.indices), apart from the core's ls_optim_sparse_problem: the
  * family takes one, a finite slice factor, 1 under LS_CLIP_GLOBAL;
- * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form. */
+ * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form; a
+ * legacy family's is 1, clipped by value or not at all, and legacy
+ * RMSprop's with momentum (TensorFlow's Rsqrt of a row) on x86 only. */
 static int sparse_config_ok(const ls_optim_config *c)
 {
     if (!ls_optim_takes_sparse(c->family) || !isfinite(c->slice_factor) ||
         (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f))
         return 0;
+    if (legacy_family(c->family)) {
+        if (c->slice_factor != 1.0f || (c->clip != LS_CLIP_NONE && c->clip != LS_CLIP_VALUE))
+            return 0;
+#ifndef HAVE_MXCSR
+        if (c->family == ls_optim_family("legacy_rmsprop") &&
+            c->hyper[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f)
+            return 0;
+#endif
+        return 1;
+    }
     return c->family != ls_optim_family("adagrad") ||
            (c->clip != LS_CLIP_GLOBAL && c->slice_factor == 1.0f &&
             c->hyper[LS_ADAGRAD_RSQRT] == 0.0f);
@@ -325,6 +355,280 @@ static int valid_as_dense(const arena *a, const ls_optim_config *c)
     for (size_t i = 0; i < a->count; i++)
         dense[i].indices = NULL;
     return ls_optim_validate(dense, a->count, c) == LS_OK;
+}
+
+/* ---- the sparse forms restated (lossscale.h's ls_param.indices) ---- */
+
+/* Slice value k of a sparse gradient as its form takes it, restated from
+ * lossscale.h: unscaled as a dense element is (Keras 3 divides by the
+ * scale; TensorFlow 2.4 multiplies by its reciprocal rounded to the
+ * gradient's dtype, the product rounded to it again), then clipped, but
+ * under LS_CLIP_GLOBAL, which clips the row sums.  In the step's
+ * floating-point state. */
+static float slice_value(const ls_param *p, size_t k, const ls_optim_config *c)
+{
+    ls_optim_args a;
+    memset(&a, 0, sizeof a);
+    a.grad_mode = LS_GRAD_AS_IS;
+    a.factor = 1.0f;
+    if (c->unscale == LS_UNSCALE_DIVIDE) {
+        a.grad_mode = LS_GRAD_DIVIDE;
+        a.factor = (float)c->scale;
+    } else if (c->unscale == LS_UNSCALE_MULTIPLY) {
+        a.grad_mode = p->grad_dtype == LS_FLOAT32 ? LS_GRAD_MULTIPLY : LS_GRAD_MUL_ROUNDED;
+        a.factor = (float)ls_round_to_dtype(1.0f / (float)c->scale, p->grad_dtype);
+    }
+    a.clip = c->clip == LS_CLIP_GLOBAL ? LS_CLIP_NONE : c->clip;
+    a.clip_value = c->clip_value;
+    a.clip_scalar = p->clip_scalar;
+    const float g = ls_optim_load_grad(p->grad, k, p->grad_dtype);
+    return ls_optim_clip1(ls_optim_unscale1(g, p->grad_dtype, &a), &a);
+}
+
+/* A sparse gradient densified as lossscale.h says: every slice value times
+ * `factor`, a row's slices added in their order onto +0 (rows no slice
+ * names stay 0), into g; the term the family takes of each value summed
+ * the same way into t (when not NULL): Adam's u * u, Adamax's |u|, Lion's
+ * u * (1 - beta_2).  `named[r]`: whether a slice names row r. */
+static void densify(const ls_param *p, const ls_optim_config *c, float factor, float *g,
+                    float *t, unsigned char *named)
+{
+    const size_t n = p->row_length;
+    const char *name = ls_optim_family_name(c->family);
+    memset(g, 0, p->length * sizeof(float));
+    if (t != NULL)
+        memset(t, 0, p->length * sizeof(float));
+    memset(named, 0, p->length / n);
+    for (size_t s = 0; s < p->slices; s++) {
+        const size_t row = (size_t)p->indices[s];
+        named[row] = 1;
+        for (size_t col = 0; col < n; col++) {
+            const float u = slice_value(p, s * n + col, c);
+            g[row * n + col] += u * factor;
+            if (t == NULL)
+                continue;
+            if (strcmp(name, "adam") == 0)
+                t[row * n + col] += u * u;
+            else if (strcmp(name, "adamax") == 0)
+                t[row * n + col] += fabsf(u);
+            else
+                t[row * n + col] += u * c->hyper[LS_LION_C2];
+        }
+    }
+}
+
+/* Keras' weight decay of one weight (lossscale.h's two orders). */
+static float decayed(float w, int decay, const ls_optim_config *c)
+{
+    if (decay == LS_DECAY_OP_BY_OP)
+        return w - (w * c->weight_decay) * c->learning_rate;
+    if (decay == LS_DECAY_REASSOCIATED) {
+        const float wd_lr = c->weight_decay * c->learning_rate;
+        return w - w * wd_lr;
+    }
+    return w;
+}
+
+/* The configuration a densified gradient runs under: already unscaled
+ * and clipped (but for the global clip, which clips the sums), no
+ * accumulation. */
+static ls_optim_config dense_config(const ls_optim_config *c)
+{
+    ls_optim_config d = *c;
+    d.unscale = LS_UNSCALE_NONE;
+    d.scale = 1.0;
+    d.clip = c->clip == LS_CLIP_GLOBAL ? LS_CLIP_GLOBAL : LS_CLIP_NONE;
+    d.accumulation = LS_ACCUMULATION_NONE;
+    return d;
+}
+
+/* Elements [lo, hi) of `p` as a dense float32 gradient `g` updates them,
+ * through the scalar set (the reference every other set is held to). */
+static void dense_run(const ls_param *p, size_t lo, size_t hi, const float *g,
+                      const float *t, const ls_optim_config *dc, unsigned flags)
+{
+    ls_param d = *p;
+    d.var = p->var + lo;
+    for (int s = 0; s < 3; s++)
+        d.slot[s] = p->slot[s] != NULL ? p->slot[s] + lo : NULL;
+    d.average = p->average != NULL ? p->average + lo : NULL;
+    d.grad = g + lo;
+    d.grad_dtype = LS_FLOAT32;
+    d.grad_term = t != NULL ? t + lo : NULL;
+    d.indices = NULL;
+    d.slices = 0;
+    d.accumulator = NULL;
+    d.length = hi - lo;
+    if (ls_optim_run(&ls_optim_scalar, &d, 1, dc, flags, 0, d.length) != 1)
+        fail("the scalar set refused a densified gradient");
+}
+
+/* The legacy sparse forms (family_legacy_*.h) of the rows no densified
+ * equivalent covers, restated element by element from their comments:
+ * SGD's and Adagrad's rows no slice names stay as they are; tf_keras' Adam (every row's moments decayed, the named ones' sums
+ * added, every weight moved), RMSprop with momentum (ResourceSparseApply-
+ * (Centered)RMSProp on the named rows, TensorFlow's Rsqrt of a row) and
+ * without (every rms and mg times rho, the named rows' rest). */
+static void legacy_element(const ls_param *p, size_t i, float g, int named, size_t col,
+                           const ls_optim_config *c)
+{
+    const float *h = c->hyper, lr = c->learning_rate;
+    const char *name = ls_optim_family_name(c->family);
+    if (strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0)
+        return; /* a row no slice names stays as it is (the named: densified) */
+    if (strcmp(name, "legacy_adam") == 0) {
+        const float b1 = h[LS_LEGACY_ADAM_BETA_1], b2 = h[LS_LEGACY_ADAM_BETA_2];
+        float m = p->slot[0][i] * b1, v = p->slot[1][i] * b2;
+        if (named) {
+            const float k2 = 1.0f - b2;
+            m = m + g * (1.0f - b1);
+            v = v + (h[LS_LEGACY_ADAM_SCALAR_FIRST] != 0.0f ? (k2 * g) * g : (g * g) * k2);
+        }
+        p->slot[0][i] = m;
+        p->slot[1][i] = v;
+        if (h[LS_LEGACY_ADAM_AMSGRAD] != 0.0f) { /* TensorFlow's NaN-propagating Maximum */
+            const float vhat = p->slot[2][i];
+            v = vhat != vhat ? vhat : ls_optim_max(vhat, v);
+            p->slot[2][i] = v;
+        }
+        const float w = decayed(p->var[i], p->decay, c);
+        p->var[i] = w - (h[LS_LEGACY_ADAM_ALPHA] * m) / (sqrtf(v) + h[LS_LEGACY_ADAM_EPSILON]);
+        return;
+    }
+    /* legacy_rmsprop */
+    const int momentum = h[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f,
+              centered = h[LS_LEGACY_RMSPROP_CENTERED] != 0.0f;
+    const float rho = h[LS_LEGACY_RMSPROP_RHO], k = h[LS_LEGACY_RMSPROP_C],
+                eps = h[LS_LEGACY_RMSPROP_EPSILON];
+    float *mg = centered ? p->slot[1 + momentum] : NULL;
+    if (!momentum) {
+        if (!named) {
+            p->slot[0][i] = p->slot[0][i] * rho;
+            if (centered)
+                mg[i] = mg[i] * rho;
+            return;
+        }
+        const float sq = h[LS_LEGACY_RMSPROP_SCALAR_FIRST] != 0.0f ? (k * g) * g : (g * g) * k;
+        const float rms = p->slot[0][i] * rho + sq;
+        p->slot[0][i] = rms;
+        float d = rms;
+        if (centered) {
+            mg[i] = mg[i] * rho + g * k;
+            d = rms - mg[i] * mg[i];
+        }
+        p->var[i] = decayed(p->var[i], p->decay, c) - (lr * g) / (sqrtf(d) + eps);
+        return;
+    }
+    if (!named)
+        return;
+    const float rms = p->slot[0][i] * rho + (g * g) * k;
+    p->slot[0][i] = rms;
+    float d = rms + eps;
+    if (centered) {
+        mg[i] = mg[i] * rho + g * k;
+        d = d - mg[i] * mg[i];
+    }
+    const float mom =
+        p->slot[1][i] * h[LS_LEGACY_RMSPROP_MOMENTUM] + (ls_tf_rsqrt1(d, col, p->row_length) * lr) * g;
+    p->slot[1][i] = mom;
+    p->var[i] = decayed(p->var[i], p->decay, c) - mom;
+}
+
+/* Keras 3's Adagrad on a sparse gradient, restated from lossscale.h: every
+ * weight decayed; per named element, the accumulator plus each slice's
+ * square in their order, then the weight minus each slice's
+ * (lr * u) / sqrt(accumulator + epsilon) in their order. */
+static void adagrad_rows(const ls_param *p, const ls_optim_config *c)
+{
+    const size_t n = p->row_length;
+    const float lr = c->learning_rate, eps = c->hyper[LS_ADAGRAD_EPSILON];
+    for (size_t k = 0; k < p->length; k++)
+        p->var[k] = decayed(p->var[k], p->decay, c);
+    for (size_t s = 0; s < p->slices; s++)
+        for (size_t col = 0; col < n; col++) {
+            const float u = slice_value(p, s * n + col, c);
+            p->slot[0][(size_t)p->indices[s] * n + col] += u * u;
+        }
+    for (size_t s = 0; s < p->slices; s++)
+        for (size_t col = 0; col < n; col++) {
+            const size_t i = (size_t)p->indices[s] * n + col;
+            const float u = slice_value(p, s * n + col, c);
+            p->var[i] -= (lr * u) / sqrtf(p->slot[0][i] + eps);
+        }
+}
+
+/* Every sparse gradient's update (`want`, filled as `before`) restated
+ * from its form, each variable alone, then held to the scalar set's
+ * (`ref`): Keras 3's densified families as the same gradient densified
+ * (with its term), Adagrad as its scatter, the legacy families' named
+ * rows as their sums densified (SGD, Adagrad, RMSprop without momentum in
+ * the kernel's order) or their restated sparse form, the others as that
+ * form says; the EMA moved after. */
+static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_config *c,
+                               unsigned flags)
+{
+    const char *name = ls_optim_family_name(c->family);
+    const int global = c->clip == LS_CLIP_GLOBAL;
+    const int term = !global && (strcmp(name, "adam") == 0 || strcmp(name, "adamax") == 0 ||
+                                 strcmp(name, "lion") == 0);
+    const ls_optim_config dc = dense_config(c);
+    for (size_t v = 0; v < want->count; v++) {
+        ls_param *p = &want->params[v];
+        if (p->indices == NULL || p->length == 0)
+            continue;
+        float *g = malloc(p->length * sizeof(float)), *t = malloc(p->length * sizeof(float));
+        unsigned char *named = malloc(p->length / p->row_length);
+        if (g == NULL || t == NULL || named == NULL)
+            fail("out of memory");
+        ls_fpenv env;
+        ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
+        const size_t n = p->row_length;
+        if (!legacy_family(c->family) && strcmp(name, "adagrad") != 0) {
+            densify(p, c, c->slice_factor, g, term ? t : NULL, named);
+            ls_fpenv_leave(&env);
+            dense_run(p, 0, p->length, g, term ? t : NULL, &dc, flags);
+        } else {
+            const int plain =
+                strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0 ||
+                (strcmp(name, "legacy_rmsprop") == 0 &&
+                 c->hyper[LS_LEGACY_RMSPROP_HAS_MOMENTUM] == 0.0f &&
+                 c->hyper[LS_LEGACY_RMSPROP_SCALAR_FIRST] == 0.0f);
+            if (strcmp(name, "adagrad") == 0) {
+                adagrad_rows(p, c);
+            } else {
+                densify(p, c, 1.0f, g, NULL, named);
+                /* the rows a dense run covers run below, in its own state */
+                for (size_t row = 0; row < p->length / n; row++)
+                    for (size_t col = 0; !(plain && named[row]) && col < n; col++)
+                        legacy_element(p, row * n + col, g[row * n + col], named[row], col, c);
+            }
+            if (p->average != NULL)
+                for (size_t k = 0; k < p->length; k++)
+                    if (!(plain && named[k / n]))
+                        p->average[k] = c->ema_momentum * p->average[k] + c->ema_rest * p->var[k];
+            ls_fpenv_leave(&env);
+            for (size_t row = 0; plain && row < p->length / n; row++)
+                if (named[row])
+                    dense_run(p, row * n, row * n + n, g, NULL, &dc, flags);
+        }
+        free(g);
+        free(t);
+        free(named);
+        for (int b = 0; b < AVERAGE + 1; b++) {
+            if (b == 1 || b == TERM)
+                continue;
+            const uint8_t *x = want->blocks[v][b] + PAD, *y = ref->blocks[v][b] + PAD;
+            for (size_t k = 0; k + 4 <= want->bytes[v][b]; k += 4) {
+                const float u = ls_load_f32(x + k), w = ls_load_f32(y + k);
+                if (memcmp(&u, &w, 4) != 0 && !(isnan(u) && isnan(w))) {
+                    snprintf(difference, sizeof difference,
+                             "variable %zu, buffer %d, element %zu: %a restated, %a run", v, b,
+                             k / 4, (double)u, (double)w);
+                    fail("a sparse gradient's update differs from its form restated");
+                }
+            }
+        }
+    }
 }
 
 static unsigned read_csr(void)
@@ -444,6 +748,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check_guards(&ref);
         if (!accumulators_zero(&ref))
             fail("an accumulator is not +0 after the update");
+        /* each sparse gradient against its form restated */
+        arena_fill(&got, &layout, &in, at);
+        check_sparse_forms(&got, &ref, &c, flags);
+        arena_free(&got);
         /* every kernel set this CPU runs */
         for (int level = 0; level < ls_simd_count(); level++) {
             const ls_optim_kernels *k = ls_optim_kernels_at(level);

@@ -21,7 +21,11 @@ accumulation (accumulators averaged, divided or times the reciprocal, over
 a count of steps that is a power of two and one that is not) for each
 family, gradients of every dtype, an EMA beside it, both unscales, and its
 refusals (an accumulator on a sparse gradient, beside a term, without a
-mode, an unknown mode, no steps).  Deterministic: rerunning rewrites the same
+mode, an unknown mode, no steps); and sparse gradients for every family
+and form that takes one (every clip mode the form takes, each gradient
+dtype, rows of 1, 3 and 8 elements, repeated indices, an EMA, no slices)
+with their refusals (an index one row too far or negative, a legacy
+form's clip norm or slice factor) and a non-finite slice.  Deterministic: rerunning rewrites the same
 files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
@@ -405,6 +409,136 @@ def optim_seeds():
         yield (f"rmsprop-{name}",
                encode_optim(OPTIM_RMSPROP, DIVIDE, 1024.0, 0.003, 0.004, hyper, variables, data))
     yield from accumulation_seeds(data)
+    yield from sparse_seeds()
+
+
+# ls_clip_mode
+CLIP_NONE, CLIP_VALUE, CLIP_NORM, CLIP_GLOBAL = 0, 1, 2, 3
+# The bytes of a slice index that fuzz_optim.c reads as it is (its top
+# byte 0xFF: negative), and one row too far is ``rows`` itself.
+NEGATIVE_INDEX = 0xFF00000000000001
+
+
+def grad_bytes(dtype, values):
+    if dtype == 0:
+        return struct.pack(f"<{len(values)}e", *values)
+    if dtype == 1:  # bfloat16: the top half of the float32 (truncated)
+        return b"".join(struct.pack("<I", struct.unpack("<I", struct.pack("<f", v))[0] >> 16)[:2]
+                        for v in values)
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def encode_sparse(family, hyper, unscale, scale, variables, rng, clip=CLIP_NONE,
+                  clip_value=0.0, slice_factor=1.0, ema=(0.0, 0.0), flush=False,
+                  caller_flush=False, lr=0.01, weight_decay=0.004, grad_override=None):
+    """fuzz_optim.c's input with each buffer's content laid out exactly (no
+    wrap-around), so that the indices are the rows given: ``variables`` as
+    (gradient dtype, flags (TERM, AVERAGE), decay, row length, rows,
+    indices, clip scalar)."""
+    out = bytearray(72)
+    out[0] = (int(flush) | (family & 7) << 1 | unscale << 4 | int(caller_flush) << 7)
+    out[1:17] = struct.pack("<dff", scale, lr, weight_decay)
+    out[17:17 + 4 * len(hyper)] = struct.pack(f"<{len(hyper)}f", *hyper)
+    out[49:53] = struct.pack("<f", slice_factor) if slice_factor != 1.0 else bytes(4)
+    out[57:65] = struct.pack("<ff", *ema)
+    out[65] = (len(variables) - 1) | (family >> 3) << 7
+    out[66] = 100
+    out[67] = clip
+    out[68:72] = struct.pack("<f", clip_value)
+    body = bytearray()
+    for dtype, flags, decay, width, rows, indices, clip_scalar in variables:
+        assert 1 <= width <= 8 and len(indices) < 32
+        out += bytes([dtype | flags | SPARSE | (width - 1) << 5, decay | len(indices) << 2])
+        out += struct.pack("<Hf", rows * width, clip_scalar)
+        n, slices = rows * width, len(indices)
+        body += struct.pack(f"<{n}f", *(rng.uniform(-2, 2) for _ in range(n)))
+        grads = [rng.uniform(-3, 3) * 10.0 ** rng.randint(-3, 2) for _ in range(slices * width)]
+        if grad_override is not None and grads:
+            grads[len(grads) // 2] = grad_override
+        body += grad_bytes(dtype, grads)
+        # the slots: moments, accumulators and mean squares are >= 0 where
+        # a family needs them so; a first slot of any sign reads as a momentum
+        for _ in range(3):
+            body += struct.pack(f"<{n}f", *(rng.uniform(0, 1) for _ in range(n)))
+        if flags & TERM:
+            body += struct.pack(f"<{n}f", *(rng.uniform(0, 1) for _ in range(n)))
+        if flags & AVERAGE:
+            body += struct.pack(f"<{n}f", *(rng.uniform(-2, 2) for _ in range(n)))
+        body += b"".join(struct.pack("<Q", i) for i in indices)
+    return bytes(out) + bytes(body)
+
+
+# The families that take a sparse gradient (ls_optim_takes_sparse), each
+# form its numbers choose: (name, numbers, clip modes its sparse form
+# takes, slice factor).  The legacy forms take the sparse numbers
+# (family_legacy_adam.h: beta_1 and beta_2 themselves).
+SPARSE_FORMS = [
+    ("sgd", [0.9, 0.0], (CLIP_NONE, CLIP_VALUE, CLIP_NORM, CLIP_GLOBAL), 0.01),
+    ("sgd-nesterov", [0.9, 1.0], (CLIP_NONE, CLIP_VALUE), 0.01),
+    ("adam", [0.1, 0.001, 1e-7, 1.0, 0.001], (CLIP_NONE, CLIP_VALUE, CLIP_NORM, CLIP_GLOBAL),
+     1.0),
+    ("adamax", [0.1, 0.999, 1e-7, 0.1], (CLIP_NONE, CLIP_NORM, CLIP_GLOBAL), 1.0),
+    ("lion", [0.9, 0.1, 0.99, 0.01], (CLIP_NONE, CLIP_VALUE, CLIP_GLOBAL), 0.1),
+    ("adagrad", [1e-7, 0.0], (CLIP_NONE, CLIP_VALUE, CLIP_NORM), 1.0),
+    ("legacy_sgd", [0.0, 0.0, 0.0], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_sgd-momentum", [1.0, 0.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_sgd-nesterov", [1.0, 1.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_adam", [0.0, 0.0, 0.9, 0.999, 1e-7, 0.001], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_adam-amsgrad-graph", [1.0, 1.0, 0.9, 0.999, 1e-7, 0.001], (CLIP_NONE, CLIP_VALUE),
+     1.0),
+    ("legacy_rmsprop", [0.0, 0.0, 0.0, 0.9, 0.1, 0.0, 1e-7], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_rmsprop-centered-graph", [0.0, 1.0, 1.0, 0.9, 0.1, 0.0, 1e-7],
+     (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_rmsprop-momentum", [1.0, 0.0, 0.0, 0.9, 0.1, 0.5, 1e-7], (CLIP_NONE, CLIP_VALUE),
+     1.0),
+    ("legacy_rmsprop-momentum-centered", [1.0, 1.0, 0.0, 0.9, 0.1, 0.5, 1e-7],
+     (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("legacy_adagrad", [1e-7], (CLIP_NONE, CLIP_VALUE), 1.0),
+]
+
+
+def sparse_seeds():
+    """Sparse gradients for every family that takes one, each form: a
+    float16, a bfloat16 and a float32 gradient in turn (one a row of one
+    element, one of three, one of eight over 40 rows with an EMA and
+    empty rows), indices repeated and unsorted, every clip mode the form
+    takes, each unscale, flushing on and off; one of no slices; then the
+    refusals (a clip or slice factor the form does not take, an index one
+    row too far, a negative one) and a non-finite slice value (skipped)."""
+    rng = random.Random(20261204)
+    unscales = [(DIVIDE, 1024.0), (MULTIPLY, 1000.0), (NONE, 1.0)]
+    for k, (form, hyper, clips, factor) in enumerate(SPARSE_FORMS):
+        family = OPTIM_FAMILIES[form.split("-")[0]][0]
+        for j, clip in enumerate(clips):
+            dtypes = [(k + j + d) % 3 for d in range(3)]
+            unscale, scale = unscales[(k + j) % 3]
+            variables = [
+                (dtypes[0], 0, 1, 1, 7, [3, 0, 3, 6, 3], 1.5),
+                (dtypes[1], 0, 2, 3, 4, [2, 1, 2, 2], 0.75),
+                (dtypes[2], AVERAGE, 1, 8, 40, [39, 5, 17, 5, 0, 22, 5, 39, 1, 30], 2.0),
+            ]
+            yield (f"sparse-{form}-clip{clip}",
+                   encode_sparse(family, hyper, unscale, scale, variables, rng, clip=clip,
+                                 clip_value=0.5, slice_factor=factor if clip != CLIP_GLOBAL else 1.0,
+                                 ema=(0.99, 0.01), flush=(j % 2 == 1), caller_flush=(k % 2 == 1)))
+        one = [(2, AVERAGE, 0, 4, 5, [], 1.0), (0, 0, 1, 1, 3, [2, 2], 1.0)]
+        yield (f"sparse-{form}-no-slices",
+               encode_sparse(family, hyper, DIVIDE, 8.0, one, rng, slice_factor=factor))
+        bad = {"far": [1, 5], "negative": [1, NEGATIVE_INDEX]}
+        for why, indices in bad.items():
+            yield (f"sparse-{form}-refuse-{why}",
+                   encode_sparse(family, hyper, DIVIDE, 8.0,
+                                 [(2, 0, 0, 2, 5, indices, 1.0)], rng, slice_factor=factor))
+        yield (f"sparse-{form}-nonfinite",
+               encode_sparse(family, hyper, DIVIDE, 8.0, [(2, 0, 0, 2, 5, [4, 1, 4], 1.0)], rng,
+                             slice_factor=factor, grad_override=float("inf")))
+        if form.startswith("legacy"):
+            yield (f"sparse-{form}-refuse-clipnorm",
+                   encode_sparse(family, hyper, NONE, 1.0, [(2, 0, 0, 2, 5, [4, 1], 1.0)], rng,
+                                 clip=CLIP_NORM, clip_value=0.5))
+            yield (f"sparse-{form}-refuse-factor",
+                   encode_sparse(family, hyper, NONE, 1.0, [(2, 0, 0, 2, 5, [4, 1], 1.0)], rng,
+                                 slice_factor=0.5))
 
 
 def accumulation_seeds(data):

@@ -65,6 +65,7 @@ if command -v clang >/dev/null 2>&1; then
     tools/build_c.sh "$OUT/clang/replay_norms" clang "$SAN -O2" fuzz/fuzz_norms.c fuzz/replay.c
     MSAN="-fsanitize=memory -fsanitize-memory-track-origins -fno-omit-frame-pointer -g -O1"
     tools/build_c.sh "$OUT/msan/replay_core" clang "$MSAN" fuzz/fuzz_core.c fuzz/replay.c
+    tools/build_c.sh "$OUT/msan/replay_optim" clang "$MSAN" fuzz/fuzz_optim.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_norms" clang "$MSAN" fuzz/fuzz_norms.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/test_threads" clang "$MSAN" _core/tests/test_threads.c
     for level in $LEVELS; do
@@ -75,6 +76,7 @@ if command -v clang >/dev/null 2>&1; then
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
             "$OUT/clang/replay_norms" $(inputs norms)
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_core" fuzz/corpus/core fuzz/regressions/core
+        LOSSSCALE_SIMD=$level "$OUT/msan/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_norms" $(inputs norms)
         LOSSSCALE_SIMD=$level "$OUT/msan/test_threads"
     done
