@@ -61,8 +61,11 @@ conversion where the family takes no slices), its slices clipped under
 sparse gradient's duplicate slices per row before their update, which then
 scatters the sums: where that comes to the dense update of the densified
 gradient bit for bit (SGD without Nesterov), the kernel takes it so
-(``SUMMED_BY_ROW``); their other forms stay stock, as does a clipped
-sparse gradient (``tf.clip_by_global_norm`` keeps it sparse there).
+(``SUMMED_BY_ROW``); Adam and AdamW, whose sparse update is a form of its
+own (``m`` and ``v`` decayed on every row, the sums' terms scatter-added),
+run the core's summed family ``tf_keras_adam`` (``SparseForm.family``);
+RMSprop's and Nesterov SGD's forms stay stock, as does a clipped sparse
+gradient (``tf.clip_by_global_norm`` keeps it sparse there).
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
 ``tf.function`` hangs on whether that function returns a value (it then
@@ -282,13 +285,18 @@ class SparseForm:
     as tf_keras hands them to TensorFlow: a row's slices summed, then the
     family's sparse form of each element (what a row no slice names does
     is the family's own); ``scalars(inner, lr)``, where given, the
-    ``iterations``-derived scalars of that form, in place of the family's."""
+    ``iterations``-derived scalars of that form, in place of the family's.
+    ``family``, where given, names the core's family that runs the slices
+    in place of the family's own (tf_keras' current Adam: its dense update
+    is Keras 3's ``adam``, its sparse one the summed ``tf_keras_adam``)."""
 
-    def __init__(self, slice_factor=None, learning_rate=None, hyper=None, scalars=None):
+    def __init__(self, slice_factor=None, learning_rate=None, hyper=None, scalars=None,
+                 family=None):
         self.slice_factor = slice_factor
         self.learning_rate = learning_rate or (lambda lr: lr)
         self.hyper = hyper
         self.scalars = scalars
+        self.family = family
 
 
 # A sparse gradient that Keras' global_clipnorm makes dense, for every
@@ -440,7 +448,8 @@ class Plan:
             factor = form.slice_factor(self.learning_rate) if form.slice_factor else None
             self._launch(library, should_apply, sparse, [self.grads[i] for i in sparse], scale,
                          form.learning_rate(self.learning_rate), unscale, form.hyper,
-                         clip=self.clip, slice_factor=factor, scalars=self.sparse_scalars)
+                         clip=self.clip, slice_factor=factor, scalars=self.sparse_scalars,
+                         family=form.family)
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
@@ -482,7 +491,7 @@ class Plan:
 
     def _launch(self, library, should_apply, which, grads, scale, learning_rate, unscale,
                 hyper=None, clip=None, clip_scalars=None, slice_factor=None,
-                accumulation=None, scalars=None):
+                accumulation=None, scalars=None, family=None):
         """One native op over the variables ``which`` (positions in the plan)
         and their ``grads``, clipped as ``clip`` says (with the
         plan's clip scalars, or ``clip_scalars``).  A sparse gradient goes in
@@ -491,7 +500,8 @@ class Plan:
         times ``slice_factor`` (None: 1) before a row's sum, the family's
         step scalars ``scalars`` (None: the plan's).  With an
         ``accumulation`` the op averages each gradient with its variable's
-        accumulator and zeroes it."""
+        accumulator and zeroes it.  ``family``: the core's family to run (None:
+        the plan's)."""
         mode, value = clip or ("none", 0.0)
         numbers = [float(h) for h in (hyper or self.family.hyper)(self.inner)]
         # Variables whose numbers differ (the forms the graph optimizer gives
@@ -508,7 +518,7 @@ class Plan:
                              clip_scalars=(clip_scalars if clip_scalars is None or mode != "norm"
                                            else [clip_scalars[k] for k in ks]),
                              slice_factor=slice_factor, accumulation=accumulation,
-                             scalars=scalars)
+                             scalars=scalars, family=family)
             return
         numbers = list(next(iter(groups)))
 
@@ -552,7 +562,7 @@ class Plan:
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
                 self.weight_decay, step_scalars, clip_scalars, [], averages, ema, indices,
-                slice_factor, accumulators, family=self.family.name, hyper=numbers,
+                slice_factor, accumulators, family=family or self.family.name, hyper=numbers,
                 decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0, sparse=sparse, **accumulated)
 
@@ -1314,12 +1324,12 @@ def _tf_keras_sgd_sparse(inner, variable):
 
 
 def _tf_keras_adam_sparse(inner, variable):
-    # tf_keras' Adam.update_step on an IndexedSlices.
-    return _tf_keras_sparse_reason(inner, variable) or (
-        "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
-        "slices times (1 - beta_1) scattered (v alike, of the sums' squares), where its dense "
-        f"update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
-        f"({variable.name})")
+    # tf_keras' Adam.update_step (AdamW's alike, after _apply_weight_decay)
+    # on a row's summed slices s: m.assign_add(-m * (1 - beta_1)) on every
+    # row, s * (1 - beta_1) scatter-added (v alike, of tf.square(s)), then
+    # amsgrad and the variable as the dense update: the core's summed
+    # family tf_keras_adam, with Adam's numbers (family_tf_keras_adam.h).
+    return _tf_keras_sparse_reason(inner, variable) or SparseForm(family="tf_keras_adam")
 
 
 def _tf_keras_rmsprop_sparse(inner, variable):
@@ -1549,7 +1559,8 @@ def tf_keras_families():
     SGD: tf_keras keeps a momentum slot even without momentum and moves it
     (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step.  They
     take ``use_ema``, and a sparse gradient where their ``sparse`` says how
-    (SGD without Nesterov, ``SUMMED_BY_ROW``)."""
+    (SGD without Nesterov, ``SUMMED_BY_ROW``; Adam and AdamW, the core's
+    ``tf_keras_adam``)."""
     if not _TF_KERAS_FAMILIES:
         _TF_KERAS_FAMILIES.extend([
             _tf_keras_family("adam", "AdamW", **dict(_ADAM, sparse=_tf_keras_adam_sparse)),

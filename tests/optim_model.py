@@ -100,6 +100,13 @@ CONFIGS = {
                            epsilon=1e-7),
     "lion_decay_odd": dict(opt="lion", lr=0.003, beta_1=0.7, beta_2=0.95, weight_decay=0.1,
                            mask=True),
+    # tf_keras' current Adam / AdamW: Keras 3's dense update, a sparse
+    # gradient its own (legacy_rows_step).
+    "tf_keras_adam": dict(opt="tf_keras_adam", lr=0.001, beta_1=0.9, beta_2=0.999,
+                          epsilon=1e-7, amsgrad=False),
+    "tf_keras_adamw_amsgrad_odd": dict(opt="tf_keras_adam", lr=0.003, beta_1=0.8, beta_2=0.99,
+                                       epsilon=1e-3, amsgrad=True, weight_decay=0.1,
+                                       mask=True),
     # Keras' clipping (``clip``: the core's mode and value; ``clip_scalars``
     # gives each variable's divisor or the one factor).
     "sgd_momentum_clipvalue": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=False,
@@ -537,6 +544,8 @@ FAMILIES = {
     "legacy_adagrad": dict(slots=lambda cfg: ["accumulator"], update=_legacy_adagrad_update,
                            hyper=lambda cfg, lr, t: [cfg["epsilon"]], nonneg=("accumulator",),
                            initial="accumulator"),
+    "tf_keras_adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper,
+                          nonneg=("v",)),
     # Keras' ``var.assign(var + grad)`` of an accumulating step.
     "accumulate": dict(slots=lambda cfg: [], update=lambda cfg, g, w, slots, lr, t, store: w + g,
                        hyper=lambda cfg, lr, t: []),
@@ -915,7 +924,19 @@ SPARSE_LEGACY_CONFIGS = {
     "legacy_rmsprop_centered_momentum": CONFIGS["legacy_rmsprop_centered_momentum"],
     "legacy_adagrad": CONFIGS["legacy_adagrad"],
     "legacy_adagrad_clipvalue": dict(CONFIGS["legacy_adagrad"], clip=("value", 0.03)),
+    # tf_keras' current Adam sums the slices per row as the legacy ones do
+    # (_deduplicate_sparse_grad), then decays m and v everywhere and
+    # scatter-adds the sums' terms (the dense numbers).
+    "tf_keras_adam": CONFIGS["tf_keras_adam"],
+    "tf_keras_adamw_amsgrad_odd": CONFIGS["tf_keras_adamw_amsgrad_odd"],
+    "tf_keras_adam_clipvalue": dict(CONFIGS["tf_keras_adam"], clip=("value", 0.03)),
 }
+
+
+def summed(cfg):
+    """Whether a configuration's family sums a sparse gradient's slices per
+    row as tf_keras does (the core's LS_OPTIM_SUMMED_FAMILIES)."""
+    return cfg["opt"].startswith("legacy_") or cfg["opt"] == "tf_keras_adam"
 
 
 def legacy_sparse_hyper(cfg, lr, t):
@@ -924,6 +945,8 @@ def legacy_sparse_hyper(cfg, lr, t):
     lr * (sqrt(1 - beta_2^t) / (1 - beta_1^t)) in place of 1 - beta and
     ApplyAdam's alpha."""
     first = 1.0 if cfg.get("scalar_first") else 0.0
+    if cfg["opt"] == "tf_keras_adam":
+        return FAMILIES["tf_keras_adam"]["hyper"](cfg, lr, t)
     if cfg["opt"] == "legacy_adam":
         b1, b2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
         alpha = F32(lr) * (np.sqrt(F32(1) - b2 ** F32(t)) / (F32(1) - b1 ** F32(t)))
@@ -958,8 +981,12 @@ def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, sca
     opt, lr, n = cfg["opt"], F32(lr), len(variables)
     variables = [v.copy() for v in variables]
     slots = {k: [s.copy() for s in v] for k, v in slots.items()}
+    mask = decay_mask(cfg, n)
     with np.errstate(all="ignore"):
         for i, index in enumerate(indices):
+            if mask is not None and mask[i]:
+                # tf_keras' _apply_weight_decay, before the update.
+                variables[i][...] = variables[i] - (variables[i] * F32(cfg["weight_decay"])) * lr
             w = variables[i].reshape(variables[i].shape[0], -1)
             s = {k: v[i].reshape(w.shape) for k, v in slots.items()}
             u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
@@ -970,7 +997,20 @@ def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, sca
             def square(k):
                 return (k * g) * g if hyper[{"legacy_adam": 1, "legacy_rmsprop": 2}[opt]] \
                     else (g * g) * k
-            if opt == "legacy_sgd":
+            if opt == "tf_keras_adam":
+                # m.assign_add(-m * c1), then the sums times c1 scattered
+                # (v alike, tf.square's); rows named none add nothing.
+                c1, c2, eps, alpha = (F32(hyper[k]) for k in (0, 1, 2, 4))
+                s["m"][:] = s["m"] + -(s["m"] * c1)
+                s["v"][:] = s["v"] + -(s["v"] * c2)
+                s["m"][named] = s["m"][named] + g * c1
+                s["v"][named] = s["v"][named] + np.square(g) * c2
+                v = s["v"]
+                if hyper[3]:
+                    s["v_hat"][:] = np.maximum(s["v_hat"], v)
+                    v = s["v_hat"]
+                w[:] = w - (s["m"] * alpha) / (np.sqrt(v) + eps)
+            elif opt == "legacy_sgd":
                 mu = F32(hyper[2])
                 m = s["momentum"][named] * mu - g * lr
                 s["momentum"][named] = m
@@ -1039,8 +1079,7 @@ def sparse_simd_runs():
                         rng = np.random.default_rng(seed)
                         variables, slots = make_state(
                             rng, run_cfg, [s for s, count in SPARSE_SIMD_SHAPES
-                                           if count is not None
-                                           or not run_cfg["opt"].startswith("legacy_")],
+                                           if count is not None or not summed(run_cfg)],
                             special=True)
                         yield (f"{name}/{form}/{dtype}/{mode}-{scale}/flush={flush}", run_cfg,
                                flush, variables, slots,
@@ -1049,7 +1088,7 @@ def sparse_simd_runs():
 
 
 def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor, cfg):
-    legacy = cfg["opt"].startswith("legacy_")
+    legacy = summed(cfg)
     for step in range(SIMD_STEPS):
         grads, indices = [], []
         for shape, count in SPARSE_SIMD_SHAPES:

@@ -31,7 +31,7 @@ from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS,
                          make_slices, make_terms, make_state, simd_runs, sparse_forms,
                          sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
                          adagrad_rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
-                         legacy_sparse_hyper)
+                         legacy_sparse_hyper, summed)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -1124,7 +1124,7 @@ def test_sparse_scalar_level_matches_keras_model(sparse_level_results):
                 assert kwargs.pop("slice_factor") is None
                 variables, slots = adagrad_rows_step(cfg, variables, grads, slots, t=t,
                                                      **kwargs)
-            elif cfg["opt"].startswith("legacy_"):
+            elif summed(cfg):
                 variables, slots = legacy_rows_step(cfg, variables, grads, slots, t=t,
                                                     **kwargs)
             else:
@@ -1234,7 +1234,7 @@ def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
     assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
     assert set(core.optimizer_families(sparse=True)) == {
         "sgd", "adam", "adamax", "lion", "adagrad", "legacy_sgd", "legacy_adam",
-        "legacy_rmsprop", "legacy_adagrad"}
+        "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam"}
     cfg, variables, grads, slots, indices = sparse_setup(name)
     before = snapshot(variables, slots, grads, given(indices))
     for given_indices in (indices, [None, None]):

@@ -3,7 +3,8 @@ gradients and with EMA on the fused step, run by ``test_tf_keras.py`` in a
 child pytest with ``TF_USE_LEGACY_KERAS=1``.
 
 Their ``apply_gradients`` sums a sparse gradient's duplicate slices per row
-(``_deduplicate_sparse_grad``) before ``update_step`` scatters the sums;
+(``_deduplicate_sparse_grad``) before ``update_step`` scatters the sums
+(Adam's and AdamW's after decaying ``m`` and ``v`` on every row);
 with ``use_ema`` it moves the averages of the step's variables after their
 updates (``ema_momentum * average + (1 - ema_momentum) * var``) and, every
 ``ema_overwrite_frequency`` steps, overwrites the variables with them.
@@ -69,6 +70,15 @@ SPARSE = {
         1e-2, momentum=0.9, weight_decay=0.004, use_ema=True, ema_momentum=0.9,
         ema_overwrite_frequency=5), "SGD"),
     "sgd_ema": (lambda: tf_keras.optimizers.SGD(1e-2, use_ema=True), "SGD"),
+    # Adam's sparse update is its own (m and v decayed on every row, the
+    # sums' terms scattered): the core's tf_keras_adam family.
+    "adam": (lambda: tf_keras.optimizers.Adam(1e-2), "Adam"),
+    "adam_amsgrad": (lambda: tf_keras.optimizers.Adam(1e-2, beta_1=0.8, beta_2=0.99,
+                                                      epsilon=1e-3, amsgrad=True), "Adam"),
+    "adamw": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004), "AdamW"),
+    "adamw_amsgrad_ema_overwrite": (lambda: tf_keras.optimizers.AdamW(
+        3e-3, weight_decay=0.1, amsgrad=True, use_ema=True, ema_momentum=0.9,
+        ema_overwrite_frequency=7), "AdamW"),
 }
 
 # On tf_keras_cases' dense model (with a rank-0 weight for RMSprop):
@@ -135,6 +145,7 @@ def test_custom_loop_bit_identical(kind, use_function):
 
 
 @pytest.mark.parametrize("kind", ["sparse_sgd_momentum", "sparse_sgd_momentum_decay_ema_overwrite",
+                                  "sparse_adam", "sparse_adamw_amsgrad_ema_overwrite",
                                   "dense_adam_ema_overwrite",
                                   "dense_rmsprop_centered_momentum_ema_overwrite"])
 def test_minimize_bit_identical(kind):
@@ -146,7 +157,9 @@ def test_minimize_bit_identical(kind):
 
 
 @pytest.mark.parametrize("kind", ["sparse_sgd", "sparse_sgd_momentum_decay_ema_overwrite",
-                                  "dense_adam_ema", "dense_adamw_amsgrad_ema_overwrite",
+                                  "sparse_adam_amsgrad", "sparse_adamw",
+                                  "sparse_adamw_amsgrad_ema_overwrite", "dense_adam_ema",
+                                  "dense_adamw_amsgrad_ema_overwrite",
                                   "dense_sgd_nesterov_ema_overwrite",
                                   "dense_rmsprop_centered_momentum_ema_overwrite"])
 def test_fit_bit_identical(kind):
@@ -186,16 +199,6 @@ def test_averages_move_and_overwrite():
 
 
 _STOCK_SPARSE = {
-    "adam": (lambda: tf_keras.optimizers.Adam(1e-2),
-             "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its summed "
-             "slices times (1 - beta_1) scattered (v alike, of the sums' squares), where its dense "
-             "update is m + (g - m) * (1 - beta_1): a form the fused kernel does not take "
-             "({name})"),
-    "adamw_ema": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004, use_ema=True),
-                  "tf_keras' Adam applies a sparse gradient as m - m * (1 - beta_1), then its "
-                  "summed slices times (1 - beta_1) scattered (v alike, of the sums' squares), "
-                  "where its dense update is m + (g - m) * (1 - beta_1): a form the fused "
-                  "kernel does not take ({name})"),
     "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3),
                 "tf_keras' RMSprop multiplies a sparse gradient's summed slices by lr and the "
                 "rsqrt of their rows' denominators gathered, a tensor of its own (TensorFlow's "
@@ -242,9 +245,20 @@ def test_ema_under_a_strategy_is_stock():
     assert opt.step_path == _EMA_UNDER_A_STRATEGY
 
 
-def test_sparse_rows_sum_in_order():
+_IN_ORDER = {
+    "sgd_momentum_ema_overwrite": (lambda: tf_keras.optimizers.SGD(
+        0.1, momentum=0.5, use_ema=True, ema_overwrite_frequency=2), "SGD"),
+    "adam_amsgrad": (lambda: tf_keras.optimizers.Adam(0.1, amsgrad=True), "Adam"),
+    "adamw_ema_overwrite": (lambda: tf_keras.optimizers.AdamW(
+        0.1, weight_decay=0.05, use_ema=True, ema_overwrite_frequency=2), "AdamW"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_IN_ORDER))
+def test_sparse_rows_sum_in_order(kind):
     # Duplicate indices in any order, a row no slice takes, and values whose
     # sums round by their order: ours and stock's after each step.
+    make, name = _IN_ORDER[kind]
     rng = np.random.default_rng(3)
     values = (rng.normal(size=(9, 3)) * np.exp2(rng.integers(-12, 12, size=(9, 1)))).astype(
         np.float32)
@@ -253,8 +267,7 @@ def test_sparse_rows_sum_in_order():
         states = []
         for cls in (STOCK, lossscale.LossScaleOptimizer):
             var = tf.Variable(np.arange(18, dtype=np.float32).reshape(6, 3) / 7)
-            opt = _make(cls, tf_keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True,
-                                                     ema_overwrite_frequency=2))
+            opt = _make(cls, make())
 
             def step(k):
                 grads = tf.IndexedSlices(tf.constant(values) * k * opt.loss_scale, indices,
@@ -268,7 +281,7 @@ def test_sparse_rows_sum_in_order():
                 step(tf.constant(k))
                 states[-1].append([var.numpy()] + [v.numpy() for v in
                                                    opt.inner_optimizer.variables])
-        assert opt.step_path == "fused (SGD)", opt.step_path
+        assert opt.step_path == f"fused ({name})", opt.step_path
         for a, b in zip(states[1], states[0]):
             for x, w in zip(a, b):
                 assert_same_bits(x, w, "sparse step")
@@ -280,6 +293,7 @@ _EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA under a tf.distribute strategy (i
 
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("kind, path", [("sgd_momentum", "fused (SGD)"),
+                                        ("adam_amsgrad", "fused (Adam)"),
                                         ("sgd_momentum_decay_ema_overwrite",
                                          _EMA_UNDER_A_STRATEGY)])
 def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
