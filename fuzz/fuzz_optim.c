@@ -262,11 +262,14 @@ static int gradients_finite(const arena *a)
     return 1;
 }
 
-/* 1 when `family` is one of tf_keras' legacy families (their names). */
+/* 1 when `family` takes a sparse gradient as tf_keras sums it, a row's
+ * slices first (LS_OPTIM_SUMMED_FAMILIES): tf_keras' legacy families and
+ * its current Adam (their names). */
 static int legacy_family(int family)
 {
     const char *name = ls_optim_family_name(family);
-    return name != NULL && strncmp(name, "legacy_", 7) == 0;
+    return name != NULL &&
+           (strncmp(name, "legacy_", 7) == 0 || strcmp(name, "tf_keras_adam") == 0);
 }
 
 /* lossscale.h's rules for a configuration that takes sparse gradients
@@ -476,6 +479,28 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
     const char *name = ls_optim_family_name(c->family);
     if (strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0)
         return; /* a row no slice names stays as it is (the named: densified) */
+    if (strcmp(name, "tf_keras_adam") == 0) {
+        /* tf_keras' current Adam: every row's moments decayed by
+         * assign_add(-m * c1), the named rows' sums' terms added. */
+        const float c1 = h[LS_ADAM_C1], c2 = h[LS_ADAM_C2];
+        float m = p->slot[0][i], v = p->slot[1][i];
+        m = m + -(m * c1);
+        v = v + -(v * c2);
+        if (named) {
+            m = m + g * c1;
+            v = v + (g * g) * c2;
+        }
+        p->slot[0][i] = m;
+        p->slot[1][i] = v;
+        if (h[LS_ADAM_AMSGRAD] != 0.0f) { /* TensorFlow's NaN-propagating Maximum */
+            const float vhat = p->slot[2][i];
+            v = vhat != vhat ? vhat : ls_optim_max(vhat, v);
+            p->slot[2][i] = v;
+        }
+        const float w = decayed(p->var[i], p->decay, c);
+        p->var[i] = w - (m * h[LS_ADAM_ALPHA]) / (sqrtf(v) + h[LS_ADAM_EPSILON]);
+        return;
+    }
     if (strcmp(name, "legacy_adam") == 0) {
         const float b1 = h[LS_LEGACY_ADAM_BETA_1], b2 = h[LS_LEGACY_ADAM_BETA_2];
         float m = p->slot[0][i] * b1, v = p->slot[1][i] * b2;

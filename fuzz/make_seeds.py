@@ -368,6 +368,7 @@ OPTIM_FAMILIES = {
     "legacy_rmsprop": (9, [1.0, 1.0, 0.9, 0.1, 0.5, 1e-7]),
     "legacy_adagrad": (10, [1e-7]),
     "accumulate": (11, []),
+    "tf_keras_adam": (12, [0.1, 0.001, 1e-7, 1.0, 0.001]),
 }
 # A variable's dtype byte: its gradient term, its EMA, a sparse gradient.
 TERM, AVERAGE, SPARSE = 4, 8, 16
@@ -494,6 +495,8 @@ SPARSE_FORMS = [
     ("legacy_rmsprop-momentum-centered", [1.0, 1.0, 0.0, 0.9, 0.1, 0.5, 1e-7],
      (CLIP_NONE, CLIP_VALUE), 1.0),
     ("legacy_adagrad", [1e-7], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_adam", [0.1, 0.001, 1e-7, 0.0, 0.001], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_adam-amsgrad", [0.1, 0.001, 1e-7, 1.0, 0.001], (CLIP_NONE, CLIP_VALUE), 1.0),
 ]
 
 
