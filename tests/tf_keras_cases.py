@@ -510,6 +510,25 @@ def _fused_state(model, opt):
             + [opt.loss_scale, opt.dynamic_counter, opt.iterations]]
 
 
+def fit_lockstep(make_model, make_optimizer, x, y, strategy=None):
+    """One epoch of ``fit`` of a fresh ``make_model()`` compiled with stock's
+    loss-scale optimizer, then with ours (``make_optimizer(cls)``, in
+    ``strategy``'s scope where given): ours, the states after every batch
+    (``_fused_state``) and after training, stock's first."""
+    states, finals = [], []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        scope = strategy.scope() if strategy is not None else tf.name_scope("fit")
+        with scope:
+            model = make_model()
+            model.compile(make_optimizer(cls), "mse")
+        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        states.append(recorder.states)
+        finals.append(_fused_state(model, model.optimizer))
+    return model.optimizer, states, finals
+
+
 def _expected_path(kind):
     return f"fused ({FUSED[kind][1]})"
 

@@ -17,7 +17,8 @@ data and compares every weight, slot, the loss scale, its counter and
 
 from tf_keras_cases import (BATCH, FUSED_STEPS, GROWTH, STOCK, STRATEGY, _apply_step,
                             _assert_moved, _assert_same_states, _custom_loop, _fused_data,
-                            _fused_model, _fused_state, _minimize_step, _schedule, _scoped)
+                            _fused_model, _fused_state, _minimize_step, _schedule, _scoped,
+                            fit_lockstep)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -25,7 +26,6 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import lossscale  # noqa: E402
-from helpers import batch_recorder  # noqa: E402
 
 LEGACY = {
     "sgd_momentum": (lambda **clip: tf_keras.optimizers.legacy.SGD(1e-2, momentum=0.9, **clip),
@@ -117,17 +117,10 @@ def test_legacy_clip_fit_bit_identical(kind, clip):
 def _fit_bit_identical(kind, clip, make_model):
     """``fit`` with ours and with stock around ``kind``'s (``(make,
     family)``) optimizer clipped by ``clip``: the same states, fused."""
-    x, y = _fused_data(FUSED_STEPS)
-    states = []
-    for make in (STOCK, lossscale.LossScaleOptimizer):
-        model = make_model()
-        model.compile(make(kind[0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
-                           dynamic_growth_steps=GROWTH), "mse")
-        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        states.append(recorder.states)
-    assert model.optimizer.step_path == f"fused ({kind[1]})"
+    opt, states, _ = fit_lockstep(
+        make_model, lambda cls: cls(kind[0](**{clip: CLIPS[clip]}), initial_scale=2.0**10,
+                                    dynamic_growth_steps=GROWTH), *_fused_data(FUSED_STEPS))
+    assert opt.step_path == f"fused ({kind[1]})"
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])
 

@@ -15,7 +15,8 @@ overflowing steps (skipped, the scale backing off) and growing ones.
 """
 
 from tf_keras_cases import (BATCH, GROWTH, STOCK, STRATEGY, _apply_step, _assert_moved,
-                            _assert_same_states, _custom_loop, _fused_state, _minimize_step)
+                            _assert_same_states, _custom_loop, _fused_state, _minimize_step,
+                            fit_lockstep)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -23,7 +24,6 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import lossscale  # noqa: E402
-from helpers import batch_recorder  # noqa: E402
 
 STEPS = 60
 VOCAB = 50
@@ -76,9 +76,13 @@ def _model():
     return tf_keras.Model(inputs, tf_keras.layers.Dense(1, dtype="float32")(hidden))
 
 
+def _make(cls, kind):
+    return cls(LEGACY[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+
+
 def _run(make, kind, use_function, make_step=_apply_step, steps=STEPS):
     x, y = _data(steps)
-    opt = make(LEGACY[kind][0](), initial_scale=2.0**10, dynamic_growth_steps=GROWTH)
+    opt = _make(make, kind)
     return opt, _custom_loop(opt, _model(), x, y, use_function, steps, _fused_state, make_step)
 
 
@@ -121,17 +125,8 @@ def test_legacy_sparse_minimize_bit_identical(kind):
 
 @pytest.mark.parametrize("kind", sorted(LEGACY))
 def test_legacy_sparse_fit_bit_identical(kind):
-    x, y = _data()
-    states = []
-    for make in (STOCK, lossscale.LossScaleOptimizer):
-        model = _model()
-        model.compile(make(LEGACY[kind][0](), initial_scale=2.0**10,
-                           dynamic_growth_steps=GROWTH), "mse")
-        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        states.append(recorder.states)
-    assert model.optimizer.step_path == f"fused ({LEGACY[kind][1]})"
+    opt, states, _ = fit_lockstep(_model, lambda cls: _make(cls, kind), *_data())
+    assert opt.step_path == f"fused ({LEGACY[kind][1]})"
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])
 
@@ -205,18 +200,8 @@ def test_legacy_sparse_bad_slices_change_nothing(kind, indices, rows, match, use
 def test_legacy_sparse_mirrored_fit_bit_identical(kind):
     """Under MirroredStrategy (two replicas): the all-reduce concatenates the
     replicas' slices, which tf_keras then sums per row as one replica's."""
-    x, y = _data(24)
-    states = []
-    for make in (STOCK, lossscale.LossScaleOptimizer):
-        with STRATEGY.scope():
-            model = _model()
-            model.compile(make(LEGACY[kind][0](), initial_scale=2.0**10,
-                               dynamic_growth_steps=GROWTH), "mse")
-        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        states.append(recorder.states)
-    assert model.optimizer.step_path == f"fused ({LEGACY[kind][1]})"
+    opt, states, _ = fit_lockstep(_model, lambda cls: _make(cls, kind), *_data(24), STRATEGY)
+    assert opt.step_path == f"fused ({LEGACY[kind][1]})"
     assert len(states[0]) == 24
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])

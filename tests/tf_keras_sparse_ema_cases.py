@@ -17,7 +17,7 @@ backing off) and growing ones.
 
 from tf_keras_cases import (BATCH, GROWTH, STOCK, STRATEGY, _apply_step, _assert_moved,
                             _assert_same_states, _custom_loop, _fused_model, _fused_state,
-                            _minimize_step)
+                            _minimize_step, fit_lockstep)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -26,7 +26,7 @@ import tf_keras  # noqa: E402
 
 import lossscale  # noqa: E402
 from lossscale import _compat  # noqa: E402
-from helpers import assert_same_bits, batch_recorder, overflowing_batches  # noqa: E402
+from helpers import assert_same_bits, overflowing_batches  # noqa: E402
 
 STEPS = 63
 ROWS, IDS = 29, 6
@@ -166,17 +166,9 @@ def test_fit_bit_identical(kind):
     # fit's train step (minimize), then finalize_variable_values: with EMA
     # the model's weights become their averages when training ends.
     make, name, make_model, data = CASES[kind]
-    x, y = data(STEPS)
-    states, finals = [], []
-    for cls in (STOCK, lossscale.LossScaleOptimizer):
-        model = make_model()
-        model.compile(_make(cls, make()), "mse")
-        recorder = batch_recorder(tf_keras.callbacks, _fused_state)
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        states.append(recorder.states)
-        finals.append(_fused_state(model, model.optimizer))
-    assert model.optimizer.step_path == f"fused ({name})", model.optimizer.step_path
+    opt, states, finals = fit_lockstep(make_model, lambda cls: _make(cls, make()),
+                                       *data(STEPS))
+    assert opt.step_path == f"fused ({name})", opt.step_path
     assert len(states[0]) == STEPS
     _assert_moved(states[0])
     _assert_same_states(states[1], states[0])
