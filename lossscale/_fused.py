@@ -1469,14 +1469,19 @@ def _legacy_momentum_flag(inner):
     return 1.0 if _compat.tf_keras_legacy_has_momentum(inner) else 0.0
 
 
-def _legacy_adam_scalars(inner, lr):
-    # tf_keras' legacy Adam._prepare_local, then what ResourceApplyAdam
-    # computes from its inputs: 1 - beta in float32, alpha.
+def _legacy_adam_powers(inner):
+    """tf_keras' legacy Adam._prepare_local: beta_1, beta_2 and their
+    powers at this step."""
     local_step = tf.cast(inner.iterations + 1, tf.float32)
     beta_1_t = _legacy_hyper(inner, "beta_1")
     beta_2_t = _legacy_hyper(inner, "beta_2")
-    beta_1_power = tf.pow(beta_1_t, local_step)
-    beta_2_power = tf.pow(beta_2_t, local_step)
+    return beta_1_t, beta_2_t, tf.pow(beta_1_t, local_step), tf.pow(beta_2_t, local_step)
+
+
+def _legacy_adam_scalars(inner, lr):
+    # What ResourceApplyAdam computes from _prepare_local's inputs: 1 - beta
+    # in float32, alpha.
+    beta_1_t, beta_2_t, beta_1_power, beta_2_power = _legacy_adam_powers(inner)
     alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     return [1 - beta_1_t, 1 - beta_2_t, _legacy_epsilon(inner), alpha]
 
@@ -1490,11 +1495,7 @@ def _legacy_adam_sparse_scalars(inner, lr):
     # tf_keras' legacy Adam._resource_apply_sparse: its own ops, with
     # beta_1 and beta_2 themselves and _prepare_local's
     # lr * (sqrt(1 - beta_2^t) / (1 - beta_1^t)) (family_legacy_adam.h).
-    local_step = tf.cast(inner.iterations + 1, tf.float32)
-    beta_1_t = _legacy_hyper(inner, "beta_1")
-    beta_2_t = _legacy_hyper(inner, "beta_2")
-    beta_1_power = tf.pow(beta_1_t, local_step)
-    beta_2_power = tf.pow(beta_2_t, local_step)
+    beta_1_t, beta_2_t, beta_1_power, beta_2_power = _legacy_adam_powers(inner)
     alpha = lr * (tf.sqrt(1 - beta_2_power) / (1 - beta_1_power))
     return [beta_1_t, beta_2_t, _legacy_epsilon(inner), alpha]
 
