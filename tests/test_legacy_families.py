@@ -84,7 +84,8 @@ def _tf_step(kind, cfg, var, slots, grad, lr, t):
         else:
             tf.raw_ops.ResourceApplyAdam(**args)
         alpha = lr_t * tf.sqrt(1 - b2p) / (1 - b1p)
-        return [1.0 if cfg["amsgrad"] else 0.0, float(1 - beta_1), float(1 - beta_2),
+        # A dense gradient: the scalar-first grouping (sparse only) is 0.
+        return [1.0 if cfg["amsgrad"] else 0.0, 0.0, float(1 - beta_1), float(1 - beta_2),
                 cfg["epsilon"], float(alpha)]
     if kind == "rmsprop":
         rho, eps, mu = f(cfg["rho"]), f(cfg["epsilon"]), f(cfg["momentum"])
@@ -105,7 +106,7 @@ def _tf_step(kind, cfg, var, slots, grad, lr, t):
                 mg = slots[1].assign(rho * slots[1] + (1.0 - rho) * g)
                 denom = rms - tf.square(mg)
             var.assign(var - lr_t * g / (tf.sqrt(denom) + eps))
-        return [1.0 if cfg["momentum"] else 0.0, 1.0 if cfg["centered"] else 0.0,
+        return [1.0 if cfg["momentum"] else 0.0, 1.0 if cfg["centered"] else 0.0, 0.0,
                 float(rho), float(1.0 - rho), cfg["momentum"], cfg["epsilon"]]
     tf.raw_ops.ResourceApplyAdagradV2(var=var.handle, accum=slots[0].handle, lr=lr_t,
                                       epsilon=f(cfg["epsilon"]), grad=g)
