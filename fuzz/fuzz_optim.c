@@ -264,12 +264,12 @@ static int gradients_finite(const arena *a)
 
 /* 1 when `family` takes a sparse gradient as tf_keras sums it, a row's
  * slices first (LS_OPTIM_SUMMED_FAMILIES): tf_keras' legacy families and
- * its current Adam (their names). */
+ * its current Adam and SGD (their names). */
 static int legacy_family(int family)
 {
     const char *name = ls_optim_family_name(family);
     return name != NULL &&
-           (strncmp(name, "legacy_", 7) == 0 || strcmp(name, "tf_keras_adam") == 0);
+           (strncmp(name, "legacy_", 7) == 0 || strncmp(name, "tf_keras_", 9) == 0);
 }
 
 /* lossscale.h's rules for a configuration that takes sparse gradients
@@ -466,12 +466,15 @@ static void dense_run(const ls_param *p, size_t lo, size_t hi, const float *g,
         fail("the scalar set refused a densified gradient");
 }
 
-/* The legacy sparse forms (family_legacy_*.h) of the rows no densified
- * equivalent covers, restated element by element from their comments:
- * SGD's and Adagrad's rows no slice names stay as they are; tf_keras' Adam (every row's moments decayed, the named ones' sums
- * added, every weight moved), RMSprop with momentum (ResourceSparseApply-
- * (Centered)RMSProp on the named rows, TensorFlow's Rsqrt of a row) and
- * without (every rms and mg times rho, the named rows' rest). */
+/* The legacy sparse forms (family_legacy_*.h, family_tf_keras_*.h) of the
+ * rows no densified equivalent covers, restated element by element from
+ * their comments: SGD's and Adagrad's rows no slice names stay as they are;
+ * tf_keras' current SGD (every m times mu, the named rows' sums times -lr
+ * added, every weight moved) and Adam (every row's moments decayed, the
+ * named ones' sums added, every weight moved), RMSprop with momentum
+ * (ResourceSparseApply(Centered)RMSProp on the named rows, TensorFlow's
+ * Rsqrt of a row) and without (every rms and mg times rho, the named rows'
+ * rest). */
 static void legacy_element(const ls_param *p, size_t i, float g, int named, size_t col,
                            const ls_optim_config *c)
 {
@@ -479,6 +482,26 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
     const char *name = ls_optim_family_name(c->family);
     if (strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0)
         return; /* a row no slice names stays as it is (the named: densified) */
+    if (strcmp(name, "tf_keras_sgd") == 0) {
+        /* tf_keras' current SGD: m times mu on every row; the named rows'
+         * sums times -lr scatter-added to m and, with Nesterov, to w; then
+         * w + m * mu (Nesterov) or w + m.  No slot: the scatter alone. */
+        const int nesterov = h[LS_LEGACY_SGD_NESTEROV] != 0.0f;
+        const float mu = h[LS_LEGACY_SGD_MOMENTUM], d = -(g * lr);
+        float w = decayed(p->var[i], p->decay, c);
+        if (h[LS_LEGACY_SGD_HAS_MOMENTUM] == 0.0f) {
+            p->var[i] = named ? w + d : w;
+            return;
+        }
+        float m = p->slot[0][i] * mu;
+        if (named) {
+            m = m + d;
+            w = nesterov ? w + d : w;
+        }
+        p->slot[0][i] = m;
+        p->var[i] = nesterov ? w + m * mu : w + m;
+        return;
+    }
     if (strcmp(name, "tf_keras_adam") == 0) {
         /* tf_keras' current Adam: every row's moments decayed by
          * assign_add(-m * c1), the named rows' sums' terms added. */

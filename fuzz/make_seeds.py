@@ -369,6 +369,7 @@ OPTIM_FAMILIES = {
     "legacy_adagrad": (10, [1e-7]),
     "accumulate": (11, []),
     "tf_keras_adam": (12, [0.1, 0.001, 1e-7, 1.0, 0.001]),
+    "tf_keras_sgd": (13, [1.0, 1.0, 0.9]),
 }
 # A variable's dtype byte: its gradient term, its EMA, a sparse gradient.
 TERM, AVERAGE, SPARSE = 4, 8, 16
@@ -497,6 +498,9 @@ SPARSE_FORMS = [
     ("legacy_adagrad", [1e-7], (CLIP_NONE, CLIP_VALUE), 1.0),
     ("tf_keras_adam", [0.1, 0.001, 1e-7, 0.0, 0.001], (CLIP_NONE, CLIP_VALUE), 1.0),
     ("tf_keras_adam-amsgrad", [0.1, 0.001, 1e-7, 1.0, 0.001], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_sgd-nesterov", [1.0, 1.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_sgd-momentum", [1.0, 0.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_sgd-no-slot", [0.0, 1.0, 0.0], (CLIP_NONE,), 1.0),
 ]
 
 

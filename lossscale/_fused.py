@@ -63,9 +63,11 @@ scatters the sums: where that comes to the dense update of the densified
 gradient bit for bit (SGD without Nesterov), the kernel takes it so
 (``SUMMED_BY_ROW``); Adam and AdamW, whose sparse update is a form of its
 own (``m`` and ``v`` decayed on every row, the sums' terms scatter-added),
-run the core's summed family ``tf_keras_adam`` (``SparseForm.family``);
-RMSprop's and Nesterov SGD's forms stay stock, as does a clipped sparse
-gradient (``tf.clip_by_global_norm`` keeps it sparse there).
+run the core's summed family ``tf_keras_adam`` (``SparseForm.family``),
+Nesterov SGD (the sums times -lr scatter-added to the weights before
+``m * momentum``) the summed ``tf_keras_sgd``; RMSprop's form stays stock,
+as does a clipped sparse gradient (``tf.clip_by_global_norm`` keeps it
+sparse there).
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
 ``tf.function`` hangs on whether that function returns a value (it then
@@ -1312,15 +1314,14 @@ def _tf_keras_sgd_sparse(inner, variable):
     # m = m * momentum, s * -lr scatter-added, then w + m (momentum 0 too:
     # tf_keras keeps the slot) -- the dense m * mu - g * lr of the densified
     # sums, a row without slices subtracting 0 * lr, which changes no value.
-    # Nesterov then adds s * -lr to w before m * momentum.
+    # Nesterov then adds s * -lr to w before m * momentum, (w - s * lr) +
+    # m * momentum where the dense update rounds w + (m * momentum - s * lr):
+    # the core's summed family tf_keras_sgd (family_tf_keras_sgd.h), with
+    # the dense numbers.
     reason = _tf_keras_sparse_reason(inner, variable)
     if reason is not None:
         return reason
-    if inner.nesterov:
-        return ("tf_keras' Nesterov SGD adds a sparse gradient's slices times -lr to "
-                f"{variable.name} before m * momentum ((w - g * lr) + m * momentum, where "
-                "the dense update is w + (m * momentum - g * lr))")
-    return SUMMED_BY_ROW
+    return SparseForm(family="tf_keras_sgd") if inner.nesterov else SUMMED_BY_ROW
 
 
 def _tf_keras_adam_sparse(inner, variable):
@@ -1560,8 +1561,8 @@ def tf_keras_families():
     SGD: tf_keras keeps a momentum slot even without momentum and moves it
     (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step.  They
     take ``use_ema``, and a sparse gradient where their ``sparse`` says how
-    (SGD without Nesterov, ``SUMMED_BY_ROW``; Adam and AdamW, the core's
-    ``tf_keras_adam``)."""
+    (SGD without Nesterov, ``SUMMED_BY_ROW``; with Nesterov, the core's
+    ``tf_keras_sgd``; Adam and AdamW, the core's ``tf_keras_adam``)."""
     if not _TF_KERAS_FAMILIES:
         _TF_KERAS_FAMILIES.extend([
             _tf_keras_family("adam", "AdamW", **dict(_ADAM, sparse=_tf_keras_adam_sparse)),

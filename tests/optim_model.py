@@ -107,6 +107,12 @@ CONFIGS = {
     "tf_keras_adamw_amsgrad_odd": dict(opt="tf_keras_adam", lr=0.003, beta_1=0.8, beta_2=0.99,
                                        epsilon=1e-3, amsgrad=True, weight_decay=0.1,
                                        mask=True),
+    # tf_keras' current SGD: ApplyKerasMomentum's dense update (the slot
+    # kept at momentum 0 too), a sparse gradient its own (legacy_rows_step).
+    "tf_keras_sgd_nesterov": dict(opt="tf_keras_sgd", lr=0.03, momentum=0.7, nesterov=True),
+    "tf_keras_sgd_nesterov_decay_odd": dict(opt="tf_keras_sgd", lr=0.01, momentum=0.9,
+                                            nesterov=True, weight_decay=0.1, mask=True),
+    "tf_keras_sgd_no_momentum": dict(opt="tf_keras_sgd", lr=0.01, momentum=0.0, nesterov=True),
     # Keras' clipping (``clip``: the core's mode and value; ``clip_scalars``
     # gives each variable's divisor or the one factor).
     "sgd_momentum_clipvalue": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=False,
@@ -456,6 +462,17 @@ def _legacy_sgd_hyper(cfg, lr, t):
             cfg["momentum"]]
 
 
+def _tf_keras_sgd_update(cfg, g, w, slots, lr, t, store):
+    mu = F32(cfg["momentum"])
+    m = slots["momentum"] * mu - g * lr
+    store("momentum", m)
+    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
+
+
+def _tf_keras_sgd_hyper(cfg, lr, t):
+    return [1.0, 1.0 if cfg["nesterov"] else 0.0, cfg["momentum"]]
+
+
 def legacy_adam_scalars(cfg, lr, t):
     """1 - beta_1, 1 - beta_2 (float32), epsilon and ApplyAdam's alpha."""
     beta_1, beta_2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
@@ -546,6 +563,8 @@ FAMILIES = {
                            initial="accumulator"),
     "tf_keras_adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper,
                           nonneg=("v",)),
+    "tf_keras_sgd": dict(slots=lambda cfg: ["momentum"], update=_tf_keras_sgd_update,
+                         hyper=_tf_keras_sgd_hyper),
     # Keras' ``var.assign(var + grad)`` of an accumulating step.
     "accumulate": dict(slots=lambda cfg: [], update=lambda cfg, g, w, slots, lr, t, store: w + g,
                        hyper=lambda cfg, lr, t: []),
@@ -930,13 +949,19 @@ SPARSE_LEGACY_CONFIGS = {
     "tf_keras_adam": CONFIGS["tf_keras_adam"],
     "tf_keras_adamw_amsgrad_odd": CONFIGS["tf_keras_adamw_amsgrad_odd"],
     "tf_keras_adam_clipvalue": dict(CONFIGS["tf_keras_adam"], clip=("value", 0.03)),
+    # Its SGD decays m everywhere, then scatter-adds the sums times -lr to m
+    # and, with Nesterov, to w, before w + m * momentum.
+    "tf_keras_sgd_nesterov": CONFIGS["tf_keras_sgd_nesterov"],
+    "tf_keras_sgd_nesterov_decay_odd": CONFIGS["tf_keras_sgd_nesterov_decay_odd"],
+    "tf_keras_sgd_no_momentum_clipvalue": dict(CONFIGS["tf_keras_sgd_no_momentum"],
+                                               clip=("value", 0.03)),
 }
 
 
 def summed(cfg):
     """Whether a configuration's family sums a sparse gradient's slices per
     row as tf_keras does (the core's LS_OPTIM_SUMMED_FAMILIES)."""
-    return cfg["opt"].startswith("legacy_") or cfg["opt"] == "tf_keras_adam"
+    return cfg["opt"].startswith("legacy_") or cfg["opt"].startswith("tf_keras_")
 
 
 def legacy_sparse_hyper(cfg, lr, t):
@@ -945,8 +970,8 @@ def legacy_sparse_hyper(cfg, lr, t):
     lr * (sqrt(1 - beta_2^t) / (1 - beta_1^t)) in place of 1 - beta and
     ApplyAdam's alpha."""
     first = 1.0 if cfg.get("scalar_first") else 0.0
-    if cfg["opt"] == "tf_keras_adam":
-        return FAMILIES["tf_keras_adam"]["hyper"](cfg, lr, t)
+    if cfg["opt"].startswith("tf_keras_"):
+        return FAMILIES[cfg["opt"]]["hyper"](cfg, lr, t)
     if cfg["opt"] == "legacy_adam":
         b1, b2 = F32(cfg["beta_1"]), F32(cfg["beta_2"])
         alpha = F32(lr) * (np.sqrt(F32(1) - b2 ** F32(t)) / (F32(1) - b1 ** F32(t)))
@@ -1010,6 +1035,18 @@ def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, sca
                     s["v_hat"][:] = np.maximum(s["v_hat"], v)
                     v = s["v_hat"]
                 w[:] = w - (s["m"] * alpha) / (np.sqrt(v) + eps)
+            elif opt == "tf_keras_sgd":
+                # m.assign(m * mu) on every row, then the sums times -lr
+                # scattered onto m and (Nesterov) w; w + m * mu after.
+                mu = F32(hyper[2])
+                d = -(g * lr)
+                s["momentum"][:] = s["momentum"] * mu
+                s["momentum"][named] = s["momentum"][named] + d
+                if hyper[1]:
+                    w[named] = w[named] + d
+                    w[:] = w + s["momentum"] * mu
+                else:
+                    w[:] = w + s["momentum"]
             elif opt == "legacy_sgd":
                 mu = F32(hyper[2])
                 m = s["momentum"][named] * mu - g * lr

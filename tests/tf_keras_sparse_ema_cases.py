@@ -70,6 +70,13 @@ SPARSE = {
         1e-2, momentum=0.9, weight_decay=0.004, use_ema=True, ema_momentum=0.9,
         ema_overwrite_frequency=5), "SGD"),
     "sgd_ema": (lambda: tf_keras.optimizers.SGD(1e-2, use_ema=True), "SGD"),
+    # Nesterov's adds the sums times -lr to the weight before m * momentum
+    # (the core's tf_keras_sgd family).
+    "sgd_nesterov": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True),
+                     "SGD"),
+    "sgd_nesterov_decay_ema_overwrite": (lambda: tf_keras.optimizers.SGD(
+        3e-2, momentum=0.7, nesterov=True, weight_decay=0.004, use_ema=True,
+        ema_momentum=0.9, ema_overwrite_frequency=5), "SGD"),
     # Adam's sparse update is its own (m and v decayed on every row, the
     # sums' terms scattered): the core's tf_keras_adam family.
     "adam": (lambda: tf_keras.optimizers.Adam(1e-2), "Adam"),
@@ -145,7 +152,7 @@ def test_custom_loop_bit_identical(kind, use_function):
 
 
 @pytest.mark.parametrize("kind", ["sparse_sgd_momentum", "sparse_sgd_momentum_decay_ema_overwrite",
-                                  "sparse_adam", "sparse_adamw_amsgrad_ema_overwrite",
+                                  "sparse_sgd_nesterov_decay_ema_overwrite", "sparse_adam", "sparse_adamw_amsgrad_ema_overwrite",
                                   "dense_adam_ema_overwrite",
                                   "dense_rmsprop_centered_momentum_ema_overwrite"])
 def test_minimize_bit_identical(kind):
@@ -157,6 +164,7 @@ def test_minimize_bit_identical(kind):
 
 
 @pytest.mark.parametrize("kind", ["sparse_sgd", "sparse_sgd_momentum_decay_ema_overwrite",
+                                  "sparse_sgd_nesterov",
                                   "sparse_adam_amsgrad", "sparse_adamw",
                                   "sparse_adamw_amsgrad_ema_overwrite", "dense_adam_ema",
                                   "dense_adamw_amsgrad_ema_overwrite",
@@ -196,10 +204,6 @@ _STOCK_SPARSE = {
                 "rsqrt of their rows' denominators gathered, a tensor of its own (TensorFlow's "
                 "Rsqrt rounds an element by where it falls in its tensor, a vector packet or "
                 "the tail), and rows without slices take no 0 * rsqrt(d) ({name})"),
-    "sgd_nesterov": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True),
-                     "tf_keras' Nesterov SGD adds a sparse gradient's slices times -lr to "
-                     "{name} before m * momentum ((w - g * lr) + m * momentum, where the dense "
-                     "update is w + (m * momentum - g * lr))"),
     "sgd_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, clipnorm=1.0),
                      "clipnorm with a sparse (IndexedSlices) gradient of {name} (tf_keras clips "
                      "its slices before summing a row's duplicates)"),

@@ -135,8 +135,9 @@ reads that element alone take them (sgd, adam, adamax, lion), and adagrad,
 as Keras' update scatters them: each slice's squares onto its row of the
 accumulator, then each slice's step, in their order; other rows untouched.
 The legacy families take them as tf_keras hands them to TensorFlow: a row's
-slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam,
-tf_keras' current Adam, alike (family_tf_keras_adam.h).
+slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam
+and tf_keras_sgd, tf_keras' current Adam and Nesterov SGD, alike
+(family_tf_keras_*.h).
 
 `accumulators`, none or one per variable (then with `accumulation` 'divide'
 or 'multiply' and `accumulation_steps` >= 1; no sparse gradient, no terms):
