@@ -264,7 +264,7 @@ static int gradients_finite(const arena *a)
 
 /* 1 when `family` takes a sparse gradient as tf_keras sums it, a row's
  * slices first (LS_OPTIM_SUMMED_FAMILIES): tf_keras' legacy families and
- * its current Adam and SGD (their names). */
+ * its current Adam, SGD and RMSprop (their names). */
 static int legacy_family(int family)
 {
     const char *name = ls_optim_family_name(family);
@@ -470,13 +470,15 @@ static void dense_run(const ls_param *p, size_t lo, size_t hi, const float *g,
  * rows no densified equivalent covers, restated element by element from
  * their comments: SGD's and Adagrad's rows no slice names stay as they are;
  * tf_keras' current SGD (every m times mu, the named rows' sums times -lr
- * added, every weight moved) and Adam (every row's moments decayed, the
- * named ones' sums added, every weight moved), RMSprop with momentum
- * (ResourceSparseApply(Centered)RMSProp on the named rows, TensorFlow's
- * Rsqrt of a row) and without (every rms and mg times rho, the named rows'
- * rest). */
+ * added, every weight moved), Adam (every row's moments decayed, the named
+ * ones' sums added, every weight moved) and RMSprop (the slots decayed on
+ * every row, the named rows' steps of TensorFlow's Rsqrt of their
+ * denominators gathered, the element at `at` of `gathered`), legacy
+ * RMSprop with momentum (ResourceSparseApply(Centered)RMSProp on the named
+ * rows, TensorFlow's Rsqrt of a row) and without (every rms and mg times
+ * rho, the named rows' rest). */
 static void legacy_element(const ls_param *p, size_t i, float g, int named, size_t col,
-                           const ls_optim_config *c)
+                           size_t at, size_t gathered, const ls_optim_config *c)
 {
     const float *h = c->hyper, lr = c->learning_rate;
     const char *name = ls_optim_family_name(c->family);
@@ -500,6 +502,50 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
         }
         p->slot[0][i] = m;
         p->var[i] = nesterov ? w + m * mu : w + m;
+        return;
+    }
+    if (strcmp(name, "tf_keras_rmsprop") == 0) {
+        /* tf_keras' current RMSprop: velocity (and average_gradient) times
+         * rho on every row, the named rows' sums' terms scatter-added; every
+         * row's denominator; the named rows' lr * g * rsqrt(d) (in the
+         * step's grouping) of their denominators gathered in the order of
+         * their first slice; momentum times mu on every row, the steps
+         * added, every weight minus it, or the named weights minus their
+         * steps. */
+        const int momentum = h[LS_RMSPROP_HAS_MOMENTUM] != 0.0f;
+        const float rho = h[LS_RMSPROP_RHO], k = h[LS_RMSPROP_C], eps = h[LS_RMSPROP_EPSILON],
+                    form = h[LS_RMSPROP_RSQRT];
+        float v = p->slot[0][i] * rho;
+        if (named)
+            v = v + k * (g * g);
+        p->slot[0][i] = v;
+        float d = v + eps;
+        if (h[LS_RMSPROP_CENTERED] != 0.0f) {
+            float *avg = p->slot[1 + momentum];
+            float a = avg[i] * rho;
+            if (named)
+                a = a + k * g;
+            avg[i] = a;
+            d = h[LS_RMSPROP_PUSH_DOWN] != 0.0f ? (eps - a * a) + v : (v - a * a) + eps;
+        }
+        float w = decayed(p->var[i], p->decay, c), step = 0.0f;
+        if (named) {
+            const float r = ls_tf_rsqrt1(d, at, gathered);
+            step = form == LS_RMSPROP_SQRT       ? (lr * g) / sqrtf(d)
+                   : form == LS_RMSPROP_LR_RSQRT ? g * (lr * r)
+                   : form == LS_RMSPROP_G_RSQRT  ? lr * (g * r)
+                                                 : (lr * g) * r;
+        }
+        if (momentum) {
+            float m = p->slot[1][i] * h[LS_RMSPROP_MOMENTUM];
+            if (named)
+                m = m + step;
+            p->slot[1][i] = m;
+            w = w - m;
+        } else if (named) {
+            w = w - step;
+        }
+        p->var[i] = w;
         return;
     }
     if (strcmp(name, "tf_keras_adam") == 0) {
@@ -645,10 +691,22 @@ static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_con
                 adagrad_rows(p, c);
             } else {
                 densify(p, c, 1.0f, g, NULL, named);
+                /* each named row's place among them by its first slice */
+                const size_t rows = p->length / n;
+                size_t *rank = malloc(rows * sizeof(size_t)), ranked = 0;
+                if (rank == NULL)
+                    fail("out of memory");
+                for (size_t row = 0; row < rows; row++)
+                    rank[row] = SIZE_MAX;
+                for (size_t s = 0; s < p->slices; s++)
+                    if (rank[(size_t)p->indices[s]] == SIZE_MAX)
+                        rank[(size_t)p->indices[s]] = ranked++;
                 /* the rows a dense run covers run below, in its own state */
-                for (size_t row = 0; row < p->length / n; row++)
+                for (size_t row = 0; row < rows; row++)
                     for (size_t col = 0; !(plain && named[row]) && col < n; col++)
-                        legacy_element(p, row * n + col, g[row * n + col], named[row], col, c);
+                        legacy_element(p, row * n + col, g[row * n + col], named[row], col,
+                                       named[row] ? rank[row] * n + col : 0, ranked * n, c);
+                free(rank);
             }
             if (p->average != NULL)
                 for (size_t k = 0; k < p->length; k++)

@@ -370,6 +370,7 @@ OPTIM_FAMILIES = {
     "accumulate": (11, []),
     "tf_keras_adam": (12, [0.1, 0.001, 1e-7, 1.0, 0.001]),
     "tf_keras_sgd": (13, [1.0, 1.0, 0.9]),
+    "tf_keras_rmsprop": (14, [0.9, 0.1, 1e-7, 0.9, 1.0, 1.0, 2.0, 1.0]),
 }
 # A variable's dtype byte: its gradient term, its EMA, a sparse gradient.
 TERM, AVERAGE, SPARSE = 4, 8, 16
@@ -501,6 +502,13 @@ SPARSE_FORMS = [
     ("tf_keras_sgd-nesterov", [1.0, 1.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
     ("tf_keras_sgd-momentum", [1.0, 0.0, 0.9], (CLIP_NONE, CLIP_VALUE), 1.0),
     ("tf_keras_sgd-no-slot", [0.0, 1.0, 0.0], (CLIP_NONE,), 1.0),
+    ("tf_keras_rmsprop", [0.9, 0.1, 1e-7, 0.0, 0.0, 0.0, 1.0, 0.0], (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_rmsprop-momentum-graph", [0.9, 0.1, 1e-7, 0.9, 1.0, 0.0, 2.0, 0.0],
+     (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_rmsprop-centered-push-down", [0.8, 0.2, 1e-3, 0.0, 0.0, 1.0, 2.0, 1.0],
+     (CLIP_NONE, CLIP_VALUE), 1.0),
+    ("tf_keras_rmsprop-centered-momentum", [0.9, 0.1, 1e-7, 0.5, 1.0, 1.0, 3.0, 0.0],
+     (CLIP_NONE,), 1.0),
 ]
 
 
@@ -511,7 +519,8 @@ def sparse_seeds():
     empty rows), indices repeated and unsorted, every clip mode the form
     takes, each unscale, flushing on and off; one of no slices; then the
     refusals (a clip or slice factor the form does not take, an index one
-    row too far, a negative one) and a non-finite slice value (skipped)."""
+    row too far, a negative one) and a non-finite slice value (skipped);
+    tf_keras RMSprop's rows gathered in an order of their own."""
     rng = random.Random(20261204)
     unscales = [(DIVIDE, 1024.0), (MULTIPLY, 1000.0), (NONE, 1.0)]
     for k, (form, hyper, clips, factor) in enumerate(SPARSE_FORMS):
@@ -539,6 +548,14 @@ def sparse_seeds():
         yield (f"sparse-{form}-nonfinite",
                encode_sparse(family, hyper, DIVIDE, 8.0, [(2, 0, 0, 2, 5, [4, 1, 4], 1.0)], rng,
                              slice_factor=factor, grad_override=float("inf")))
+        if form.startswith("tf_keras_rmsprop"):
+            # The named rows' denominators gathered by their first slice, a
+            # packet of TensorFlow's Rsqrt and a tail, in an order not the
+            # rows' own.
+            gathered = [(2, 0, 1, 3, 9, [7, 2, 7, 0, 5, 2], 1.0),
+                        (1, AVERAGE, 0, 5, 12, [11, 3, 8, 3, 0, 11], 1.0)]
+            yield (f"sparse-{form}-gathered",
+                   encode_sparse(family, hyper, DIVIDE, 8.0, gathered, rng, ema=(0.99, 0.01)))
         if form.startswith("legacy"):
             yield (f"sparse-{form}-refuse-clipnorm",
                    encode_sparse(family, hyper, NONE, 1.0, [(2, 0, 0, 2, 5, [4, 1], 1.0)], rng,

@@ -65,9 +65,12 @@ gradient bit for bit (SGD without Nesterov), the kernel takes it so
 own (``m`` and ``v`` decayed on every row, the sums' terms scatter-added),
 run the core's summed family ``tf_keras_adam`` (``SparseForm.family``),
 Nesterov SGD (the sums times -lr scatter-added to the weights before
-``m * momentum``) the summed ``tf_keras_sgd``; RMSprop's form stays stock,
-as does a clipped sparse gradient (``tf.clip_by_global_norm`` keeps it
-sparse there).
+``m * momentum``) the summed ``tf_keras_sgd``, RMSprop (the sums times lr
+and TensorFlow's Rsqrt of the named rows' denominators gathered, which
+rounds an element by its place in that tensor) the summed
+``tf_keras_rmsprop`` (a one-element variable's in a graph stays stock, its
+product ordered by the names of its tensors); a clipped sparse gradient
+stays stock (``tf.clip_by_global_norm`` keeps it sparse there).
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
 ``tf.function`` hangs on whether that function returns a value (it then
@@ -1334,12 +1337,25 @@ def _tf_keras_adam_sparse(inner, variable):
 
 
 def _tf_keras_rmsprop_sparse(inner, variable):
-    # tf_keras' RMSprop.update_step on an IndexedSlices.
-    return _tf_keras_sparse_reason(inner, variable) or (
-        "tf_keras' RMSprop multiplies a sparse gradient's summed slices by lr and the rsqrt "
-        "of their rows' denominators gathered, a tensor of its own (TensorFlow's Rsqrt "
-        "rounds an element by where it falls in its tensor, a vector packet or the tail), "
-        f"and rows without slices take no 0 * rsqrt(d) ({variable.name})")
+    # tf_keras' RMSprop.update_step on a row's summed slices s: velocity
+    # (and average_gradient) times rho on every row, s's terms scatter-added,
+    # the denominator of every row, lr * s * rsqrt(d) of the named rows'
+    # denominators gathered (TensorFlow's Rsqrt rounding an element by where
+    # it falls in that tensor), then scattered to the momentum or the
+    # weight: the core's summed family tf_keras_rmsprop, with the dense
+    # numbers (family_tf_keras_rmsprop.h).  In a graph, the arithmetic
+    # optimizer regroups that chain as a larger variable's dense one, lr
+    # with rsqrt(d) first, but for a one-element variable's, whose three
+    # factors tie in size and are ordered by the names of their tensors.
+    reason = _tf_keras_sparse_reason(inner, variable)
+    if reason is not None:
+        return reason
+    if (_grappler_reassociates_products()
+            and tf.TensorShape(variable.shape).num_elements() == 1):
+        return (f"a sparse (IndexedSlices) gradient of a one-element variable ({variable.name}) "
+                "in a graph (TensorFlow's graph optimizer orders tf_keras RMSprop's "
+                "lr * g * rsqrt(d) of the gathered rows by the names of its tensors)")
+    return SparseForm(family="tf_keras_rmsprop")
 
 
 def _tf_keras_adam_reason(inner):
@@ -1562,7 +1578,8 @@ def tf_keras_families():
     (``m = -g * lr + m * 0``), which is ``legacy_sgd``'s momentum step.  They
     take ``use_ema``, and a sparse gradient where their ``sparse`` says how
     (SGD without Nesterov, ``SUMMED_BY_ROW``; with Nesterov, the core's
-    ``tf_keras_sgd``; Adam and AdamW, the core's ``tf_keras_adam``)."""
+    ``tf_keras_sgd``; Adam and AdamW, the core's ``tf_keras_adam``; RMSprop,
+    the core's ``tf_keras_rmsprop``)."""
     if not _TF_KERAS_FAMILIES:
         _TF_KERAS_FAMILIES.extend([
             _tf_keras_family("adam", "AdamW", **dict(_ADAM, sparse=_tf_keras_adam_sparse)),

@@ -113,6 +113,21 @@ CONFIGS = {
     "tf_keras_sgd_nesterov_decay_odd": dict(opt="tf_keras_sgd", lr=0.01, momentum=0.9,
                                             nesterov=True, weight_decay=0.1, mask=True),
     "tf_keras_sgd_no_momentum": dict(opt="tf_keras_sgd", lr=0.01, momentum=0.0, nesterov=True),
+    # tf_keras' current RMSprop: Keras 3's dense update with TensorFlow's
+    # Rsqrt, (lr * g) * rsqrt(d) eagerly (rsqrt_only), g * (lr * rsqrt(d))
+    # in a graph; a sparse gradient its own (legacy_rows_step).
+    "tf_keras_rmsprop": dict(opt="tf_keras_rmsprop", lr=0.001, rho=0.9, momentum=0.0,
+                             epsilon=1e-7, centered=False, graph=True, rsqrt_only=True),
+    "tf_keras_rmsprop_centered_momentum": dict(opt="tf_keras_rmsprop", lr=0.003, rho=0.8,
+                                               momentum=0.5, epsilon=1e-3, centered=True,
+                                               graph=True, rsqrt_only=True),
+    "tf_keras_rmsprop_momentum_decay_graph": dict(opt="tf_keras_rmsprop", lr=0.003, rho=0.95,
+                                                  momentum=0.9, epsilon=1e-7, centered=False,
+                                                  graph=True, order="lr_rsqrt",
+                                                  weight_decay=0.004, mask=True),
+    "tf_keras_rmsprop_centered_graph": dict(opt="tf_keras_rmsprop", lr=0.001, rho=0.9,
+                                            momentum=0.0, epsilon=1e-6, centered=True,
+                                            graph=True, order="lr_rsqrt"),
     # Keras' clipping (``clip``: the core's mode and value; ``clip_scalars``
     # gives each variable's divisor or the one factor).
     "sgd_momentum_clipvalue": dict(opt="sgd", lr=0.01, momentum=0.9, nesterov=False,
@@ -565,6 +580,8 @@ FAMILIES = {
                           nonneg=("v",)),
     "tf_keras_sgd": dict(slots=lambda cfg: ["momentum"], update=_tf_keras_sgd_update,
                          hyper=_tf_keras_sgd_hyper),
+    "tf_keras_rmsprop": dict(slots=_rmsprop_slots, update=_rmsprop_update, hyper=_rmsprop_hyper,
+                             nonneg=("velocity",)),
     # Keras' ``var.assign(var + grad)`` of an accumulating step.
     "accumulate": dict(slots=lambda cfg: [], update=lambda cfg, g, w, slots, lr, t, store: w + g,
                        hyper=lambda cfg, lr, t: []),
@@ -955,6 +972,15 @@ SPARSE_LEGACY_CONFIGS = {
     "tf_keras_sgd_nesterov_decay_odd": CONFIGS["tf_keras_sgd_nesterov_decay_odd"],
     "tf_keras_sgd_no_momentum_clipvalue": dict(CONFIGS["tf_keras_sgd_no_momentum"],
                                                clip=("value", 0.03)),
+    # Its RMSprop decays velocity (and average_gradient) everywhere,
+    # scatter-adds the sums' terms, then moves the rows named by the sums
+    # times lr and TensorFlow's Rsqrt of their denominators gathered, in
+    # the order of their first slice.
+    "tf_keras_rmsprop": CONFIGS["tf_keras_rmsprop"],
+    "tf_keras_rmsprop_centered_momentum": CONFIGS["tf_keras_rmsprop_centered_momentum"],
+    "tf_keras_rmsprop_momentum_decay_graph": CONFIGS["tf_keras_rmsprop_momentum_decay_graph"],
+    "tf_keras_rmsprop_centered_graph_clipvalue": dict(CONFIGS["tf_keras_rmsprop_centered_graph"],
+                                                      clip=("value", 0.03)),
 }
 
 
@@ -1047,6 +1073,33 @@ def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, sca
                     w[:] = w + s["momentum"] * mu
                 else:
                     w[:] = w + s["momentum"]
+            elif opt == "tf_keras_rmsprop":
+                # Unique's rows, in the order of their first slice: the
+                # gathered denominators' order, whose Rsqrt rounds an
+                # element by its place in that tensor.
+                rho, k, eps, mu = (F32(hyper[j]) for j in range(4))
+                first = named[np.argsort(np.unique(index, return_index=True)[1])]
+                gf = densify(u, index, w.shape[0]).reshape(w.shape)[first]
+                v = s["velocity"]
+                v[:] = rho * v
+                v[first] = v[first] + (gf * gf) * k
+                if hyper[5]:
+                    a = s["average_gradient"]
+                    a[:] = rho * a
+                    a[first] = a[first] + gf * k
+                    d = (eps - a * a) + v if hyper[7] else (v - a * a) + eps
+                else:
+                    d = v + eps
+                r = tf_rsqrt(np.ascontiguousarray(d[first]))
+                step = {2.0: lambda: gf * (lr * r), 3.0: lambda: lr * (gf * r),
+                        1.0: lambda: (lr * gf) * r}[hyper[6]]()
+                if hyper[4]:
+                    m = s["momentum"]
+                    m[:] = mu * m
+                    m[first] = m[first] + step
+                    w[:] = w + -m
+                else:
+                    w[first] = w[first] + -step
             elif opt == "legacy_sgd":
                 mu = F32(hyper[2])
                 m = s["momentum"][named] * mu - g * lr

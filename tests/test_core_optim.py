@@ -1234,7 +1234,8 @@ def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
     assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
     assert set(core.optimizer_families(sparse=True)) == {
         "sgd", "adam", "adamax", "lion", "adagrad", "legacy_sgd", "legacy_adam",
-        "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam", "tf_keras_sgd"}
+        "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam", "tf_keras_sgd",
+        "tf_keras_rmsprop"}
     cfg, variables, grads, slots, indices = sparse_setup(name)
     before = snapshot(variables, slots, grads, given(indices))
     for given_indices in (indices, [None, None]):

@@ -4,7 +4,8 @@ child pytest with ``TF_USE_LEGACY_KERAS=1``.
 
 Their ``apply_gradients`` sums a sparse gradient's duplicate slices per row
 (``_deduplicate_sparse_grad``) before ``update_step`` scatters the sums
-(Adam's and AdamW's after decaying ``m`` and ``v`` on every row);
+(Adam's and AdamW's after decaying ``m`` and ``v`` on every row, RMSprop's
+times lr and the rsqrt of the rows' denominators gathered);
 with ``use_ema`` it moves the averages of the step's variables after their
 updates (``ema_momentum * average + (1 - ema_momentum) * var``) and, every
 ``ema_overwrite_frequency`` steps, overwrites the variables with them.
@@ -46,7 +47,10 @@ def _sparse_data(steps):
 
 def _sparse_model():
     """An ``Embedding`` (its gradient a ``tf.IndexedSlices``) under
-    mixed_float16, then dense layers (a one-element bias among them)."""
+    mixed_float16, then dense layers (a one-element bias among them).  Its
+    rows are 7 wide: the K rows a batch names, gathered (RMSprop's
+    denominators), end in a tail of TensorFlow's Rsqrt but where K is a
+    multiple of 8."""
     tf_keras.utils.set_random_seed(5)
     model = tf_keras.Sequential([
         tf_keras.Input((IDS,), dtype="int32"),
@@ -86,6 +90,22 @@ SPARSE = {
     "adamw_amsgrad_ema_overwrite": (lambda: tf_keras.optimizers.AdamW(
         3e-3, weight_decay=0.1, amsgrad=True, use_ema=True, ema_momentum=0.9,
         ema_overwrite_frequency=7), "AdamW"),
+    # RMSprop's sparse update is its own (velocity decayed on every row, the
+    # sums times lr and the rsqrt of the named rows' denominators gathered):
+    # the core's tf_keras_rmsprop family.
+    "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3), "RMSprop"),
+    "rmsprop_momentum": (lambda: tf_keras.optimizers.RMSprop(1e-3, rho=0.8, momentum=0.9),
+                         "RMSprop"),
+    "rmsprop_centered": (lambda: tf_keras.optimizers.RMSprop(3e-3, centered=True,
+                                                             epsilon=1e-6), "RMSprop"),
+    "rmsprop_centered_momentum": (lambda: tf_keras.optimizers.RMSprop(
+        1e-3, momentum=0.5, centered=True), "RMSprop"),
+    "rmsprop_decay_ema_overwrite": (lambda: tf_keras.optimizers.RMSprop(
+        1e-3, weight_decay=0.004, use_ema=True, ema_momentum=0.9,
+        ema_overwrite_frequency=5), "RMSprop"),
+    "rmsprop_centered_momentum_decay_ema_overwrite": (lambda: tf_keras.optimizers.RMSprop(
+        3e-3, rho=0.95, momentum=0.7, centered=True, weight_decay=0.01, use_ema=True,
+        ema_overwrite_frequency=4), "RMSprop"),
 }
 
 # On tf_keras_cases' dense model (with a rank-0 weight for RMSprop):
@@ -153,6 +173,8 @@ def test_custom_loop_bit_identical(kind, use_function):
 
 @pytest.mark.parametrize("kind", ["sparse_sgd_momentum", "sparse_sgd_momentum_decay_ema_overwrite",
                                   "sparse_sgd_nesterov_decay_ema_overwrite", "sparse_adam", "sparse_adamw_amsgrad_ema_overwrite",
+                                  "sparse_rmsprop_momentum",
+                                  "sparse_rmsprop_centered_momentum_decay_ema_overwrite",
                                   "dense_adam_ema_overwrite",
                                   "dense_rmsprop_centered_momentum_ema_overwrite"])
 def test_minimize_bit_identical(kind):
@@ -166,7 +188,8 @@ def test_minimize_bit_identical(kind):
 @pytest.mark.parametrize("kind", ["sparse_sgd", "sparse_sgd_momentum_decay_ema_overwrite",
                                   "sparse_sgd_nesterov",
                                   "sparse_adam_amsgrad", "sparse_adamw",
-                                  "sparse_adamw_amsgrad_ema_overwrite", "dense_adam_ema",
+                                  "sparse_adamw_amsgrad_ema_overwrite", "sparse_rmsprop_centered",
+                                  "sparse_rmsprop_decay_ema_overwrite", "dense_adam_ema",
                                   "dense_adamw_amsgrad_ema_overwrite",
                                   "dense_sgd_nesterov_ema_overwrite",
                                   "dense_rmsprop_centered_momentum_ema_overwrite"])
@@ -199,11 +222,6 @@ def test_averages_move_and_overwrite():
 
 
 _STOCK_SPARSE = {
-    "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3),
-                "tf_keras' RMSprop multiplies a sparse gradient's summed slices by lr and the "
-                "rsqrt of their rows' denominators gathered, a tensor of its own (TensorFlow's "
-                "Rsqrt rounds an element by where it falls in its tensor, a vector packet or "
-                "the tail), and rows without slices take no 0 * rsqrt(d) ({name})"),
     "sgd_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, clipnorm=1.0),
                      "clipnorm with a sparse (IndexedSlices) gradient of {name} (tf_keras clips "
                      "its slices before summing a row's duplicates)"),
@@ -247,6 +265,12 @@ _IN_ORDER = {
     "adam_amsgrad": (lambda: tf_keras.optimizers.Adam(0.1, amsgrad=True), "Adam"),
     "adamw_ema_overwrite": (lambda: tf_keras.optimizers.AdamW(
         0.1, weight_decay=0.05, use_ema=True, ema_overwrite_frequency=2), "AdamW"),
+    # The rows gathered in the order of their first slice (4, 0, 2, 5):
+    # twelve elements, a packet of TensorFlow's Rsqrt and a tail of four.
+    "rmsprop": (lambda: tf_keras.optimizers.RMSprop(0.1), "RMSprop"),
+    "rmsprop_centered_momentum_ema_overwrite": (lambda: tf_keras.optimizers.RMSprop(
+        0.1, rho=0.8, momentum=0.5, centered=True, weight_decay=0.05, use_ema=True,
+        ema_overwrite_frequency=2), "RMSprop"),
 }
 
 
@@ -283,6 +307,39 @@ def test_sparse_rows_sum_in_order(kind):
                 assert_same_bits(x, w, "sparse step")
 
 
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+def test_sparse_rmsprop_one_element(use_function):
+    # A one-element variable's lr * g * rsqrt(d) is regrouped in a graph by
+    # the names of its tensors: stock there, fused eagerly; both as stock.
+    rng = np.random.default_rng(5)
+    values = (rng.normal(size=(3, 1)) * np.exp2(rng.integers(-6, 6, size=(3, 1)))).astype(
+        np.float32)
+    states = []
+    for cls in (STOCK, lossscale.LossScaleOptimizer):
+        var = tf.Variable([[0.25]])
+        opt = _make(cls, tf_keras.optimizers.RMSprop(1e-3, momentum=0.5))
+
+        def step(k):
+            grads = tf.IndexedSlices(tf.constant(values) * k * opt.loss_scale,
+                                     tf.constant([0, 0, 0]), tf.constant([1, 1]))
+            opt.apply_gradients([(opt.get_unscaled_gradients([grads])[0], var)])
+
+        if use_function:
+            step = tf.function(step)
+        states.append([])
+        for k in np.linspace(-3.0, 3.0, 24).astype(np.float32):
+            step(tf.constant(k))
+            states[-1].append([var.numpy()] + [v.numpy() for v in opt.inner_optimizer.variables])
+    want = ("stock: a sparse (IndexedSlices) gradient of a one-element variable "
+            f"({var.name}) in a graph (TensorFlow's graph optimizer orders tf_keras RMSprop's "
+            "lr * g * rsqrt(d) of the gathered rows by the names of its tensors)"
+            if use_function else "fused (RMSprop)")
+    assert opt.step_path == want, opt.step_path
+    for a, b in zip(states[1], states[0]):
+        for x, w in zip(a, b):
+            assert_same_bits(x, w, "sparse step")
+
+
 _EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA under a tf.distribute strategy (it moves the "
                         "averages and overwrites the variables by the strategy's update calls)")
 
@@ -290,6 +347,7 @@ _EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA under a tf.distribute strategy (i
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("kind, path", [("sgd_momentum", "fused (SGD)"),
                                         ("adam_amsgrad", "fused (Adam)"),
+                                        ("rmsprop_centered_momentum", "fused (RMSprop)"),
                                         ("sgd_momentum_decay_ema_overwrite",
                                          _EMA_UNDER_A_STRATEGY)])
 def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):

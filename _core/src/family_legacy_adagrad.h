@@ -38,9 +38,10 @@ static inline void ls_legacy_adagrad1(const ls_param *p, size_t i, float g,
 
 /* ls_legacy_sgd_sparse1's contract. */
 static inline void ls_legacy_adagrad_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                             size_t c, size_t n, const ls_optim_args *a)
+                                             size_t c, size_t n, size_t at, size_t gathered,
+                                             const ls_optim_args *a)
 {
-    (void)c, (void)n;
+    (void)c, (void)n, (void)at, (void)gathered;
     if (indexed)
         ls_legacy_adagrad1(p, i, g, a);
 }

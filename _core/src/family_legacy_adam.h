@@ -80,9 +80,10 @@ static inline float ls_legacy_scaled_square(float g, float k, float scalar_first
 
 /* ls_legacy_sgd_sparse1's contract, with the sparse numbers. */
 static inline void ls_legacy_adam_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                          size_t c, size_t n, const ls_optim_args *a)
+                                          size_t c, size_t n, size_t at, size_t gathered,
+                                          const ls_optim_args *a)
 {
-    (void)c, (void)n;
+    (void)c, (void)n, (void)at, (void)gathered;
     const float b1 = a->h[LS_LEGACY_ADAM_BETA_1], b2 = a->h[LS_LEGACY_ADAM_BETA_2];
     float m = p->slot[0][i] * b1, v = p->slot[1][i] * b2;
     if (indexed) {

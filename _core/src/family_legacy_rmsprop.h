@@ -101,8 +101,10 @@ static inline void ls_legacy_rmsprop1(const ls_param *p, size_t i, float g,
 
 /* ls_legacy_sgd_sparse1's contract. */
 static inline void ls_legacy_rmsprop_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                             size_t c, size_t n, const ls_optim_args *a)
+                                             size_t c, size_t n, size_t at, size_t gathered,
+                                             const ls_optim_args *a)
 {
+    (void)at, (void)gathered;
     const float *h = a->h;
     const int has_momentum = h[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f,
               centered = h[LS_LEGACY_RMSPROP_CENTERED] != 0.0f;

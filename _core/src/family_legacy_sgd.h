@@ -45,11 +45,14 @@ static inline void ls_legacy_sgd1(const ls_param *p, size_t i, float g, const ls
 }
 
 /* Element i, column c of a row of n, of a variable whose gradient is
- * sparse: g is its row's summed slices when `indexed`. */
+ * sparse: g is its row's summed slices when `indexed`, and `at` the
+ * element's place in the named rows gathered (rank * n + c, the rows
+ * ranked by their first slice) of `gathered` elements in all. */
 static inline void ls_legacy_sgd_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                         size_t c, size_t n, const ls_optim_args *a)
+                                         size_t c, size_t n, size_t at, size_t gathered,
+                                         const ls_optim_args *a)
 {
-    (void)c, (void)n;
+    (void)c, (void)n, (void)at, (void)gathered;
     if (indexed)
         ls_legacy_sgd1(p, i, g, a);
 }

@@ -36,9 +36,10 @@ static inline void ls_tf_keras_adam1(const ls_param *p, size_t i, float g, const
 
 /* ls_legacy_sgd_sparse1's contract, with family_adam.h's numbers. */
 static inline void ls_tf_keras_adam_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                            size_t c, size_t n, const ls_optim_args *a)
+                                            size_t c, size_t n, size_t at, size_t gathered,
+                                            const ls_optim_args *a)
 {
-    (void)c, (void)n;
+    (void)c, (void)n, (void)at, (void)gathered;
     const float c1 = a->h[LS_ADAM_C1], c2 = a->h[LS_ADAM_C2];
     float m = p->slot[0][i], v = p->slot[1][i];
     m = m + -(m * c1);

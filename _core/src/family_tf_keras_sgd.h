@@ -40,9 +40,10 @@ static inline void ls_tf_keras_sgd1(const ls_param *p, size_t i, float g, const 
 
 /* ls_legacy_sgd_sparse1's contract, with family_legacy_sgd.h's numbers. */
 static inline void ls_tf_keras_sgd_sparse1(const ls_param *p, size_t i, float g, int indexed,
-                                           size_t c, size_t n, const ls_optim_args *a)
+                                           size_t c, size_t n, size_t at, size_t gathered,
+                                           const ls_optim_args *a)
 {
-    (void)c, (void)n;
+    (void)c, (void)n, (void)at, (void)gathered;
     const float mu = a->h[LS_LEGACY_SGD_MOMENTUM];
     float w = ls_optim_decay1(p->var[i], a);
     if (a->h[LS_LEGACY_SGD_HAS_MOMENTUM] == 0.0f) {

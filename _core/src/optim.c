@@ -61,7 +61,7 @@ static int row_family(int family)
 
 /* A summed family's sparse reference (LS_OPTIM_SUMMED_FAMILIES), or NULL. */
 typedef void (*sparse1_fn)(const ls_param *p, size_t i, float g, int indexed, size_t c,
-                           size_t n, const ls_optim_args *a);
+                           size_t n, size_t at, size_t gathered, const ls_optim_args *a);
 
 static sparse1_fn summed_family(int family)
 {
@@ -266,10 +266,15 @@ int ls_optim_validate(const ls_param *params, size_t count, const ls_optim_confi
 }
 
 /* A sparse gradient's slices grouped by row, each row's in their order:
- * the slices of row r are order[start[r] .. start[r + 1]). */
+ * the slices of row r are order[start[r] .. start[r + 1]).  For a summed
+ * family, also the rows named ranked by their first slice (the order
+ * TensorFlow's Unique gives them): rank[r] of a named row r, `named` of
+ * them in all. */
 typedef struct sparse_rows {
     size_t *start;
     size_t *order;
+    size_t *rank;
+    size_t named;
 } sparse_rows;
 
 /* A step ready to run over any range: validated, its kernels chosen and
@@ -365,7 +370,7 @@ static int group_rows(optim_job *j)
     for (size_t i = 0; i < j->count; i++) {
         const ls_param *p = &j->params[i];
         if (p->indices != NULL && p->length > 0) {
-            words += p->length / p->row_length + 1 + p->slices;
+            words += (p->length / p->row_length) * (j->sparse1 != NULL ? 2 : 1) + 1 + p->slices;
             any = 1;
         }
     }
@@ -382,7 +387,8 @@ static int group_rows(optim_job *j)
     for (size_t i = 0; i < j->count; i++) {
         const ls_param *p = &j->params[i];
         sparse_rows *r = &j->rows[i];
-        r->start = r->order = NULL;
+        r->start = r->order = r->rank = NULL;
+        r->named = 0;
         if (p->indices == NULL || p->length == 0)
             continue;
         const size_t rows = p->length / p->row_length;
@@ -390,6 +396,15 @@ static int group_rows(optim_job *j)
         r->order = next + rows + 1;
         next += rows + 1 + p->slices;
         ls_sort_rows(p->indices, p->slices, rows, r->start, r->order);
+        if (j->sparse1 == NULL)
+            continue;
+        r->rank = next;
+        next += rows;
+        for (size_t k = 0; k < p->slices; k++) {
+            const size_t row = (size_t)p->indices[k];
+            if (r->order[r->start[row]] == k)
+                r->rank[row] = r->named++;
+        }
     }
     return LS_OK;
 }
@@ -566,7 +581,8 @@ static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r
  * slices, every value unscaled and clipped by `a`, added in their order
  * onto 0 (UnsortedSegmentSum), a piece of a row at a time, then every
  * element through the family's sparse reference, told whether a slice
- * names its row and where in the row it is. */
+ * names its row, where in the row it is, and where in the named rows
+ * gathered by rank. */
 static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
                             size_t lo, size_t hi, const ls_optim_args *a)
 {
@@ -577,6 +593,7 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
         const size_t first = row * n < lo ? lo - row * n : 0;
         const size_t last = hi - row * n < n ? hi - row * n : n;
         const int indexed = r->start[row] < r->start[row + 1];
+        const size_t base = indexed ? r->rank[row] * n : 0;
         for (size_t c0 = first; c0 < last; c0 += PIECE) {
             const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
             memset(g, 0, m * sizeof(float));
@@ -586,7 +603,8 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
                                       NULL);
             }
             for (size_t c = 0; c < m; c++)
-                j->sparse1(p, row * n + c0 + c, g[c], indexed, c0 + c, n, a);
+                j->sparse1(p, row * n + c0 + c, g[c], indexed, c0 + c, n, base + c0 + c,
+                           r->named * n, a);
         }
     }
     if (p->average != NULL)

@@ -21,10 +21,11 @@
 #include "family_accumulate.h"
 #include "family_tf_keras_adam.h"
 #include "family_tf_keras_sgd.h"
+#include "family_tf_keras_rmsprop.h"
 
 #define LS_OPTIM_FAMILIES(X) X(sgd) X(adam) X(rmsprop) X(adagrad) X(adamax) X(nadam) X(lion) \
     X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) X(legacy_adagrad) X(accumulate) \
-    X(tf_keras_adam) X(tf_keras_sgd)
+    X(tf_keras_adam) X(tf_keras_sgd) X(tf_keras_rmsprop)
 
 /* The families whose reference, given ls_param.grad_term, reads it in
  * place of one function of the gradient (a sparse gradient's slices mapped,
@@ -42,12 +43,12 @@
  * (scatters it) and that take one so (optim.c's run_rows): Adagrad. */
 #define LS_OPTIM_ROW_FAMILIES(X) X(adagrad)
 
-/* The legacy families and tf_keras' current Adam and SGD, which tf_keras
- * hands a sparse gradient with its duplicate slices summed (the legacy
- * _deduplicate_indexed_slices, the current _deduplicate_sparse_grad:
+/* The legacy families and tf_keras' current Adam, SGD and RMSprop, which
+ * tf_keras hands a sparse gradient with its duplicate slices summed (the
+ * legacy _deduplicate_indexed_slices, the current _deduplicate_sparse_grad:
  * UnsortedSegmentSum, a row's slices added in their order onto 0): the
  * core sums them so, then runs each element through the family's sparse
  * reference, ls_<family>_sparse1 (optim.c's run_summed_rows), which says
  * what a row no slice names does. */
 #define LS_OPTIM_SUMMED_FAMILIES(X) X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) \
-    X(legacy_adagrad) X(tf_keras_adam) X(tf_keras_sgd)
+    X(legacy_adagrad) X(tf_keras_adam) X(tf_keras_sgd) X(tf_keras_rmsprop)

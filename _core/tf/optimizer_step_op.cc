@@ -135,9 +135,10 @@ reads that element alone take them (sgd, adam, adamax, lion), and adagrad,
 as Keras' update scatters them: each slice's squares onto its row of the
 accumulator, then each slice's step, in their order; other rows untouched.
 The legacy families take them as tf_keras hands them to TensorFlow: a row's
-slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam
-and tf_keras_sgd, tf_keras' current Adam and Nesterov SGD, alike
-(family_tf_keras_*.h).
+slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam,
+tf_keras_sgd and tf_keras_rmsprop, tf_keras' current Adam, Nesterov SGD and
+RMSprop, alike (family_tf_keras_*.h; RMSprop's TensorFlow Rsqrt of the named
+rows gathered in the order of their first slice).
 
 `accumulators`, none or one per variable (then with `accumulation` 'divide'
 or 'multiply' and `accumulation_steps` >= 1; no sparse gradient, no terms):
