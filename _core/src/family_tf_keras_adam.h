@@ -23,16 +23,7 @@
 #ifndef LOSSSCALE_FAMILY_TF_KERAS_ADAM_H
 #define LOSSSCALE_FAMILY_TF_KERAS_ADAM_H
 
-enum { ls_tf_keras_adam_hyper_count = ls_adam_hyper_count };
-
-static inline int ls_tf_keras_adam_slots(const float *h) { return ls_adam_slots(h); }
-
-static inline const char *ls_tf_keras_adam_problem(const float *h) { return ls_adam_problem(h); }
-
-static inline void ls_tf_keras_adam1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
-{
-    ls_adam1(p, i, g, a);
-}
+LS_OPTIM_DENSE_AS(tf_keras_adam, adam)
 
 /* ls_legacy_sgd_sparse1's contract, with family_adam.h's numbers. */
 static inline void ls_tf_keras_adam_sparse1(const ls_param *p, size_t i, float g, int indexed,

@@ -31,20 +31,7 @@
 #ifndef LOSSSCALE_FAMILY_TF_KERAS_RMSPROP_H
 #define LOSSSCALE_FAMILY_TF_KERAS_RMSPROP_H
 
-enum { ls_tf_keras_rmsprop_hyper_count = ls_rmsprop_hyper_count };
-
-static inline int ls_tf_keras_rmsprop_slots(const float *h) { return ls_rmsprop_slots(h); }
-
-static inline const char *ls_tf_keras_rmsprop_problem(const float *h)
-{
-    return ls_rmsprop_problem(h);
-}
-
-static inline void ls_tf_keras_rmsprop1(const ls_param *p, size_t i, float g,
-                                        const ls_optim_args *a)
-{
-    ls_rmsprop1(p, i, g, a);
-}
+LS_OPTIM_DENSE_AS(tf_keras_rmsprop, rmsprop)
 
 /* w + -x as TensorFlow's Neg then add: a NaN x reaches the sum with its
  * sign flipped (a compiler's w - x would keep it). */

@@ -24,19 +24,7 @@
 #ifndef LOSSSCALE_FAMILY_TF_KERAS_SGD_H
 #define LOSSSCALE_FAMILY_TF_KERAS_SGD_H
 
-enum { ls_tf_keras_sgd_hyper_count = ls_legacy_sgd_hyper_count };
-
-static inline int ls_tf_keras_sgd_slots(const float *h) { return ls_legacy_sgd_slots(h); }
-
-static inline const char *ls_tf_keras_sgd_problem(const float *h)
-{
-    return ls_legacy_sgd_problem(h);
-}
-
-static inline void ls_tf_keras_sgd1(const ls_param *p, size_t i, float g, const ls_optim_args *a)
-{
-    ls_legacy_sgd1(p, i, g, a);
-}
+LS_OPTIM_DENSE_AS(tf_keras_sgd, legacy_sgd)
 
 /* ls_legacy_sgd_sparse1's contract, with family_legacy_sgd.h's numbers. */
 static inline void ls_tf_keras_sgd_sparse1(const ls_param *p, size_t i, float g, int indexed,

@@ -265,6 +265,22 @@ static inline float ls_tf_rsqrt1(float y, size_t i, size_t n)
         return n;                                                                          \
     }
 
+/* A family whose dense update is `base`'s (tf_keras' current optimizers,
+ * whose sparse forms alone are their own): `base`'s numbers, slots, check
+ * and one-element reference under the family's name. */
+#define LS_OPTIM_DENSE_AS(family, base)                                                    \
+    enum { ls_##family##_hyper_count = ls_##base##_hyper_count };                          \
+    static inline int ls_##family##_slots(const float *h) { return ls_##base##_slots(h); } \
+    static inline const char *ls_##family##_problem(const float *h)                        \
+    {                                                                                      \
+        return ls_##base##_problem(h);                                                     \
+    }                                                                                      \
+    static inline void ls_##family##1(const ls_param *p, size_t i, float g,                \
+                                      const ls_optim_args *a)                              \
+    {                                                                                      \
+        ls_##base##1(p, i, g, a);                                                          \
+    }
+
 /* A family's check of its numbers: `why` when any of the first `n` is not
  * finite, else NULL. */
 static inline const char *ls_optim_numbers_problem(const float *h, int n, const char *why)
