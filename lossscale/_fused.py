@@ -1292,9 +1292,13 @@ def _tf_keras_reason(inner):
         (inner.use_ema and (isinstance(inner.ema_momentum, bool)
                             or not isinstance(inner.ema_momentum, (int, float, np.number))),
          "the inner optimizer's ema_momentum is not a number"),
-        (inner.use_ema and tf.distribute.has_strategy(),
-         "tf_keras' EMA under a tf.distribute strategy (it moves the averages and overwrites "
-         "the variables by the strategy's update calls)"))
+        # Under a strategy tf_keras moves each average on each device (the
+        # strategy's update of every copy, the arithmetic of one device),
+        # which the op does over each replica's copies; its overwrite is
+        # the strategy's update calls, which a replica's step cannot make.
+        (inner.use_ema and bool(inner.ema_overwrite_frequency) and tf.distribute.has_strategy(),
+         "tf_keras' EMA with ema_overwrite_frequency under a tf.distribute strategy (it "
+         "overwrites the variables by the strategy's update calls)"))
 
 
 def _tf_keras_sparse_reason(inner, variable):
@@ -1780,7 +1784,9 @@ def _strategy_around_update_reason(inner, grads, variables):
     every average, and overwrites nothing in a graph."""
     if _accumulation_steps(inner):
         return "gradient accumulation under a tf.distribute strategy"
-    if not getattr(inner, "use_ema", False):
+    if not getattr(inner, "use_ema", False) or _which_keras.is_tf_keras_object(inner):
+        # tf_keras moves the averages of the step's variables alone, and
+        # its overwrite stays stock under a strategy (_tf_keras_reason).
         return None
     if inner.ema_overwrite_frequency and not tf.executing_eagerly():
         return ("EMA with ema_overwrite_frequency in a tf.function under a tf.distribute "

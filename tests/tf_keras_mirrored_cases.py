@@ -44,6 +44,14 @@ INNER = {
     "adam": (lambda: tf_keras.optimizers.Adam(1e-2), "Adam"),
     "adamw": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004), "AdamW"),
     "sgd_momentum": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9), "SGD"),
+    # EMA: each device's averages moved by the strategy's update (without
+    # ema_overwrite_frequency, which stays stock under a strategy).
+    "sgd_nesterov_ema": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True,
+                                                         use_ema=True, ema_momentum=0.9),
+                         "SGD"),
+    "adamw_amsgrad_ema": (lambda: tf_keras.optimizers.AdamW(1e-3, weight_decay=0.004,
+                                                            amsgrad=True, use_ema=True),
+                          "AdamW"),
     "rmsprop": (lambda: tf_keras.optimizers.RMSprop(1e-3, momentum=0.5, centered=True),
                 "RMSprop"),
     "legacy_sgd_momentum": (lambda: tf_keras.optimizers.legacy.SGD(1e-2, momentum=0.9), "SGD"),

@@ -250,11 +250,14 @@ def test_sparse_stock_paths_are_exact(kind, use_function):
     _assert_same_states(runs[1], runs[0])
 
 
-def test_ema_under_a_strategy_is_stock():
+def test_ema_overwrite_under_a_strategy_is_stock():
+    # The EMA alone fuses under a strategy (tf_keras_mirrored_cases), its
+    # overwrite does not.
     strategy = tf.distribute.OneDeviceStrategy("CPU:0")
     with strategy.scope():
         var = tf.Variable(tf.ones([3]))
-        opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.SGD(use_ema=True))
+        opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.SGD(
+            use_ema=True, ema_overwrite_frequency=2))
     strategy.run(lambda: opt.apply_gradients([(tf.ones([3]), var)]))
     assert opt.step_path == _EMA_UNDER_A_STRATEGY
 
@@ -340,14 +343,16 @@ def test_sparse_rmsprop_one_element(use_function):
             assert_same_bits(x, w, "sparse step")
 
 
-_EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA under a tf.distribute strategy (it moves the "
-                        "averages and overwrites the variables by the strategy's update calls)")
+_EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA with ema_overwrite_frequency under a "
+                         "tf.distribute strategy (it overwrites the variables by the strategy's "
+                         "update calls)")
 
 
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("kind, path", [("sgd_momentum", "fused (SGD)"),
                                         ("adam_amsgrad", "fused (Adam)"),
                                         ("rmsprop_centered_momentum", "fused (RMSprop)"),
+                                        ("sgd_ema", "fused (SGD)"),
                                         ("sgd_momentum_decay_ema_overwrite",
                                          _EMA_UNDER_A_STRATEGY)])
 def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
