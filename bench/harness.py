@@ -303,9 +303,9 @@ def record(name, data):
 
 def release():
     """Collects what the dropped workload held and hands glibc's free pages
-    back to the system: a full run builds workloads of gigabytes one after
-    another, and without the trim the process keeps every peak it reached
-    (the later layers then run in swap)."""
+    back to the system (a full run builds workloads of gigabytes one after
+    another; what a dropped one freed is then the next one's to use, not
+    kept by the allocator)."""
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
