@@ -463,25 +463,23 @@ def _legacy_sgd_slots(cfg):
     return ["momentum"] if cfg["momentum"] != 0 else []
 
 
+def _keras_momentum_update(cfg, g, w, slots, lr, t, store):
+    """ApplyKerasMomentum's update."""
+    mu = F32(cfg["momentum"])
+    m = slots["momentum"] * mu - g * lr
+    store("momentum", m)
+    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
+
+
 def _legacy_sgd_update(cfg, g, w, slots, lr, t, store):
     if cfg["momentum"] == 0:
         return w - g * lr  # ApplyGradientDescent
-    mu = F32(cfg["momentum"])
-    m = slots["momentum"] * mu - g * lr  # ApplyKerasMomentum
-    store("momentum", m)
-    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
+    return _keras_momentum_update(cfg, g, w, slots, lr, t, store)
 
 
 def _legacy_sgd_hyper(cfg, lr, t):
     return [1.0 if cfg["momentum"] != 0 else 0.0, 1.0 if cfg["nesterov"] else 0.0,
             cfg["momentum"]]
-
-
-def _tf_keras_sgd_update(cfg, g, w, slots, lr, t, store):
-    mu = F32(cfg["momentum"])
-    m = slots["momentum"] * mu - g * lr
-    store("momentum", m)
-    return w + (m * mu - g * lr) if cfg["nesterov"] else w + m
 
 
 def _tf_keras_sgd_hyper(cfg, lr, t):
@@ -578,7 +576,7 @@ FAMILIES = {
                            initial="accumulator"),
     "tf_keras_adam": dict(slots=_adam_slots, update=_adam_update, hyper=_adam_hyper,
                           nonneg=("v",)),
-    "tf_keras_sgd": dict(slots=lambda cfg: ["momentum"], update=_tf_keras_sgd_update,
+    "tf_keras_sgd": dict(slots=lambda cfg: ["momentum"], update=_keras_momentum_update,
                          hyper=_tf_keras_sgd_hyper),
     "tf_keras_rmsprop": dict(slots=_rmsprop_slots, update=_rmsprop_update, hyper=_rmsprop_hyper,
                              nonneg=("velocity",)),
