@@ -421,6 +421,16 @@ static void densify(const ls_param *p, const ls_optim_config *c, float factor, f
 }
 
 /* Keras' weight decay of one weight (lossscale.h's two orders). */
+/* `x` as it is, hidden from the optimizer.  The restatements run under the
+ * step's flush-to-zero mode, and a compiler that assumes the default
+ * environment may rewrite `named ? w + d : w` as `w + (named ? d : -0.0f)`,
+ * which flushes a subnormal `w` the step leaves as it is. */
+static float kept(float x)
+{
+    volatile float v = x;
+    return v;
+}
+
 static float decayed(float w, int decay, const ls_optim_config *c)
 {
     if (decay == LS_DECAY_OP_BY_OP)
@@ -492,13 +502,13 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
         const float mu = h[LS_LEGACY_SGD_MOMENTUM], d = -(g * lr);
         float w = decayed(p->var[i], p->decay, c);
         if (h[LS_LEGACY_SGD_HAS_MOMENTUM] == 0.0f) {
-            p->var[i] = named ? w + d : w;
+            p->var[i] = named ? w + d : kept(w);
             return;
         }
         float m = p->slot[0][i] * mu;
         if (named) {
             m = m + d;
-            w = nesterov ? w + d : w;
+            w = nesterov ? w + d : kept(w);
         }
         p->slot[0][i] = m;
         p->var[i] = nesterov ? w + m * mu : w + m;
@@ -542,8 +552,8 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
                 m = m + step;
             p->slot[1][i] = m;
             w = w - m;
-        } else if (named) {
-            w = w - step;
+        } else {
+            w = named ? w - step : kept(w);
         }
         p->var[i] = w;
         return;
