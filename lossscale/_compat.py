@@ -180,7 +180,8 @@ def optimizer_slots(optimizer, kind, variables):
     its ``update_step`` finds them: ``"momentum"`` (SGD, RMSprop), ``"m"``,
     ``"v"``, ``"v_hat"`` (Adam; Nadam's and Lion's ``m``, ``v`` too),
     ``"velocity"``, ``"average_gradient"`` (RMSprop), ``"accumulator"``
-    (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax); ``"average"``, the EMA
+    (Adagrad), ``"adamax_m"``, ``"u"`` (Adamax), ``"adafactor_r"``,
+    ``"adafactor_c"``, ``"adafactor_v"`` (Adafactor); ``"average"``, the EMA
     copy of ``use_ema`` (None where Keras keeps none).  Keras keeps them in lists
     indexed by ``_get_variable_index``, private but SGD's."""
     slots = _slot_list(optimizer, kind)
@@ -195,7 +196,8 @@ def _slot_list(optimizer, kind):
                  "v_hat": "_velocity_hats", "velocity": "_velocities",
                  "average_gradient": "_average_gradients",
                  "accumulator": "_accumulators", "adamax_m": "_m", "u": "_u",
-                 "average": "_model_variables_moving_average"}[kind]
+                 "average": "_model_variables_moving_average",
+                 "adafactor_r": "_r", "adafactor_c": "_c", "adafactor_v": "_v"}[kind]
     slots = getattr(optimizer, attribute, None)
     if slots is None:  # RMSprop keeps its momentums private
         slots = getattr(optimizer, "_" + attribute)

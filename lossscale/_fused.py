@@ -175,9 +175,6 @@ _NOT_FUSED = (
     ("Lamb", "Lamb's trust ratio divides by the norms of each variable and of its update "
              "(TensorFlow reductions, between its moment and variable updates), which one "
              "fused pass does not reproduce"),
-    ("Adafactor", "Adafactor's factored moments and RMS are means over each variable "
-                  "(TensorFlow reductions) inside its update, which one fused pass does not "
-                  "reproduce"),
     ("Muon", "Muon orthogonalises each gradient matrix (Newton-Schulz matrix products)"),
 )
 
@@ -350,7 +347,10 @@ class Plan:
         # Where the graph optimizer folds a schedule's own products into the
         # decay's chain, the decay runs as Keras' own ops (so rewritten as
         # stock's are) before the fused pass, which then decays nothing.
-        self.decay_by_ops = [bool(d) and _decay_follows_schedule(inner) for d in self.decay]
+        # Adafactor's op decays nothing: its decay is always Keras' own ops.
+        self.decay_by_ops = [bool(d) and (_decay_follows_schedule(inner)
+                                          or family.name == "adafactor")
+                             for d in self.decay]
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
         self.replicated = _replicas() > 1
@@ -428,6 +428,9 @@ class Plan:
             _step.cond(should_apply, lambda: [
                 _decay_like_stock(self.inner, local_copy(self.variables[i]))
                 for i, by_ops in enumerate(self.decay_by_ops) if by_ops], lambda: None)
+        if self.family.name == "adafactor":
+            self._launch_adafactor(library, should_apply, scale, unscale)
+            return
         native = self.family.name in NATIVE_SPARSE
         dense = [i for i, form in enumerate(self.forms)
                  if form is None or (form is DENSIFIED_BY_CLIP and native)]
@@ -458,6 +461,38 @@ class Plan:
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+
+    def _launch_adafactor(self, library, should_apply, scale, unscale):
+        """Adafactor's op over the plan: every gradient dense.  The op
+        divides float32 gradients by the scale; a clip, another unscale or
+        another dtype is Keras' own ops on the gradients unscaled as stock
+        unscales them, cast as Adafactor casts them (the op then unscales
+        nothing)."""
+        inner, variables, grads = self.inner, self.variables, self.grads
+        if (self.clip is not None or unscale not in ("divide", "none")
+                or any(g.dtype != tf.float32 for g in grads)):
+            with tf.control_dependencies(self.checks):
+                if unscale != "none":
+                    grads = [_unscaled_like_stock(g, scale, unscale) for g in grads]
+                grads = [tf.cast(g, tf.float32) for g in grads]
+                if self.clip is not None:
+                    grads = list(_compat.clip_gradients(inner, grads))
+            unscale = "none"
+        factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
+
+        def handles(kind, which):
+            return [local_copy(s).handle for s in self.family.line.slots(
+                inner, kind, [variables[i] for i in which])]
+
+        rho, beta, rest = self.scalars
+        library.loss_scale_apply_adafactor(
+            should_apply, [local_copy(v).handle for v in variables],
+            handles("adafactor_r", factored), handles("adafactor_c", factored),
+            handles("adafactor_v", range(len(variables))), grads, scale,
+            tf.cast(rho, tf.float32), tf.cast(beta, tf.float32), tf.cast(rest, tf.float32),
+            factored=factored, epsilon_1=float(inner.epsilon_1),
+            epsilon_2=float(inner.epsilon_2), clip_threshold=float(inner.clip_threshold),
+            rsqrt=bool(_rsqrt_form()), unscale=unscale)
 
     def accumulate(self, library, scale, unscale, accumulators):
         """A step that only accumulates: each gradient unscaled as stock
@@ -1109,6 +1144,76 @@ def _lion_sparse(inner, variable):
                                                           tf.float32),
                       hyper=hyper)
 
+def _adafactor_scalars(inner, lr):
+    """Adafactor's rho_t, beta_2_t and 1 - beta_2_t, with Keras' own ops in
+    its update_step's order (so a graph rewrites them as it rewrites
+    stock's)."""
+    from keras import ops
+
+    local_step = ops.cast(_compat.optimizer_iterations(inner) + 1, "float32")
+    lr = ops.cast(lr, "float32")
+    if not callable(inner._learning_rate) and inner.relative_step:  # pylint: disable=protected-access
+        lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
+    rho = ops.minimum(lr, 1 / ops.sqrt(local_step))
+    beta = ops.subtract(1, ops.power(local_step, inner.beta_2_decay))
+    return [rho, beta, ops.subtract(1, beta)]
+
+
+def _adafactor_reason(inner):
+    """Why Adafactor's step built here is not the one LossScaleApplyAdafactor
+    reproduces, or None: its u = g / sqrt(v) is TensorFlow's Rsqrt in a
+    graph, and its means are TensorFlow's Mean in this build's order."""
+    reason = _rsqrt_reason(inner)
+    if reason is not None:
+        return reason
+    library = native_ops.native_library_for([])
+    if library is None or not _adafactor_agrees(library):
+        return ("TensorFlow's Mean here does not add in the order LossScaleApplyAdafactor "
+                "reproduces")
+    return None
+
+
+_ADAFACTOR_AGREES = {}
+
+
+def _adafactor_agrees(library):
+    """Whether the op's means are TensorFlow's here: once per process,
+    eagerly, one step of the op against Keras' Adafactor arithmetic in
+    TensorFlow's ops, on shapes that take each order (a middle axis with
+    packets inside and across its slices and one unrolled by 4, a last axis
+    over a tree, a full reduction over two shards)."""
+    if "agree" not in _ADAFACTOR_AGREES:
+        with tf.init_scope(), tf.device("/cpu:0"):
+            rng = np.random.default_rng(11)
+            shapes = [(3, 21, 13), (18, 40), (2, 9000), (700, 450)]
+            agree = True
+            for shape in shapes:
+                w0 = rng.standard_normal(shape).astype(np.float32)
+                g = tf.constant(rng.standard_normal(shape).astype(np.float32))
+                r0 = rng.uniform(0.5, 2.0, shape[:-1]).astype(np.float32)
+                c0 = rng.uniform(0.5, 2.0, shape[:-2] + shape[-1:]).astype(np.float32)
+                rho, beta, rest, e1, e2, clip = 0.01, 0.75, 0.25, 1e-30, 1e-3, 1.0
+                s = tf.square(g) + e1
+                r = beta * tf.constant(r0) + rest * tf.reduce_mean(s, axis=-1)
+                c = beta * tf.constant(c0) + rest * tf.reduce_mean(s, axis=-2)
+                v = (tf.expand_dims(r / tf.reduce_mean(r, axis=-1, keepdims=True), -1)
+                     * tf.expand_dims(c, -2))
+                u = g / tf.sqrt(v)
+                alpha = tf.maximum(e2, tf.sqrt(tf.reduce_mean(tf.square(w0)))) * rho
+                m = tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / clip)
+                want = w0 - alpha * (u / m)
+                made = [tf.Variable(x) for x in (w0, r0, c0, np.zeros(shape, np.float32))]
+                library.loss_scale_apply_adafactor(
+                    tf.constant(True), [made[0].handle], [made[1].handle], [made[2].handle],
+                    [made[3].handle], [g], tf.constant(1.0), tf.constant(rho),
+                    tf.constant(beta), tf.constant(rest), factored=[0], epsilon_1=e1,
+                    epsilon_2=e2, clip_threshold=clip, rsqrt=False, unscale="none")
+                agree = agree and bool(tf.reduce_all(tf.equal(
+                    tf.bitcast(want, tf.int32), tf.bitcast(made[0].read_value(), tf.int32))))
+        _ADAFACTOR_AGREES["agree"] = agree
+    return _ADAFACTOR_AGREES["agree"]
+
+
 # Most derived class first: AdamW is an Adam.
 FAMILIES = (
     Family("adam", keras.optimizers.AdamW, **_ADAM),
@@ -1139,6 +1244,16 @@ FAMILIES = (
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
            numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE,
            sparse=_lion_sparse),
+    # Its own op (LossScaleApplyAdafactor, Plan.run): r, c and v are not
+    # shaped as the variable, and its update takes means over each one.
+    Family("adafactor", keras.optimizers.Adafactor,
+           slots=lambda inner: ("adafactor_r", "adafactor_c", "adafactor_v"),
+           numbers=("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold"),
+           hyper=lambda inner: [], scalars=_adafactor_scalars, supports=("use_ema",),
+           unsupported=_adafactor_reason, scales_gradient=False,
+           sparse=lambda inner, v: (
+               "Keras' Adafactor squares a sparse gradient's slices before it densifies "
+               "them (a row's duplicates' squares summed), which the fused op does not take")),
 )
 
 

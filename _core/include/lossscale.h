@@ -523,6 +523,61 @@ int ls_squared_norms_with(const ls_norm_param *params, size_t count, int unscale
  * bad slice k, or -1 when all are in range. */
 long long ls_norm_bad_index(const ls_norm_param *param);
 
+/* ------------------------------------------------------ Keras' Adafactor
+ *
+ * One step of keras.optimizers.Adafactor's update_step per variable, every
+ * number as its TensorFlow ops make it on CPU (float32 variables and
+ * gradients):
+ *
+ *   g     = grad / scale (LS_UNSCALE_DIVIDE) or grad (LS_UNSCALE_NONE)
+ *   alpha = max(epsilon_2, rms(var)) * rho          (var before the step)
+ *   s     = g * g + epsilon_1
+ *   factored (rank >= 2; var [outer, rows, cols], the last two axes):
+ *     r = beta * r + rest * mean(s, -1)             r [outer, rows]
+ *     c = beta * c + rest * mean(s, -2)             c [outer, cols]
+ *     v = (r / mean(r, -1))[..., None] * c[..., None, :]
+ *   else: v = beta * v + rest * s
+ *   u     = g / sqrt(v), or g * rsqrt(v) with TensorFlow's Rsqrt (`rsqrt`:
+ *           what a tf.function computes, Grappler's rewrite)
+ *   var   = var - alpha * (u / max(1, rms(u) / clip_threshold))
+ *
+ * rms(x) = sqrt(mean(square(x))); every mean TensorFlow's Mean kernel, a
+ * sum in Eigen's order on a device of `eigen_threads` threads divided by
+ * the count (adafactor.c says which order each takes).  rho = min(lr,
+ * 1 / sqrt(step)), beta = 1 - step ** beta_2_decay and rest = 1 - beta are
+ * the caller's, made as Keras makes them.  LS_FLUSH_DENORMALS computes as
+ * TensorFlow's CPU kernels do.
+ */
+typedef struct ls_adafactor_param {
+    float *var;
+    const float *grad;
+    float *r, *c, *v; /* r and c: a factored variable's (else unused) */
+    size_t length;    /* var, grad and v's */
+    size_t outer, rows, cols; /* factored: outer * rows * cols = length; rows 0: not */
+} ls_adafactor_param;
+
+typedef struct ls_adafactor_config {
+    int unscale; /* LS_UNSCALE_NONE or LS_UNSCALE_DIVIDE */
+    float scale;
+    float rho, beta, rest;
+    float epsilon_1, epsilon_2, clip_threshold;
+    int rsqrt;
+    int eigen_threads;
+} ls_adafactor_config;
+
+/* Why the step cannot run as given (a NULL buffer, shapes that do not
+ * match, an unknown unscale, eigen_threads < 1), or NULL. */
+const char *ls_adafactor_problem(const ls_adafactor_param *params, size_t count,
+                                 const ls_adafactor_config *config);
+
+/* Every variable's step (no finite check: the caller decided the step
+ * applies), its variables split over `parallel` (NULL: the library's
+ * threads).  1, or LS_ERR_ARG (ls_adafactor_problem) / LS_ERR_MEMORY with
+ * nothing written. */
+int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
+                             const ls_adafactor_config *config, unsigned flags,
+                             ls_parallel_fn parallel, void *host);
+
 #ifdef __cplusplus
 }
 #endif

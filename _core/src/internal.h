@@ -69,4 +69,12 @@ int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
 void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *start,
                   size_t *order);
 
+/* norms.c: TensorFlow's Sum of float32 values on CPU, in its order (see
+ * norms.c): the tree over values[first .. first + n) (an inner-most
+ * reduction's row), or Eigen's full reduction of values[0 .. n) on a
+ * device of `eigen_threads` threads; of the values or (square) of their
+ * squares.  In the caller's floating-point state. */
+float ls_eigen_tree_sum(const float *values, size_t first, size_t n, int square);
+float ls_eigen_full_sum(const float *values, size_t n, int square, int eigen_threads);
+
 #endif /* LOSSSCALE_INTERNAL_H */
