@@ -57,6 +57,8 @@ FAMILY_INNERS = {
         schedule(), beta_1=0.8, beta_2=0.95, epsilon=1e-4, **clip),
     "nadam_decay": lambda **clip: keras.optimizers.Nadam(0.003, weight_decay=0.01, **clip),
     "lion": lambda **clip: keras.optimizers.Lion(0.0005, **clip),
+    "adafactor_decay": lambda **clip: keras.optimizers.Adafactor(0.01, weight_decay=0.01,
+                                                                 **clip),
 }
 
 CLIPS = ["clipnorm", "clipvalue", "global_clipnorm"]

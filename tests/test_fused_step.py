@@ -139,6 +139,11 @@ INNERS = {
                                                      epsilon=1e-4),
     "lion_decay": lambda: keras.optimizers.Lion(0.0005, weight_decay=0.01),
     "lion_schedule": lambda: keras.optimizers.Lion(schedule(), beta_1=0.8, beta_2=0.95),
+    "adafactor": lambda: keras.optimizers.Adafactor(),
+    "adafactor_schedule": lambda: keras.optimizers.Adafactor(
+        schedule(), beta_2_decay=-0.5, epsilon_2=1e-2, clip_threshold=0.5),
+    "adafactor_decay_exclude": lambda: excluding_biases(keras.optimizers.Adafactor(
+        0.02, weight_decay=0.01, relative_step=False, epsilon_1=1e-20)),
 }
 
 # Steps whose loss is multiplied by a non-finite or huge factor; some in a
@@ -269,7 +274,7 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
     assert min(moves) < 1 and (eager or max(moves) > 1), scales
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule", "adafactor"])
 def test_inexact_reciprocal_scale_divides_as_stock(name):
     models, opts = make_pair(INNERS[name], "mixed_float16", initial_scale=1000.0,
                              dynamic_growth_steps=1000)
@@ -398,11 +403,16 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference(name):
                                                        reference_scale, count_skipped=True)
 
     def slots(inner):
-        # Nadam's _u_product last, listed or not (a wrapper's build leaves it out).
+        # Nadam's _u_product last, listed or not (a wrapper's build leaves it
+        # out, and Adafactor's 0-d placeholders for the r and c of variables
+        # it does not factor: never read, listed only where built bare).
         own = own_state(inner) or [v for v in inner.variables
                                    if v is getattr(inner, "_u_product", None)]
+        placeholders = [p for p in getattr(inner, "_r", []) + getattr(inner, "_c", [])
+                        if p is not None and len(p.shape) == 0]
         return [v for v in inner.variables
-                if v is not inner.iterations and all(v is not u for u in own)] + own
+                if v is not inner.iterations and all(v is not u for u in own + placeholders)
+                ] + own
 
     for i, (x, y) in enumerate(batches(100, seed=6)):
         f = tf.constant(factor(i, "mixed_float16"))

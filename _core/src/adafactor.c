@@ -33,6 +33,11 @@
 
 enum { PACKET = 8, UNROLLED_ROWS = 16 };
 
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#define LS_ADAFACTOR_SSE 1
+#endif
+
 /* TensorFlow's Maximum of float32 scalars: NaN from either side. */
 static float tf_maximum(float a, float b)
 {
@@ -43,53 +48,29 @@ static float tf_maximum(float a, float b)
     return a > b ? a : b;
 }
 
-/* Sum over the middle axis of x [outer, rows, cols] into out [outer * cols],
- * in the order above. */
-static void middle_sums(const float *x, size_t outer, size_t rows, size_t cols, float *out)
+/* Whether x is a power of two whose reciprocal is a normal float32 (then
+ * *inverse = 1 / x, exact, and y / x == y * *inverse for every y). */
+static int exact_reciprocal(float x, float *inverse)
 {
-    const size_t n = outer * cols;
-    for (size_t o = 0; o < n; o += PACKET) {
-        const size_t a = o / cols, c0 = o % cols;
-        const float *base = x + a * rows * cols;
-        if (o + PACKET <= n && c0 + PACKET <= cols) {
-            float s[PACKET];
-            if (rows >= UNROLLED_ROWS) {
-                float acc[4][PACKET] = {{0}};
-                const size_t unrolled = rows / 4 * 4;
-                for (size_t r = 0; r < unrolled; r++)
-                    for (size_t k = 0; k < PACKET; k++)
-                        acc[r % 4][k] = acc[r % 4][k] + base[r * cols + c0 + k];
-                for (size_t k = 0; k < PACKET; k++)
-                    s[k] = ((acc[0][k] + acc[1][k]) + acc[2][k]) + acc[3][k];
-                for (size_t r = unrolled; r < rows; r++)
-                    for (size_t k = 0; k < PACKET; k++)
-                        s[k] = s[k] + base[r * cols + c0 + k];
-            } else {
-                memset(s, 0, sizeof s);
-                for (size_t r = 0; r < rows; r++)
-                    for (size_t k = 0; k < PACKET; k++)
-                        s[k] = s[k] + base[r * cols + c0 + k];
-            }
-            memcpy(out + o, s, sizeof s);
-            continue;
-        }
-        for (size_t q = o; q < n && q < o + PACKET; q++) {
-            const float *col = x + (q / cols) * rows * cols + q % cols;
-            float s = 0.0f;
-            for (size_t r = 0; r < rows; r++)
-                s = s + col[r * cols];
-            out[q] = s;
-        }
-    }
+    if (!(x > 0.0f) || x - x != 0.0f)
+        return 0;
+    int exponent;
+    if (frexpf(x, &exponent) != 0.5f)
+        return 0;
+    /* x = 2^(exponent - 1); 1 / x = 2^(1 - exponent) must be >= 2^-126 */
+    if (1 - exponent < -126 || 1 - exponent > 127)
+        return 0;
+    *inverse = ldexpf(1.0f, 1 - exponent);
+    return 1;
 }
 
-/* TensorFlow's Mean of x [outer, rows, cols] over its last axis into out
- * [outer * rows] (axes of 1 dropped first, as TensorFlow's reduction
- * helper drops them; nothing left to reduce: a copy). */
-static void mean_last(const float *x, size_t outer, size_t rows, size_t cols, int threads,
-                      float *out)
+/* ------------------------------------------------------------ the means */
+
+/* TensorFlow's Mean over the last axis of x [kept, cols] into out[kept]
+ * (axes of 1 dropped first, as TensorFlow's reduction helper drops them:
+ * nothing left to reduce is a copy, one row left a full reduction). */
+static void mean_last(const float *x, size_t kept, size_t cols, int threads, float *out)
 {
-    const size_t kept = outer * rows;
     const float count = (float)cols;
     if (cols == 1) {
         memcpy(out, x, kept * sizeof(float));
@@ -100,32 +81,252 @@ static void mean_last(const float *x, size_t outer, size_t rows, size_t cols, in
         return;
     }
     for (size_t k = 0; k < kept; k++)
-        out[k] = ls_eigen_tree_sum(x, k * cols, cols, 0) / count;
+        out[k] = ls_eigen_tree_sum(x + k * cols, k * cols, cols, 0) / count;
 }
 
-/* TensorFlow's Mean of x [outer, rows, cols] over its middle axis into out
- * [outer * cols]. */
-static void mean_middle(const float *x, size_t outer, size_t rows, size_t cols, int threads,
-                        float *out)
+/* ----------------------------------------------------- one variable's u */
+
+typedef struct adafactor_var {
+    const ls_adafactor_param *p;
+    const ls_adafactor_config *c;
+    /* how g is unscaled: 0 not, 1 divided by c->scale, 2 times `inverse`
+     * (the scale a power of two whose reciprocal is normal: g / scale and
+     * g * (1 / scale) are then the same real number, rounded once) */
+    int divide;
+    float inverse;
+    /* factored: r[k] / mean(r) of each of the outer * rows rows */
+    float *ratio;
+} adafactor_var;
+
+/* g of elements [e, e + count) of the variable, unscaled, into g. */
+static void unscaled(const adafactor_var *a, size_t e, size_t count, float *g)
 {
-    if (rows == 1) {
-        memcpy(out, x, outer * cols * sizeof(float));
-        return;
-    }
-    if (cols == 1) { /* [outer, rows]: the middle axis is the last one left */
-        mean_last(x, 1, outer, rows, threads, out);
-        return;
-    }
-    const float count = (float)rows;
-    middle_sums(x, outer, rows, cols, out);
-    for (size_t k = 0; k < outer * cols; k++)
-        out[k] = out[k] / count;
+    const float *grad = a->p->grad + e, scale = a->c->scale, inverse = a->inverse;
+    if (a->divide == 2)
+        for (size_t k = 0; k < count; k++)
+            g[k] = grad[k] * inverse;
+    else if (a->divide == 1)
+        for (size_t k = 0; k < count; k++)
+            g[k] = grad[k] / scale;
+    else
+        memcpy(g, grad, count * sizeof(float));
 }
 
-/* sqrt(mean(square(x))) over all of x, as Keras' _rms. */
-static float rms(const float *x, size_t n, int threads)
+/* u = g * rsqrt(v) (TensorFlow's Rsqrt of v's elements [e, e + count) in
+ * a tensor of n: RSQRTPS and one Newton step on its packets, 1 / sqrt on
+ * its tail; ls_tf_rsqrt1), or g / sqrt(v), in place of g. */
+static void divide_by_root(float *g, const float *v, size_t e, size_t count, size_t n,
+                           int rsqrt)
 {
-    return sqrtf(ls_eigen_full_sum(x, n, 1, threads) / (float)n);
+    if (!rsqrt) {
+        for (size_t k = 0; k < count; k++)
+            g[k] = g[k] / sqrtf(v[k]);
+        return;
+    }
+    const size_t packets_end = ls_tf_rsqrt_packets_end(n);
+    size_t k = 0;
+#ifdef LS_ADAFACTOR_SSE
+    const __m128 half = _mm_set1_ps(-0.5f), minus_one = _mm_set1_ps(-1.0f);
+    for (; k + 4 <= count && e + k + 4 <= packets_end; k += 4) {
+        const __m128 y = _mm_loadu_ps(v + k);
+        const __m128 est = _mm_rsqrt_ps(y);
+        const __m128 step = _mm_add_ps(
+            _mm_mul_ps(_mm_mul_ps(est, half),
+                       _mm_add_ps(_mm_mul_ps(_mm_mul_ps(y, est), est), minus_one)),
+            est);
+        const __m128 nan = _mm_cmpunord_ps(step, step);
+        const __m128 r = _mm_or_ps(_mm_and_ps(nan, est), _mm_andnot_ps(nan, step));
+        _mm_storeu_ps(g + k, _mm_mul_ps(_mm_loadu_ps(g + k), r));
+    }
+#endif
+    for (; k < count; k++)
+        g[k] = g[k] * ls_tf_rsqrt1(v[k], e + k, n);
+}
+
+/* v (factored: made from r and c, as Keras' outer product; written when
+ * `store`) and u of elements [e, e + count), which lie in one row of a
+ * factored variable; u into out. */
+static void u_span(const adafactor_var *a, size_t e, size_t count, int store, float *vbuf,
+                   float *out)
+{
+    const ls_adafactor_param *p = a->p;
+    unscaled(a, e, count, out);
+    const float *v = p->v + e;
+    if (p->rows > 0) {
+        const size_t row = e / p->cols, j = e % p->cols, slice = row / p->rows;
+        const float f = a->ratio[row], *cc = p->c + slice * p->cols + j;
+        float *dst = store ? p->v + e : vbuf;
+        for (size_t k = 0; k < count; k++)
+            dst[k] = f * cc[k];
+        v = dst;
+    }
+    divide_by_root(out, v, e, count, p->length, a->c->rsqrt);
+}
+
+/* u of elements [e, e + count) (any rows), into out. */
+static void u_range(const adafactor_var *a, size_t e, size_t count, float *vbuf, float *out)
+{
+    if (a->p->rows == 0) {
+        u_span(a, e, count, 0, vbuf, out);
+        return;
+    }
+    const size_t cols = a->p->cols;
+    while (count > 0) {
+        size_t take = cols - e % cols;
+        if (take > count)
+            take = count;
+        u_span(a, e, take, 0, vbuf, out);
+        e += take;
+        out += take;
+        count -= take;
+    }
+}
+
+/* --------------------------------------------------------- the passes */
+
+/* The factored moments: s = g * g + epsilon_1 row by row (never whole),
+ * each row's mean (its tree), each column's sum in the middle axis' order
+ * (4 accumulators per column), then r and c moved.  acc: 4 * cols floats,
+ * row: cols floats; row_mean: outer * rows, col_mean: outer * cols. */
+static void factored_means(const adafactor_var *a, float *acc, float *row, float *row_mean,
+                           float *col_mean)
+{
+    const ls_adafactor_param *p = a->p;
+    const size_t outer = p->outer, rows = p->rows, cols = p->cols, outputs = outer * cols;
+    const float e1 = a->c->epsilon_1, count = (float)cols;
+    const size_t unrolled = rows >= UNROLLED_ROWS ? rows / 4 * 4 : 0;
+    for (size_t s = 0; s < outer; s++) {
+        /* The columns of this slice whose outputs are packets: the 8-output
+         * groups from flat output 0 that lie inside the slice. */
+        const size_t o0 = s * cols, o1 = o0 + cols;
+        size_t v0 = (o0 + PACKET - 1) / PACKET * PACKET, v1 = o1 / PACKET * PACKET;
+        if (v1 > outputs / PACKET * PACKET)
+            v1 = outputs / PACKET * PACKET;
+        if (v1 < v0)
+            v1 = v0;
+        v0 -= o0, v1 -= o0; /* as columns of the slice */
+        if (v1 < v0)
+            v1 = v0;
+        memset(acc, 0, 4 * cols * sizeof(float));
+        for (size_t r = 0; r < rows; r++) {
+            const size_t e = (s * rows + r) * cols;
+            unscaled(a, e, cols, row);
+            for (size_t j = 0; j < cols; j++)
+                row[j] = row[j] * row[j] + e1;
+            row_mean[s * rows + r] =
+                cols == 1        ? row[0]
+                : outer * rows == 1 ? ls_eigen_full_sum(row, cols, 0, a->c->eigen_threads) / count
+                                 : ls_eigen_tree_sum(row, e, cols, 0) / count;
+            if (r < unrolled) {
+                float *lane = acc + (r % 4) * cols;
+                for (size_t j = 0; j < v0; j++)
+                    acc[j] = acc[j] + row[j];
+                for (size_t j = v0; j < v1; j++)
+                    lane[j] = lane[j] + row[j];
+                for (size_t j = v1; j < cols; j++)
+                    acc[j] = acc[j] + row[j];
+                continue;
+            }
+            if (r == unrolled && unrolled > 0)
+                for (size_t j = v0; j < v1; j++)
+                    acc[j] = ((acc[j] + acc[cols + j]) + acc[2 * cols + j]) + acc[3 * cols + j];
+            for (size_t j = 0; j < cols; j++)
+                acc[j] = acc[j] + row[j];
+        }
+        if (rows == unrolled) /* every row unrolled (a multiple of 4) */
+            for (size_t j = v0; j < v1; j++)
+                acc[j] = ((acc[j] + acc[cols + j]) + acc[2 * cols + j]) + acc[3 * cols + j];
+        const float rows_f = (float)rows;
+        for (size_t j = 0; j < cols; j++)
+            col_mean[s * cols + j] = acc[j] / rows_f;
+    }
+    /* One column: the middle axis is the last one TensorFlow keeps, and
+     * row_mean holds s itself ([outer, rows]). */
+    if (cols == 1)
+        mean_last(row_mean, outer, rows, a->c->eigen_threads, col_mean);
+}
+
+/* One variable's step. */
+static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c)
+{
+    const size_t n = p->length;
+    const int threads = c->eigen_threads;
+    const float beta = c->beta, rest = c->rest;
+    adafactor_var a = {p, c, c->unscale == LS_UNSCALE_DIVIDE, 1.0f, NULL};
+    if (a.divide && exact_reciprocal(c->scale, &a.inverse))
+        a.divide = 2;
+    const size_t leaves = ls_eigen_full_leaves(n, threads, NULL, NULL);
+    const size_t outer = p->outer, rows = p->rows, cols = p->rows > 0 ? p->cols : 0;
+    /* leaf firsts and lengths (size_t), leaf sums, a leaf's u and v, and a
+     * factored variable's rows, accumulators and means */
+    const size_t leaf = 8 * 1024;
+    size_t floats = leaves + 2 * leaf;
+    if (rows > 0)
+        floats += 6 * cols + outer * (2 * rows + cols + 1);
+    size_t *firsts = malloc(2 * leaves * sizeof(size_t) + floats * sizeof(float));
+    if (firsts == NULL)
+        return LS_ERR_MEMORY;
+    size_t *lengths = firsts + leaves;
+    float *sums = (float *)(void *)(lengths + leaves), *ubuf = sums + leaves,
+          *vbuf = ubuf + leaf;
+    ls_eigen_full_leaves(n, threads, firsts, lengths);
+
+    /* alpha_t from the variable before it moves. */
+    const float alpha = tf_maximum(c->epsilon_2, sqrtf(ls_eigen_full_sum(p->var, n, 1, threads)
+                                                      / (float)n)) * c->rho;
+    if (rows > 0) {
+        float *acc = vbuf + leaf, *row = acc + 4 * cols, *row_mean = row + 2 * cols,
+              *col_mean = row_mean + outer * rows, *r_mean = col_mean + outer * cols;
+        a.ratio = r_mean + outer; /* outer * rows */
+        factored_means(&a, acc, row, row_mean, col_mean);
+        for (size_t k = 0; k < outer * rows; k++)
+            p->r[k] = beta * p->r[k] + rest * row_mean[k];
+        for (size_t k = 0; k < outer * cols; k++)
+            p->c[k] = beta * p->c[k] + rest * col_mean[k];
+        /* r / mean(r, -1): each slice's mean over its rows */
+        mean_last(p->r, outer, rows, threads, r_mean);
+        for (size_t s = 0; s < outer; s++)
+            for (size_t k = 0; k < rows; k++)
+                a.ratio[s * rows + k] = p->r[s * rows + k] / r_mean[s];
+    } else {
+        const float e1 = c->epsilon_1;
+        for (size_t e = 0; e < n; e += leaf) {
+            const size_t take = n - e < leaf ? n - e : leaf;
+            unscaled(&a, e, take, ubuf);
+            for (size_t k = 0; k < take; k++)
+                p->v[e + k] = beta * p->v[e + k] + rest * (ubuf[k] * ubuf[k] + e1);
+        }
+    }
+    /* rms(u): u made a leaf at a time, never whole. */
+    for (size_t l = 0; l < leaves; l++) {
+        u_range(&a, firsts[l], lengths[l], vbuf, ubuf);
+        sums[l] = ls_eigen_leaf_sum(ubuf, lengths[l], 1);
+    }
+    const float rms_u = sqrtf(ls_eigen_full_combine(n, threads, sums) / (float)n);
+    const float m = tf_maximum(1.0f, rms_u / c->clip_threshold);
+    /* v stored, u made again, the variable moved: row by row.  u / m is
+     * u where m is 1 (u, a product or quotient, is never subnormal under
+     * the flush), u times 1 / m where that is exact. */
+    float inverse_m = 1.0f;
+    const int by = m == 1.0f ? 0 : exact_reciprocal(m, &inverse_m) ? 2 : 1;
+    const size_t span = rows > 0 ? cols : n;
+    for (size_t e = 0; e < n; e += span)
+        for (size_t k = 0; k < span; k += leaf) {
+            const size_t take = span - k < leaf ? span - k : leaf;
+            u_span(&a, e + k, take, 1, vbuf, ubuf);
+            float *w = p->var + e + k;
+            if (by == 0)
+                for (size_t q = 0; q < take; q++)
+                    w[q] = w[q] - alpha * ubuf[q];
+            else if (by == 2)
+                for (size_t q = 0; q < take; q++)
+                    w[q] = w[q] - alpha * (ubuf[q] * inverse_m);
+            else
+                for (size_t q = 0; q < take; q++)
+                    w[q] = w[q] - alpha * (ubuf[q] / m);
+        }
+    free(firsts);
+    return 1;
 }
 
 typedef struct adafactor_job {
@@ -136,81 +337,18 @@ typedef struct adafactor_job {
     size_t *offset; /* where each variable starts in the concatenation */
 } adafactor_job;
 
-/* The scratch floats a variable's step takes: its squares (then its u),
- * and a factored one's means of them and of r. */
-static size_t scratch_of(const ls_adafactor_param *p)
-{
-    return p->length + (p->rows > 0 ? p->outer * (p->rows + p->cols + 1) : 0);
-}
-
-/* One variable's step. */
-static void step_one(const ls_adafactor_param *p, const ls_adafactor_config *c, float *scratch)
-{
-    const size_t n = p->length;
-    const int threads = c->eigen_threads, divide = c->unscale == LS_UNSCALE_DIVIDE;
-    const float scale = c->scale, beta = c->beta, rest = c->rest;
-    /* alpha_t from the variable before it moves. */
-    const float alpha = tf_maximum(c->epsilon_2, rms(p->var, n, threads)) * c->rho;
-    float *reg = scratch;
-    for (size_t i = 0; i < n; i++) {
-        const float g = divide ? p->grad[i] / scale : p->grad[i];
-        reg[i] = g * g + c->epsilon_1;
-    }
-    if (p->rows > 0) {
-        const size_t outer = p->outer, rows = p->rows, cols = p->cols;
-        float *row_mean = scratch + n, *col_mean = row_mean + outer * rows,
-              *r_mean = col_mean + outer * cols;
-        mean_last(reg, outer, rows, cols, threads, row_mean);
-        mean_middle(reg, outer, rows, cols, threads, col_mean);
-        for (size_t k = 0; k < outer * rows; k++)
-            p->r[k] = beta * p->r[k] + rest * row_mean[k];
-        for (size_t k = 0; k < outer * cols; k++)
-            p->c[k] = beta * p->c[k] + rest * col_mean[k];
-        /* v = (r / mean(r, -1))[..., None] * c[..., None, :] */
-        mean_last(p->r, 1, outer, rows, threads, r_mean);
-        for (size_t a = 0; a < outer; a++)
-            for (size_t k = 0; k < rows; k++) {
-                const float f = p->r[a * rows + k] / r_mean[a];
-                float *v = p->v + (a * rows + k) * cols;
-                const float *cc = p->c + a * cols;
-                for (size_t j = 0; j < cols; j++)
-                    v[j] = f * cc[j];
-            }
-    } else {
-        for (size_t i = 0; i < n; i++)
-            p->v[i] = beta * p->v[i] + rest * reg[i];
-    }
-    float *u = reg; /* the squares are spent */
-    for (size_t i = 0; i < n; i++) {
-        const float g = divide ? p->grad[i] / scale : p->grad[i];
-        u[i] = c->rsqrt ? g * ls_tf_rsqrt1(p->v[i], i, n) : g / sqrtf(p->v[i]);
-    }
-    const float m = tf_maximum(1.0f, rms(u, n, threads) / c->clip_threshold);
-    for (size_t i = 0; i < n; i++)
-        p->var[i] = p->var[i] - alpha * (u[i] / m);
-}
-
 /* The variables that start in elements [begin, end) of the job. */
 static int adafactor_range(const void *arg, size_t begin, size_t end)
 {
     const adafactor_job *j = arg;
-    size_t most = 0;
-    for (size_t i = 0; i < j->count; i++)
-        if (j->offset[i] >= begin && j->offset[i] < end && scratch_of(&j->params[i]) > most)
-            most = scratch_of(&j->params[i]);
-    if (most == 0)
-        return 1;
-    float *scratch = malloc(most * sizeof(float));
-    if (scratch == NULL)
-        return LS_ERR_MEMORY;
     ls_fpenv env;
     ls_fpenv_enter(&env, (j->flags & LS_FLUSH_DENORMALS) != 0);
-    for (size_t i = 0; i < j->count; i++)
+    int rc = 1;
+    for (size_t i = 0; i < j->count && rc > 0; i++)
         if (j->offset[i] >= begin && j->offset[i] < end && j->params[i].length > 0)
-            step_one(&j->params[i], j->config, scratch);
+            rc = step_one(&j->params[i], j->config);
     ls_fpenv_leave(&env);
-    free(scratch);
-    return 1;
+    return rc;
 }
 
 const char *ls_adafactor_problem(const ls_adafactor_param *params, size_t count,

@@ -70,11 +70,22 @@ void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *st
                   size_t *order);
 
 /* norms.c: TensorFlow's Sum of float32 values on CPU, in its order (see
- * norms.c): the tree over values[first .. first + n) (an inner-most
- * reduction's row), or Eigen's full reduction of values[0 .. n) on a
- * device of `eigen_threads` threads; of the values or (square) of their
- * squares.  In the caller's floating-point state. */
-float ls_eigen_tree_sum(const float *values, size_t first, size_t n, int square);
+ * norms.c), of the values or (square) of their squares, in the caller's
+ * floating-point state:
+ *   ls_eigen_tree_sum   the tree over `n` values at `range`, element
+ *                       `first` of their tensor (split points count from
+ *                       the tensor's start): an inner-most reduction's row;
+ *   ls_eigen_full_sum   Eigen's full reduction of values[0 .. n) on a
+ *                       device of `eigen_threads` threads;
+ *   ls_eigen_full_leaves, ls_eigen_full_combine, ls_eigen_leaf_sum  the
+ *                       same reduction in parts: its leaves (their first
+ *                       element and length, written where not NULL; the
+ *                       count returned), each leaf's sum, and the total
+ *                       from the leaves' sums in that order. */
+float ls_eigen_tree_sum(const float *range, size_t first, size_t n, int square);
 float ls_eigen_full_sum(const float *values, size_t n, int square, int eigen_threads);
+size_t ls_eigen_full_leaves(size_t n, int eigen_threads, size_t *first, size_t *length);
+float ls_eigen_full_combine(size_t n, int eigen_threads, const float *leaf_sums);
+float ls_eigen_leaf_sum(const float *values, size_t n, int square);
 
 #endif /* LOSSSCALE_INTERNAL_H */

@@ -209,25 +209,20 @@ static float all_combine(size_t n, int threads, const float *leaf)
 
 /* ------------------------------------- the order over one float32 buffer */
 
-/* The tree over values[first .. first + n) (the split points counted from
- * values[0]), summed in place: Eigen's InnerMostDimReducer over that range,
- * of the values or of their squares. */
-float ls_eigen_tree_sum(const float *values, size_t first, size_t n, int square)
+float ls_eigen_tree_sum(const float *range, size_t first, size_t n, int square)
 {
     if (n > LEAF) {
         const size_t half = (n + 1) / 2;
         const size_t split = LANES * ((first + half + LANES - 1) / LANES);
         const size_t left = split - first < n ? split - first : n;
-        float sum = 0.0f + ls_eigen_tree_sum(values, first, left, square);
+        float sum = 0.0f + ls_eigen_tree_sum(range, first, left, square);
         if (left < n)
-            sum = sum + ls_eigen_tree_sum(values, split, n - left, square);
+            sum = sum + ls_eigen_tree_sum(range + left, split, n - left, square);
         return sum;
     }
-    return leaf_of(values + first, n, square ? SQUARE_NONE : PLAIN, 0.0f);
+    return leaf_of(range, n, square ? SQUARE_NONE : PLAIN, 0.0f);
 }
 
-/* Eigen's full reduction of n values on a device of `eigen_threads`
- * threads (all_combine's order), in place on the calling thread. */
 float ls_eigen_full_sum(const float *values, size_t n, int square, int eigen_threads)
 {
     size_t blocks, size;
@@ -236,10 +231,28 @@ float ls_eigen_full_sum(const float *values, size_t n, int square, int eigen_thr
         return n > 0 ? ls_eigen_tree_sum(values, 0, n, square) : 0.0f;
     float total = 0.0f;
     if (blocks * size < n)
-        total = ls_eigen_tree_sum(values, blocks * size, n - blocks * size, square);
+        total = ls_eigen_tree_sum(values + blocks * size, blocks * size, n - blocks * size,
+                                  square);
     for (size_t b = 0; b < blocks; b++)
-        total = total + ls_eigen_tree_sum(values, b * size, size, square);
+        total = total + ls_eigen_tree_sum(values + b * size, b * size, size, square);
     return total;
+}
+
+size_t ls_eigen_full_leaves(size_t n, int eigen_threads, size_t *first, size_t *length)
+{
+    size_t count = 0;
+    all_leaves(n, eigen_threads, first, length, &count);
+    return count;
+}
+
+float ls_eigen_full_combine(size_t n, int eigen_threads, const float *leaf_sums)
+{
+    return all_combine(n, eigen_threads, leaf_sums);
+}
+
+float ls_eigen_leaf_sum(const float *values, size_t n, int square)
+{
+    return leaf_of(values, n, square ? SQUARE_NONE : PLAIN, 0.0f);
 }
 
 /* ------------------------------------------------------------- the job */
