@@ -18,7 +18,7 @@ A skipped step leaves nothing of its gradients, so all three must hold the
 same bits after every step: every copy of every variable, slot,
 ``iterations``, ``dynamic_scale`` and ``step_counter``; the copies of each
 must agree; a spoiled step must leave the weights as they were; and
-``step_path`` must say fused.  The cases cover four families, float16
+``step_path`` must say fused.  The cases cover five families, float16
 gradients handed over (stock all-reduces them unscaled in float32), a
 scale that is not a power of two, gradients over float32's whole range
 (unscaled results that TensorFlow flushes), eager and ``tf.function``,
@@ -62,6 +62,8 @@ MIRRORED_CASES = {
     "adam_eager": ("adam", "mixed_float16", 12, "eager"),
     "sgd_float16_gradients": ("sgd_momentum", "mixed_float16", 60, "float16"),
     "sgd_edge_values": ("sgd_momentum", "float32", 60, "edge"),
+    "adafactor": ("adafactor", "mixed_float16", 120, None),
+    "adafactor_edge_values": ("adafactor", "float32", 60, "edge"),
 }
 SUM_OVERFLOW = {"sgd_scale_1": ("sgd_momentum", "float32", 1, 1.0)}
 WORKER_CASES = {
@@ -96,13 +98,13 @@ def batch(step, replica, n=4):
     return x, np.tanh(x[:, :1] - 0.5 * x[:, 3:4]).astype(np.float32)
 
 
-def edge_gradients(step, replica, shapes):
-    """Gradients over float32's whole range: subnormal to 2**100, signs and
+def edge_gradients(step, replica, shapes, top=100):
+    """Gradients over float32's whole range: subnormal to 2**top, signs and
     zeros mixed, so that the unscaled values cross TensorFlow's flush."""
     rng = np.random.default_rng([13, step, replica])
     out = []
     for shape in shapes:
-        exponent = rng.uniform(-149, 100, shape)
+        exponent = rng.uniform(-149, top, shape)
         value = np.sign(rng.standard_normal(shape)) * np.exp2(exponent)
         value[rng.random(shape) < 0.1] = 0.0
         out.append(value.astype(np.float32))
@@ -119,6 +121,7 @@ def inner_optimizer(name):
         "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.5, nesterov=True),
         "nadam": lambda: keras.optimizers.Nadam(0.01),
         "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+        "adafactor": lambda: keras.optimizers.Adafactor(0.05, clip_threshold=0.5),
     }[name]()
 
 
@@ -263,7 +266,9 @@ def run_mirrored():
             def of(r):
                 x, y = batch(step, r)
                 f = factor(step, r, one_sided=model_name == "one")
-                edge = edge_gradients(step, r, shapes) if extra == "edge" else \
+                # Adafactor squares them: up to 2**60, whose squares are finite.
+                edge = edge_gradients(step, r, shapes, 60 if "adafactor" in name else 100) \
+                    if extra == "edge" else \
                     [np.zeros((), np.float32)]
                 return x, y, f, edge
             return tuple(per_replica(strategy, lambda r, i=i: of(r)[i]) for i in range(4))
