@@ -1,0 +1,203 @@
+"""Keras' Adafactor on the fused step (the LossScaleApplyAdafactor op),
+against stock ``keras.optimizers.LossScaleOptimizer(Adafactor(...))``.
+
+Adafactor's update takes means inside the step: each row's and each
+column's mean of ``g * g + epsilon_1`` (its factored moments ``r`` and
+``c``), the mean of ``r``, and the RMS of the variable and of the step
+``u``.  The op makes them in TensorFlow's Mean order on this device, which
+depends on the shape TensorFlow's reduction helper leaves once it drops
+axes of 1: a full reduction (shards and trees), an inner-most axis (a tree
+per row) or a middle one (packets of 8 outputs over 4 accumulators).  The
+shapes below take each: ranks 0 to 4, axes of 1 in every place, rows under
+and over 16 and not a multiple of 4, columns that split the packets across
+slices, rows over a tree's leaf, variables of two shards.  Each case is a
+lockstep against stock through the public optimizer, eagerly and in a
+``tf.function`` (where Grappler makes ``g / sqrt(v)`` TensorFlow's Rsqrt),
+overflow steps among them, every variable and slot compared bit for bit.
+The model-level lockstep (both mixed policies, clips, weight decay,
+schedules, MirroredStrategy) is in test_fused_step, test_fused_clip and
+test_fused_distributed; here also: the EMA, a sparse gradient and
+accumulation (stock, with their reasons), the agreement probe, and the op's
+own checks of bad input (each refused before anything moves).
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lossscale
+from lossscale import _fused
+from lossscale import ops as native_ops
+from helpers import bits
+from test_fused_step import Ours, Stock, assert_fused
+
+SHAPES = [(), (1,), (40,), (7, 13), (64, 100), (1, 9), (33, 1), (17, 24), (18, 40),
+          (5, 40, 17), (3, 21, 13), (3, 3, 16, 24), (1, 1, 64, 32), (3, 1, 5), (2, 1, 1)]
+# Over a leaf's 8,192 values in a row, over two shards of the full reduction
+# (about 258,000 values at two threads), one row of them, one column of them.
+LARGE = [(3, 20000), (600, 500), (1, 300007), (300001, 1), (20, 16, 1000)]
+
+CONFIGS = {
+    "default": {},
+    "keywords": dict(learning_rate=0.05, beta_2_decay=-0.5, epsilon_1=1e-20,
+                     epsilon_2=1e-2, clip_threshold=0.5, relative_step=False),
+    "schedule": dict(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.02, 5, 0.8)),
+}
+
+
+def lockstep(shapes, graph, steps, kw, scale=2.0**10, inf_at=(3,), seed=0, use_ema=False):
+    """Ours and stock around two Adafactor(**kw) on twin variables, fed the
+    same scaled gradients (times inf at the steps ``inf_at``); every
+    variable, slot and the optimizers' own state compared after each step.
+    Returns ours."""
+    rng = np.random.default_rng(seed)
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    twins = [[keras.Variable(x, name=f"w{i}") for i, x in enumerate(init)] for _ in range(2)]
+    opts = [cls(keras.optimizers.Adafactor(use_ema=use_ema, **kw), initial_scale=scale,
+                dynamic_growth_steps=2) for cls in (Stock, Ours)]
+    def applier(opt, variables):
+        def apply(grads):
+            opt.apply(grads, variables)
+        return tf.function(apply) if graph else apply
+
+    applies = [applier(opt, variables) for opt, variables in zip(opts, twins)]
+    for step in range(steps):
+        grads = [(rng.standard_normal(s) * rng.uniform(0.01, 10) * scale).astype(np.float32)
+                 for s in shapes]
+        if step in inf_at:
+            grads[step % len(grads)][...] = np.inf
+        for apply in applies:
+            apply([tf.constant(g) for g in grads])
+        for a, b in zip(opts[0].variables + twins[0], opts[1].variables + twins[1]):
+            assert bits(a.numpy()) == bits(b.numpy()), f"step {step}: {a.path} differs from stock"
+    return opts[1]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_every_shape_bit_identical_to_stock(config, graph):
+    ours = lockstep(SHAPES, graph, 12, CONFIGS[config])
+    assert ours.step_path == "fused (Adafactor)", ours.step_path
+    assert int(ours.iterations.numpy()) == 11  # the overflow step skipped
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_large_variables_bit_identical_to_stock(graph):
+    ours = lockstep(LARGE, graph, 3, {}, inf_at=())
+    assert ours.step_path == "fused (Adafactor)", ours.step_path
+
+
+def test_scale_without_an_exact_reciprocal_divides_as_stock():
+    """A scale that is not a power of two: the op divides each gradient by
+    it, as stock (a power of two multiplies by its exact reciprocal)."""
+    ours = lockstep(SHAPES[:8], True, 6, {}, scale=1000.0)
+    assert_fused(ours)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_ema_bit_identical_to_stock(graph):
+    """Keras' own ops move the averages after the op's update (and
+    overwrite the variables on their schedule)."""
+    ours = lockstep(SHAPES[:9], graph, 8, dict(ema_momentum=0.9, ema_overwrite_frequency=3),
+                    use_ema=True)
+    assert_fused(ours)
+
+
+def test_sparse_gradient_and_accumulation_stay_stock_and_say_why():
+    table = keras.Variable(np.ones((10, 4), np.float32), name="table")
+    opt = lossscale.LossScaleOptimizer(keras.optimizers.Adafactor())
+    opt.apply([tf.IndexedSlices(tf.ones((2, 4)), tf.constant([1, 1]), tf.constant([10, 4]))],
+              [table])
+    assert opt.step_path.startswith(
+        "stock: Keras' Adafactor squares a sparse gradient's slices"), opt.step_path
+    opt = lossscale.LossScaleOptimizer(keras.optimizers.Adafactor(
+        gradient_accumulation_steps=2))
+    opt.apply([tf.ones((10, 4))], [keras.Variable(np.ones((10, 4), np.float32))])
+    assert opt.step_path == "stock: the inner optimizer accumulates gradients", opt.step_path
+
+
+def test_means_agree_with_tensorflow_here():
+    """The probe's verdict on this machine: the op's orders are this
+    TensorFlow's (the x86 wheels' AVX packets)."""
+    library = native_ops.native_library_for([])
+    assert _fused._adafactor_agrees(library)
+
+
+def test_a_build_that_adds_in_another_order_takes_the_stock_path(monkeypatch):
+    monkeypatch.setitem(_fused._ADAFACTOR_AGREES, "agree", False)
+    ours = lockstep(SHAPES[:6], False, 4, {})
+    assert ours.step_path.startswith("stock: TensorFlow's Mean here does not add in the order"), \
+        ours.step_path
+
+
+# ------------------------------------------------------- the op's checks
+
+def op_case():
+    """A factored and a plain variable with their slots, and the op's
+    arguments as the fused step passes them."""
+    made = {name: tf.Variable(value, name=name) for name, value in (
+        ("w", np.arange(12, dtype=np.float32).reshape(3, 4)), ("r", np.ones(3, np.float32)),
+        ("c", np.ones(4, np.float32)), ("v", np.zeros((3, 4), np.float32)),
+        ("b", np.ones(5, np.float32)), ("vb", np.zeros(5, np.float32)))}
+    args = dict(apply=tf.constant(True), variables=[made["w"].handle, made["b"].handle],
+                r=[made["r"].handle], c=[made["c"].handle],
+                v=[made["v"].handle, made["vb"].handle],
+                grads=[tf.ones((3, 4)), tf.ones(5)], scale=tf.constant(2.0),
+                rho=tf.constant(0.01), beta=tf.constant(0.5), rest=tf.constant(0.5),
+                factored=[0], epsilon_1=1e-30, epsilon_2=1e-3, clip_threshold=1.0)
+    return made, args
+
+
+def library():
+    return native_ops.native_library_for([])
+
+
+def snapshot(made):
+    return {name: v.numpy().tobytes() for name, v in made.items()}
+
+
+def test_op_steps_the_case():
+    made, args = op_case()
+    before = snapshot(made)
+    library().loss_scale_apply_adafactor(**args)
+    after = snapshot(made)
+    assert all(after[k] != before[k] for k in ("w", "r", "c", "v", "b", "vb"))
+
+
+def test_op_does_nothing_when_the_step_does_not_apply():
+    made, args = op_case()
+    before = snapshot(made)
+    library().loss_scale_apply_adafactor(**{**args, "apply": tf.constant(False)})
+    assert snapshot(made) == before
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda made, a: {**a, "r": [tf.Variable(np.ones(4, np.float32)).handle]},
+     "has shape [4], expected [3]"),
+    (lambda made, a: {**a, "c": [tf.Variable(np.ones(3, np.float32)).handle]},
+     "has shape [3], expected [4]"),
+    (lambda made, a: {**a, "v": [made["v"].handle, tf.Variable(np.ones(4, np.float32)).handle]},
+     "has shape [4], expected [5]"),
+    (lambda made, a: {**a, "grads": [tf.ones((4, 3)), tf.ones(5)]}, "has shape"),
+    (lambda made, a: {**a, "factored": [1], "r": [made["r"].handle], "c": [made["c"].handle]},
+     "has rank 2, factored is false"),
+    (lambda made, a: {**a, "variables": [made["w"].handle, made["w"].handle]},
+     "passed twice"),
+    (lambda made, a: {**a, "v": [made["v"].handle, tf.Variable(np.ones(5, np.float64)).handle]},
+     "must be float32"),
+], ids=["r_shape", "c_shape", "v_shape", "grad_shape", "rank", "twice", "dtype"])
+def test_op_refuses_bad_input_and_changes_nothing(bad, message):
+    made, args = op_case()
+    before = snapshot(made)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        library().loss_scale_apply_adafactor(**bad(made, args))
+    assert snapshot(made) == before
+
+
+def test_op_refuses_factored_positions_out_of_order():
+    made, args = op_case()
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="factored"):
+        library().loss_scale_apply_adafactor(**{**args, "factored": [0, 0]})
