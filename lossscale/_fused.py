@@ -5,7 +5,9 @@ Each fused family is declared once, in ``FAMILIES``: the Keras class whose
 ``update_step`` it reproduces, its slots, its hyperparameters that must be
 plain numbers, the constants and the ``iterations``-derived scalars its
 kernel takes (in the order of its ``_core/src/family_<name>.h``), and which
-optimizer options it supports.  One native op runs every family by name.
+optimizer options it supports.  One native op runs every family by name,
+but Adafactor, whose slots are not shaped as its variables and whose update
+takes means over each one: it has an op of its own (``Plan.run``).
 ``decide`` is the one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.

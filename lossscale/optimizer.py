@@ -11,8 +11,8 @@ the stock optimizer, step for step, overflow steps included.  What differs is
 the cost of a step.
 
 For a stock inner optimizer of a fused family (``SGD``, ``Adam``,
-``AdamW``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Nadam``, ``Lion``:
-``lossscale._fused.FAMILIES``) the step is fused: a read-only finite check
+``AdamW``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Nadam``, ``Lion``,
+``Adafactor``: ``lossscale._fused.FAMILIES``) the step is fused: a read-only finite check
 of the scaled gradients (one small native op per large gradient, inside
 the graph that makes them, so each gradient is read while still in
 cache), the scale
@@ -27,6 +27,9 @@ on Keras' schedule.  A sparse gradient (an ``Embedding``'s
 ``IndexedSlices``) fuses for Adam, AdamW, Adamax, Lion and SGD with
 momentum: its values are unscaled, the terms Keras densifies are summed per
 row by TensorFlow's own conversion, and a second native op applies them.
+Adafactor, whose update takes means over each variable, runs its own op:
+three streaming passes over each gradient, its means in the order of
+TensorFlow's Mean kernel.
 ``step_path`` says which path a step took and why; ``fused=False`` turns it
 off.  Anything the fused path does not do (constraints, sparse gradients of
 the other families, a strategy other than Mirrored or MultiWorkerMirrored, a
