@@ -40,8 +40,8 @@ policy.  For every recipe:
   scheduler steps outside the optimizer step); Lion has no torch
   equivalent and is not timed against torch.
 
-``--quick`` runs four recipes (one dense fused, one dense stock, two
-sparse), one round (``ROUNDS``), on a cut of each workload: every 8th
+``--quick`` runs four recipes (two dense, one of them Adafactor's own op,
+two sparse), one round (``ROUNDS``), on a cut of each workload: every 8th
 tensor of ResNet-50; BERT-base's first 24 after its word embeddings, a
 4096-row table and 4 x 128 tokens.
 """
@@ -224,7 +224,7 @@ RECIPES = [
            Torch("Adamax", dict(lr=1e-3, eps=1e-7), "foreach")),
 ]
 BY_NAME = {r.name: r for r in RECIPES}
-# One dense recipe on the fused path, one on the stock path, two sparse ones.
+# Two dense recipes (the one-pass op and Adafactor's own), two sparse ones.
 QUICK = ("resnet", "t5", "bert_finetune", "recommender")
 
 
