@@ -143,7 +143,23 @@ static void divide_by_root(float *g, const float *v, size_t e, size_t count, siz
         g[k] = g[k] * ls_tf_rsqrt1(v[k], e + k, n);
 }
 
-/* v (factored: made from r and c, as Keras' outer product; written when
+/* count floats from src to dst, bypassing the cache where dst is aligned
+ * (a factored v is written and not read again in the step: a streaming
+ * store spares the read a cached store makes of each line first). */
+static void store_streaming(float *dst, const float *src, size_t count)
+{
+    size_t k = 0;
+#ifdef LS_ADAFACTOR_SSE
+    for (; k < count && ((uintptr_t)(dst + k) & 15u) != 0; k++)
+        dst[k] = src[k];
+    for (; k + 4 <= count; k += 4)
+        _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
+#endif
+    for (; k < count; k++)
+        dst[k] = src[k];
+}
+
+/* v (factored: made from r and c, as Keras' outer product; stored when
  * `store`) and u of elements [e, e + count), which lie in one row of a
  * factored variable; u into out. */
 static void u_span(const adafactor_var *a, size_t e, size_t count, int store, float *vbuf,
@@ -155,10 +171,11 @@ static void u_span(const adafactor_var *a, size_t e, size_t count, int store, fl
     if (p->rows > 0) {
         const size_t row = e / p->cols, j = e % p->cols, slice = row / p->rows;
         const float f = a->ratio[row], *cc = p->c + slice * p->cols + j;
-        float *dst = store ? p->v + e : vbuf;
         for (size_t k = 0; k < count; k++)
-            dst[k] = f * cc[k];
-        v = dst;
+            vbuf[k] = f * cc[k];
+        if (store)
+            store_streaming(p->v + e, vbuf, count);
+        v = vbuf;
     }
     divide_by_root(out, v, e, count, p->length, a->c->rsqrt);
 }
@@ -325,6 +342,9 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c)
                 for (size_t q = 0; q < take; q++)
                     w[q] = w[q] - alpha * (ubuf[q] / m);
         }
+#ifdef LS_ADAFACTOR_SSE
+    _mm_sfence(); /* the streaming stores, ordered before the op returns */
+#endif
     free(firsts);
     return 1;
 }
