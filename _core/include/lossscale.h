@@ -572,8 +572,10 @@ const char *ls_adafactor_problem(const ls_adafactor_param *params, size_t count,
 
 /* Every variable's step (no finite check: the caller decided the step
  * applies), its variables split over `parallel` (NULL: the library's
- * threads).  1, or LS_ERR_ARG (ls_adafactor_problem) / LS_ERR_MEMORY with
- * nothing written. */
+ * threads), its element loops the kernel set's LOSSSCALE_SIMD names (the
+ * same bits at every level).  1; LS_ERR_ARG (ls_adafactor_problem) or
+ * LS_ERR_SIMD (a level this CPU lacks) with nothing written; LS_ERR_MEMORY
+ * (a variable's scratch), the variables before it may have been stepped. */
 int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
                              const ls_adafactor_config *config, unsigned flags,
                              ls_parallel_fn parallel, void *host);

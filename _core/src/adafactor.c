@@ -89,59 +89,16 @@ static void mean_last(const float *x, size_t kept, size_t cols, int threads, flo
 typedef struct adafactor_var {
     const ls_adafactor_param *p;
     const ls_adafactor_config *c;
-    /* how g is unscaled: 0 not, 1 divided by c->scale, 2 times `inverse`
-     * (the scale a power of two whose reciprocal is normal: g / scale and
-     * g * (1 / scale) are then the same real number, rounded once) */
-    int divide;
-    float inverse;
+    const ls_adafactor_loops *loops; /* the active kernel set's */
+    /* how g is unscaled (ls_adafactor_how): as it is, divided by the
+     * scale, or times its reciprocal `k` (a power of two whose reciprocal
+     * is normal: g / scale and g * (1 / scale) are then the same real
+     * number, rounded once) */
+    int how;
+    float k;
     /* factored: r[k] / mean(r) of each of the outer * rows rows */
     float *ratio;
 } adafactor_var;
-
-/* g of elements [e, e + count) of the variable, unscaled, into g. */
-static void unscaled(const adafactor_var *a, size_t e, size_t count, float *g)
-{
-    const float *grad = a->p->grad + e, scale = a->c->scale, inverse = a->inverse;
-    if (a->divide == 2)
-        for (size_t k = 0; k < count; k++)
-            g[k] = grad[k] * inverse;
-    else if (a->divide == 1)
-        for (size_t k = 0; k < count; k++)
-            g[k] = grad[k] / scale;
-    else
-        memcpy(g, grad, count * sizeof(float));
-}
-
-/* u = g * rsqrt(v) (TensorFlow's Rsqrt of v's elements [e, e + count) in
- * a tensor of n: RSQRTPS and one Newton step on its packets, 1 / sqrt on
- * its tail; ls_tf_rsqrt1), or g / sqrt(v), in place of g. */
-static void divide_by_root(float *g, const float *v, size_t e, size_t count, size_t n,
-                           int rsqrt)
-{
-    if (!rsqrt) {
-        for (size_t k = 0; k < count; k++)
-            g[k] = g[k] / sqrtf(v[k]);
-        return;
-    }
-    const size_t packets_end = ls_tf_rsqrt_packets_end(n);
-    size_t k = 0;
-#ifdef LS_ADAFACTOR_SSE
-    const __m128 half = _mm_set1_ps(-0.5f), minus_one = _mm_set1_ps(-1.0f);
-    for (; k + 4 <= count && e + k + 4 <= packets_end; k += 4) {
-        const __m128 y = _mm_loadu_ps(v + k);
-        const __m128 est = _mm_rsqrt_ps(y);
-        const __m128 step = _mm_add_ps(
-            _mm_mul_ps(_mm_mul_ps(est, half),
-                       _mm_add_ps(_mm_mul_ps(_mm_mul_ps(y, est), est), minus_one)),
-            est);
-        const __m128 nan = _mm_cmpunord_ps(step, step);
-        const __m128 r = _mm_or_ps(_mm_and_ps(nan, est), _mm_andnot_ps(nan, step));
-        _mm_storeu_ps(g + k, _mm_mul_ps(_mm_loadu_ps(g + k), r));
-    }
-#endif
-    for (; k < count; k++)
-        g[k] = g[k] * ls_tf_rsqrt1(v[k], e + k, n);
-}
 
 /* count floats from src to dst, bypassing the cache where dst is aligned
  * (a factored v is written and not read again in the step: a streaming
@@ -166,18 +123,18 @@ static void u_span(const adafactor_var *a, size_t e, size_t count, int store, fl
                    float *out)
 {
     const ls_adafactor_param *p = a->p;
-    unscaled(a, e, count, out);
-    const float *v = p->v + e;
+    ls_adafactor_span s = {p->grad + e, a->how, a->k, p->v + e, 0.0f, NULL, NULL, out, e,
+                           count, p->length, a->c->rsqrt};
     if (p->rows > 0) {
         const size_t row = e / p->cols, j = e % p->cols, slice = row / p->rows;
-        const float f = a->ratio[row], *cc = p->c + slice * p->cols + j;
-        for (size_t k = 0; k < count; k++)
-            vbuf[k] = f * cc[k];
-        if (store)
-            store_streaming(p->v + e, vbuf, count);
-        v = vbuf;
+        s.v = NULL;
+        s.f = a->ratio[row];
+        s.c = p->c + slice * p->cols + j;
+        s.v_out = vbuf;
     }
-    divide_by_root(out, v, e, count, p->length, a->c->rsqrt);
+    a->loops->u(&s);
+    if (p->rows > 0 && store)
+        store_streaming(p->v + e, vbuf, count);
 }
 
 /* u of elements [e, e + count) (any rows), into out. */
@@ -227,9 +184,7 @@ static void factored_means(const adafactor_var *a, float *acc, float *row, float
         memset(acc, 0, 4 * cols * sizeof(float));
         for (size_t r = 0; r < rows; r++) {
             const size_t e = (s * rows + r) * cols;
-            unscaled(a, e, cols, row);
-            for (size_t j = 0; j < cols; j++)
-                row[j] = row[j] * row[j] + e1;
+            a->loops->grad(p->grad + e, row, cols, a->how, a->k, 1, e1);
             row_mean[s * rows + r] =
                 cols == 1        ? row[0]
                 : outer * rows == 1 ? ls_eigen_full_sum(row, cols, 0, a->c->eigen_threads) / count
@@ -264,14 +219,17 @@ static void factored_means(const adafactor_var *a, float *acc, float *row, float
 }
 
 /* One variable's step. */
-static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c)
+static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c,
+                    const ls_adafactor_loops *loops)
 {
     const size_t n = p->length;
     const int threads = c->eigen_threads;
     const float beta = c->beta, rest = c->rest;
-    adafactor_var a = {p, c, c->unscale == LS_UNSCALE_DIVIDE, 1.0f, NULL};
-    if (a.divide && exact_reciprocal(c->scale, &a.inverse))
-        a.divide = 2;
+    adafactor_var a = {p, c, loops,
+                       c->unscale == LS_UNSCALE_DIVIDE ? LS_ADAFACTOR_DIVIDE : LS_ADAFACTOR_AS_IS,
+                       c->scale, NULL};
+    if (a.how == LS_ADAFACTOR_DIVIDE && exact_reciprocal(c->scale, &a.k))
+        a.how = LS_ADAFACTOR_MULTIPLY;
     const size_t leaves = ls_eigen_full_leaves(n, threads, NULL, NULL);
     const size_t outer = p->outer, rows = p->rows, cols = p->rows > 0 ? p->cols : 0;
     /* leaf firsts and lengths (size_t), leaf sums, a leaf's u and v, and a
@@ -309,9 +267,9 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c)
         const float e1 = c->epsilon_1;
         for (size_t e = 0; e < n; e += leaf) {
             const size_t take = n - e < leaf ? n - e : leaf;
-            unscaled(&a, e, take, ubuf);
+            loops->grad(p->grad + e, ubuf, take, a.how, a.k, 1, e1);
             for (size_t k = 0; k < take; k++)
-                p->v[e + k] = beta * p->v[e + k] + rest * (ubuf[k] * ubuf[k] + e1);
+                p->v[e + k] = beta * p->v[e + k] + rest * ubuf[k];
         }
     }
     /* rms(u): u made a leaf at a time, never whole. */
@@ -324,23 +282,16 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c)
     /* v stored, u made again, the variable moved: row by row.  u / m is
      * u where m is 1 (u, a product or quotient, is never subnormal under
      * the flush), u times 1 / m where that is exact. */
-    float inverse_m = 1.0f;
-    const int by = m == 1.0f ? 0 : exact_reciprocal(m, &inverse_m) ? 2 : 1;
+    float by_k = m;
+    const int by = m == 1.0f                    ? LS_ADAFACTOR_AS_IS
+                   : exact_reciprocal(m, &by_k) ? LS_ADAFACTOR_MULTIPLY
+                                                : LS_ADAFACTOR_DIVIDE;
     const size_t span = rows > 0 ? cols : n;
     for (size_t e = 0; e < n; e += span)
         for (size_t k = 0; k < span; k += leaf) {
             const size_t take = span - k < leaf ? span - k : leaf;
             u_span(&a, e + k, take, 1, vbuf, ubuf);
-            float *w = p->var + e + k;
-            if (by == 0)
-                for (size_t q = 0; q < take; q++)
-                    w[q] = w[q] - alpha * ubuf[q];
-            else if (by == 2)
-                for (size_t q = 0; q < take; q++)
-                    w[q] = w[q] - alpha * (ubuf[q] * inverse_m);
-            else
-                for (size_t q = 0; q < take; q++)
-                    w[q] = w[q] - alpha * (ubuf[q] / m);
+            loops->update(p->var + e + k, ubuf, take, alpha, by, by_k);
         }
 #ifdef LS_ADAFACTOR_SSE
     _mm_sfence(); /* the streaming stores, ordered before the op returns */
@@ -354,6 +305,7 @@ typedef struct adafactor_job {
     size_t count;
     const ls_adafactor_config *config;
     unsigned flags;
+    const ls_adafactor_loops *loops;
     size_t *offset; /* where each variable starts in the concatenation */
 } adafactor_job;
 
@@ -366,7 +318,7 @@ static int adafactor_range(const void *arg, size_t begin, size_t end)
     int rc = 1;
     for (size_t i = 0; i < j->count && rc > 0; i++)
         if (j->offset[i] >= begin && j->offset[i] < end && j->params[i].length > 0)
-            rc = step_one(&j->params[i], j->config);
+            rc = step_one(&j->params[i], j->config, j->loops);
     ls_fpenv_leave(&env);
     return rc;
 }
@@ -409,9 +361,13 @@ int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
     if ((flags & ~(unsigned)LS_FLUSH_DENORMALS) != 0
         || ls_adafactor_problem(params, count, config) != NULL)
         return LS_ERR_ARG;
+    const int level = ls_simd_level();
+    if (level < 0)
+        return LS_ERR_SIMD;
     if (count == 0)
         return 1;
-    adafactor_job j = {params, count, config, flags, malloc(count * sizeof(size_t))};
+    adafactor_job j = {params, count, config, flags, &ls_optim_kernels_at(level)->adafactor,
+                       malloc(count * sizeof(size_t))};
     if (j.offset == NULL)
         return LS_ERR_MEMORY;
     size_t total = 0;

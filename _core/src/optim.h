@@ -312,10 +312,37 @@ enum { LS_OPTIM_NUM_FAMILIES = 0 LS_OPTIM_FAMILIES(LS_OPTIM_ONE) };
 /* A kernel set's fused optimizer kernels: by family id (the order of
  * LS_OPTIM_FAMILIES), then by gradient dtype (float64: NULL); and its
  * ls_slice_fn. */
+/* Adafactor's element loops (adafactor.c, adafactor_body.h): how a value
+ * is taken (as it is, divided or multiplied by a number), and one span of a
+ * step's u. */
+enum { LS_ADAFACTOR_AS_IS, LS_ADAFACTOR_DIVIDE, LS_ADAFACTOR_MULTIPLY };
+
+typedef struct ls_adafactor_span {
+    const float *grad; /* the span's gradient */
+    int how;           /* its unscale, by k */
+    float k;
+    const float *v;    /* its v, or NULL: f * c, written to v_out */
+    float f;
+    const float *c;
+    float *v_out;
+    float *u;          /* the span's u */
+    size_t first;      /* the span's first element in the variable */
+    size_t count;
+    size_t length;     /* the variable's */
+    int rsqrt;         /* g * TensorFlow's Rsqrt(v), else g / sqrt(v) */
+} ls_adafactor_span;
+
+typedef struct ls_adafactor_loops {
+    void (*grad)(const float *g, float *out, size_t n, int how, float k, int square, float e1);
+    void (*u)(const ls_adafactor_span *span);
+    void (*update)(float *w, const float *u, size_t n, float alpha, int how, float k);
+} ls_adafactor_loops;
+
 typedef struct ls_optim_kernels {
     const char *name;
     ls_optim_fn fn[LS_OPTIM_NUM_FAMILIES][LS_NUM_DTYPES];
     ls_slice_fn slice_add; /* a sparse gradient's slices onto its row sums */
+    ls_adafactor_loops adafactor;
 } ls_optim_kernels;
 
 /* ls_optim_<set> of every set built here (kernel_sets.def's optim column;

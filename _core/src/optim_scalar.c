@@ -20,9 +20,16 @@ static void slice_add_scalar(const void *src, size_t n, ls_dtype dt, const ls_op
         ls_optim_slice_add1(src, c, dt, a, factor, kind, k, g, t);
 }
 
+#define LS_CAT2(a, b) a##b
+#define LS_CAT(a, b) LS_CAT2(a, b)
+#define LS_SET scalar
+#define LS_KFN(name) LS_CAT(LS_CAT(ls_, LS_SET), _##name)
+#include "adafactor_body.h"
+
 #define LS_SCALAR_ROW(family) {family##_scalar, family##_scalar, family##_scalar, NULL},
 const ls_optim_kernels ls_optim_scalar = {
     "scalar",
     {LS_OPTIM_FAMILIES(LS_SCALAR_ROW)},
     slice_add_scalar,
+    LS_ADAFACTOR_LOOPS,
 };
