@@ -21,6 +21,13 @@
  *
  * Each addition is one float32 rounding whatever unit makes it, so the
  * sums are plain C in the orders above.
+ *
+ * Per variable (the variables split over the threads), after the RMS of
+ * the variable: one pass makes s a row at a time, each row's mean and the
+ * columns' sums as the rows go by (or a plain variable's v); one makes u
+ * a leaf of the full reduction at a time, for its RMS; one makes u again
+ * and moves the variable, storing a factored v.  The element loops are the
+ * active kernel set's (adafactor_body.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -160,13 +167,13 @@ static void u_range(const adafactor_var *a, size_t e, size_t count, float *vbuf,
 
 /* The factored moments: s = g * g + epsilon_1 row by row (never whole),
  * each row's mean (its tree), each column's sum in the middle axis' order
- * (4 accumulators per column), then r and c moved.  acc: 4 * cols floats,
- * row: cols floats; row_mean: outer * rows, col_mean: outer * cols. */
+ * (4 accumulators per column).  acc: 4 * cols floats, row: cols floats;
+ * row_mean: outer * rows, col_mean: outer * cols. */
 static void factored_means(const adafactor_var *a, float *acc, float *row, float *row_mean,
                            float *col_mean)
 {
     const ls_adafactor_param *p = a->p;
-    const size_t outer = p->outer, rows = p->rows, cols = p->cols, outputs = outer * cols;
+    const size_t outer = p->outer, rows = p->rows, cols = p->cols;
     const float e1 = a->c->epsilon_1, count = (float)cols;
     const size_t unrolled = rows >= UNROLLED_ROWS ? rows / 4 * 4 : 0;
     for (size_t s = 0; s < outer; s++) {
@@ -174,13 +181,9 @@ static void factored_means(const adafactor_var *a, float *acc, float *row, float
          * groups from flat output 0 that lie inside the slice. */
         const size_t o0 = s * cols, o1 = o0 + cols;
         size_t v0 = (o0 + PACKET - 1) / PACKET * PACKET, v1 = o1 / PACKET * PACKET;
-        if (v1 > outputs / PACKET * PACKET)
-            v1 = outputs / PACKET * PACKET;
         if (v1 < v0)
             v1 = v0;
         v0 -= o0, v1 -= o0; /* as columns of the slice */
-        if (v1 < v0)
-            v1 = v0;
         memset(acc, 0, 4 * cols * sizeof(float));
         for (size_t r = 0; r < rows; r++) {
             const size_t e = (s * rows + r) * cols;
@@ -237,7 +240,7 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c,
     const size_t leaf = 8 * 1024;
     size_t floats = leaves + 2 * leaf;
     if (rows > 0)
-        floats += 6 * cols + outer * (2 * rows + cols + 1);
+        floats += 5 * cols + outer * (2 * rows + cols + 1);
     size_t *firsts = malloc(2 * leaves * sizeof(size_t) + floats * sizeof(float));
     if (firsts == NULL)
         return LS_ERR_MEMORY;
@@ -250,7 +253,7 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c,
     const float alpha = tf_maximum(c->epsilon_2, sqrtf(ls_eigen_full_sum(p->var, n, 1, threads)
                                                       / (float)n)) * c->rho;
     if (rows > 0) {
-        float *acc = vbuf + leaf, *row = acc + 4 * cols, *row_mean = row + 2 * cols,
+        float *acc = vbuf + leaf, *row = acc + 4 * cols, *row_mean = row + cols,
               *col_mean = row_mean + outer * rows, *r_mean = col_mean + outer * cols;
         a.ratio = r_mean + outer; /* outer * rows */
         factored_means(&a, acc, row, row_mean, col_mean);
