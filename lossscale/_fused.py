@@ -1185,6 +1185,8 @@ def _adafactor_agrees(library):
     packets inside and across its slices and one unrolled by 4, a last axis
     over a tree, a full reduction over two shards)."""
     if "agree" not in _ADAFACTOR_AGREES:
+        from tensorflow.python.ops import resource_variable_ops
+
         with tf.init_scope(), tf.device("/cpu:0"):
             rng = np.random.default_rng(11)
             shapes = [(3, 21, 13), (18, 40), (2, 9000), (700, 450)]
@@ -1204,7 +1206,9 @@ def _adafactor_agrees(library):
                 alpha = tf.maximum(e2, tf.sqrt(tf.reduce_mean(tf.square(w0)))) * rho
                 m = tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / clip)
                 want = w0 - alpha * (u / m)
-                made = [tf.Variable(x) for x in (w0, r0, c0, np.zeros(shape, np.float32))]
+                # Plain resource variables: a strategy's scope would mirror tf.Variable's.
+                made = [resource_variable_ops.ResourceVariable(x)
+                        for x in (w0, r0, c0, np.zeros(shape, np.float32))]
                 library.loss_scale_apply_adafactor(
                     tf.constant(True), [made[0].handle], [made[1].handle], [made[2].handle],
                     [made[3].handle], [g], tf.constant(1.0), tf.constant(rho),

@@ -35,7 +35,8 @@ from helpers import bits
 from test_fused_step import Ours, Stock, assert_fused
 
 SHAPES = [(), (1,), (40,), (7, 13), (64, 100), (1, 9), (33, 1), (17, 24), (18, 40),
-          (5, 40, 17), (3, 21, 13), (3, 3, 16, 24), (1, 1, 64, 32), (3, 1, 5), (2, 1, 1)]
+          (5, 40, 17), (3, 21, 13), (3, 3, 16, 24), (1, 1, 64, 32), (3, 1, 5), (2, 1, 1),
+          (2, 16, 1), (3, 20, 3)]
 # Over a leaf's 8,192 values in a row, over two shards of the full reduction
 # (about 258,000 values at two threads), one row of them, one column of them.
 LARGE = [(3, 20000), (600, 500), (1, 300007), (300001, 1), (20, 16, 1000)]

@@ -183,7 +183,11 @@ static void factored_means(const adafactor_var *a, float *acc, float *row, float
         size_t v0 = (o0 + PACKET - 1) / PACKET * PACKET, v1 = o1 / PACKET * PACKET;
         if (v1 < v0)
             v1 = v0;
-        v0 -= o0, v1 -= o0; /* as columns of the slice */
+        v0 -= o0, v1 -= o0; /* as columns of the slice (none: both cols) */
+        if (v0 > cols)
+            v0 = cols;
+        if (v1 > cols)
+            v1 = cols;
         memset(acc, 0, 4 * cols * sizeof(float));
         for (size_t r = 0; r < rows; r++) {
             const size_t e = (s * rows + r) * cols;
