@@ -25,8 +25,17 @@ mode, an unknown mode, no steps); and sparse gradients for every family
 and form that takes one (every clip mode the form takes, each gradient
 dtype, rows of 1, 3 and 8 elements, repeated indices, an EMA, no slices)
 with their refusals (an index one row too far or negative, a legacy
-form's clip norm or slice factor) and a non-finite slice.  Deterministic: rerunning rewrites the same
-files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
+form's clip norm or slice factor) and a non-finite slice.  For
+fuzz/fuzz_adafactor.c, each path of Adafactor's step: unfactored lengths
+around a packet and a leaf, a tree's splits and two shards; factored
+shapes with axes of 1 anywhere, rows below and past 16 (not multiples of
+4), columns that put a packet of 8 outputs across two slices, rows past a
+leaf, two shards, one row; several variables with the host's cut points,
+in order and reversed; both unscales, scales that are powers of two
+(subnormal, past the largest float) and raw ones; Adafactor's numbers
+zero, NaN, infinite, subnormal or raw bits; Rsqrt on and off, flushing on
+and off, special values; and every refusal.  Deterministic: rerunning
+rewrites the same files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
     python fuzz/make_seeds.py
@@ -604,9 +613,211 @@ def accumulation_seeds(data):
                             accumulation=(ACC_DIVIDE, 0b101, steps)))
 
 
+# ------------------------------------------------------------ Adafactor
+
+AF_FLUSH, AF_UNKNOWN_FLAG, AF_CALLER_FLUSH, AF_RSQRT = 4, 8, 16, 32
+AF_NONE, AF_DIVIDE, AF_DIVIDE_POW2, AF_UNKNOWN = 0, 1, 2, 3
+AF_FAULTS = dict(null_config=1, null_params=2, null_var=3, null_grad=4, null_v=5, null_r=6,
+                 null_c=7, bad_shape=8, zero_cols=9, overflow=10, huge_length=11, empty=12)
+# fuzz_adafactor.c's shape classes: (outer, rows, cols) as (base, modulus)
+# pairs over O, R and C
+AF_CLASSES = [((1, 3), (1, 20), (1, 20)), ((1, 4), (1, 64), (1, 100)),
+              ((1, 2), (1, 4), (8193, 12000)), ((1, 3), (1, 300), (1, 13)),
+              ((1, 1), (380, 300), (680, 200)), ((1, 4), (1, 2000), (1, 1)),
+              ((1, 4), (1, 1), (1, 3000)), ((1, 1), (1, 3), (1, 30000))]
+
+
+def af_hyper(lo, value):
+    """The sane code (fuzz_adafactor.c's hyper_of) nearest below value."""
+    k = 0
+    while 2.0 ** (lo + k + 1) <= value:
+        k += 1
+    return k << 7 | int((value / 2.0 ** (lo + k) - 1) * 128)
+
+
+AF_SPECIAL = dict(zero=0xF000, neg_zero=0xF001, one=0xF002, neg_one=0xF003, nan=0xF004,
+                  inf=0xF005, neg_inf=0xF006, tiny=0xF007, max_subnormal=0xF008,
+                  min_normal=0xF009, max=0xF00A, big=0xF00B, small=0xF00C, half=0xF00D,
+                  subnormal=0xF00E, neg_subnormal=0xF00F)
+# rho, beta, rest (1 - beta), epsilon_1, epsilon_2, clip_threshold as Keras' defaults
+# make them at step 10 with a learning rate of 0.001
+AF_DEFAULT = [af_hyper(-14, 0.001), af_hyper(-8, 1 - 10 ** -0.8), 0, af_hyper(-110, 1e-30),
+              af_hyper(-14, 1e-3), af_hyper(-3, 1.0)]
+
+
+def af_unfactored(n):
+    """An unfactored variable of n values: (form, O, R, C)."""
+    if n == 0:
+        return (4 << 1, 0, 0, 0)
+    if n < 64:
+        return (0, 0, n, 0)
+    if n < 1100:
+        return (1 << 1, 0, n, 0)
+    if 8000 <= n < 20000:
+        return (2 << 1, 0, n - 8000, 0)
+    assert 258000 <= n < 258000 + 4096
+    return (3 << 1, 0, n - 258000, 0)
+
+
+def af_factored(outer, rows, cols):
+    """A factored [outer, rows, cols]: the first class that makes it."""
+    if outer == 1 and rows == 1 and cols >= 258000:
+        return (1 | 7 << 1, 0, 0x8000, cols - 258000)
+    for cls, ranges in enumerate(AF_CLASSES):
+        codes = []
+        for size, (base, mod) in zip((outer, rows, cols), ranges):
+            if not base <= size < base + mod:
+                break
+            codes.append(size - base)
+        else:
+            return (1 | cls << 1, codes[0], codes[1], codes[2])
+    raise ValueError((outer, rows, cols))
+
+
+def af_size(var):
+    form, o, r, c = var
+    cls = form >> 1 & 7
+    if not form & 1:
+        return [r % 64, r % 1100, 8000 + r % 12000, 258000 + r % 4096, 0][cls] if cls < 5 \
+            else r % 300
+    if cls == 7 and r & 0x8000:
+        return 1, 1, 258000 + c % 8192
+    (ob, om), (rb, rm), (cb, cm) = AF_CLASSES[cls]
+    return ob + o % om, rb + r % rm, cb + c % cm
+
+
+def af_content(rng, variables, specials=0.0, which=range(8), limit=1024):
+    """Codes for each variable's var, grad, then r and c (factored) and v,
+    at most `limit` in all (the target repeats the content)."""
+    n = 0
+    for var in variables:
+        size = af_size(var)
+        if isinstance(size, tuple):
+            o, r, c = size
+            n += 3 * o * r * c + o * r + o * c
+        else:
+            n += 3 * size
+    return norm_codes(rng, min(n, limit), specials=specials, which=which)
+
+
+def encode_adafactor(variables, unscale=AF_NONE, scale=0x3F800000, flags=0, lib_threads=1,
+                     eigen=1, fault=0, raw=False, wild=False, cuts=(), reverse=False,
+                     dummy_rc=False, hyper=None, data=b""):
+    out = bytearray([unscale | flags | (lib_threads - 1) << 6, eigen_byte(eigen),
+                     len(variables) | fault << 2 | raw << 6 | wild << 7,
+                     len(cuts) | reverse << 3 | dummy_rc << 4])
+    out += struct.pack("<I", scale)
+    out += struct.pack("<6H", *(hyper or AF_DEFAULT))
+    out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
+    for form, o, r, c in variables:
+        out += bytes([form, o]) + struct.pack("<HH", r, c)
+    return bytes(out) + data
+
+
+def af_pow2(exponent):
+    """fuzz_adafactor.c's power-of-two scale 2^exponent (its byte 4)."""
+    return exponent + 149
+
+
+def adafactor_seeds():
+    rng = random.Random(20260105)
+    three = struct.unpack("<I", struct.pack("<f", 3.0))[0]
+    # unfactored lengths around a packet, a run of four and a leaf; trees; shards
+    for k, n in enumerate([0, 1, 7, 9, 33, 63, 100, 1099, 16391]):
+        flags = AF_FLUSH if k % 2 else 0
+        v = [af_unfactored(n)]
+        yield (f"unfactored-{n}-f{k % 2}",
+               encode_adafactor(v, AF_DIVIDE if k % 3 else AF_NONE, three, flags,
+                                eigen=1 + k % 3, data=af_content(rng, v)))
+    for n, eigen in ((258461, 2), (258462, 2), (262000, 8)):
+        v = [af_unfactored(n)]
+        yield (f"unfactored-{n}-e{eigen}",
+               encode_adafactor(v, AF_DIVIDE_POW2, af_pow2(10), eigen=eigen,
+                                data=af_content(rng, v)))
+    # factored shapes: axes of 1 anywhere, rows across 16 and not a multiple
+    # of 4, columns no multiple of 8 (packets straddling slices), rows past a
+    # leaf, two shards, one row
+    shapes = [(1, 1, 1), (1, 1, 7), (1, 7, 1), (3, 1, 1), (2, 3, 5), (3, 17, 9), (1, 16, 8),
+              (2, 19, 13), (3, 20, 6), (4, 63, 99), (1, 20, 20), (2, 4, 8200), (1, 2, 20000),
+              (3, 299, 13), (1, 383, 683), (1, 1999, 1), (4, 15, 1), (4, 1, 2999), (1, 1, 266191),
+              (1, 3, 29999), (2, 33, 3)]
+    for k, (o, r, c) in enumerate(shapes):
+        v = [af_factored(o, r, c)]
+        flags = (AF_FLUSH if k % 2 else 0) | (AF_RSQRT if k % 3 == 1 else 0)
+        unscale = [AF_NONE, AF_DIVIDE, AF_DIVIDE_POW2][k % 3]
+        scale = af_pow2(-7) if unscale == AF_DIVIDE_POW2 else three
+        eigen = 2 if o * r * c > 250000 else 1 + k % 4
+        yield (f"factored-{o}x{r}x{c}-f{flags}",
+               encode_adafactor(v, unscale, scale, flags, eigen=eigen, lib_threads=1 + k % 4,
+                                data=af_content(rng, v)))
+    # several variables, the host's cuts in order and reversed, r and c given
+    # to an unfactored one
+    mixed = [af_factored(2, 19, 13), af_unfactored(100), af_factored(3, 1, 1)]
+    for reverse in (False, True):
+        yield (f"mixed-cuts-r{int(reverse)}",
+               encode_adafactor(mixed, AF_DIVIDE, three, AF_FLUSH, lib_threads=4, eigen=3,
+                                cuts=(0, 1, 494, 495, 600, 600, 10 ** 9), reverse=reverse,
+                                dummy_rc=True, data=af_content(rng, mixed)))
+    # scales: subnormal, the least normal, past the largest (inf) powers of
+    # two, under the flush and not; raw zero, NaN and negative
+    small = [af_factored(2, 19, 13), af_unfactored(33)]
+    for e in (-127, -149, 128):
+        for flags in (0, AF_FLUSH):
+            yield (f"scale-pow2-{e}-f{flags // AF_FLUSH}",
+                   encode_adafactor(small, AF_DIVIDE_POW2, af_pow2(e), flags,
+                                    data=af_content(rng, small)))
+    for name, bits in (("zero", 0), ("nan", 0x7FC00000), ("neg", 0xC0000000),
+                       ("subnormal", 0x00012345)):
+        yield (f"scale-{name}", encode_adafactor(small, AF_DIVIDE, bits, AF_FLUSH,
+                                                 data=af_content(rng, small)))
+    # hyperparameters out of the ordinary
+    odd = [(0, "zero"), (0, "nan"), (1, "zero"), (2, "inf"), (2, "subnormal"), (3, "zero"),
+           (3, "subnormal"), (4, "nan"), (4, "inf"), (5, "zero"), (5, "nan"), (5, "neg_one"),
+           (5, "small")]
+    names = ["rho", "beta", "rest", "epsilon_1", "epsilon_2", "clip"]
+    for k, (i, special) in enumerate(odd):
+        hyper = list(AF_DEFAULT)
+        hyper[i] = AF_SPECIAL[special]
+        if i == 1:
+            hyper[2] = AF_SPECIAL["one"]
+        yield (f"hyper-{names[i]}-{special}",
+               encode_adafactor(small, AF_DIVIDE, three, AF_FLUSH if k % 2 else 0, hyper=hyper,
+                                data=af_content(rng, small)))
+    hyper = list(AF_DEFAULT)
+    hyper[5] = af_hyper(-3, 0.125)  # a clip below the RMS of u: m > 1
+    yield ("hyper-clip-low", encode_adafactor(small, AF_NONE, hyper=hyper,
+                                              data=af_content(rng, small)))
+    hyper = [0xE123, 0xE456, 0xE789, 0xEABC, 0xEDEF, 0xE0F0]
+    yield ("hyper-raw", encode_adafactor(small, AF_DIVIDE, three, hyper=hyper,
+                                         data=af_content(rng, small)))
+    # values: subnormal and special, flushed or not, the caller's own FTZ/DAZ
+    for flags in (0, AF_FLUSH, AF_CALLER_FLUSH, AF_FLUSH | AF_CALLER_FLUSH | AF_RSQRT):
+        yield (f"specials-f{flags}",
+               encode_adafactor(small, AF_DIVIDE, three, flags, wild=True,
+                                data=af_content(rng, small, specials=0.3, which=range(16))))
+    yield ("raw-values", encode_adafactor(small, AF_DIVIDE, three, AF_FLUSH, raw=True,
+                                          data=bytes(rng.getrandbits(8) for _ in range(2048))))
+    # no variables; refusals
+    yield ("no-variables", encode_adafactor([], AF_DIVIDE, three))
+    for fault, number in AF_FAULTS.items():
+        yield (f"fault-{fault}", encode_adafactor(small, AF_DIVIDE, three, fault=number,
+                                                  data=af_content(rng, small)))
+    yield ("fault-null_r-unfactored",
+           encode_adafactor([af_unfactored(9)], fault=AF_FAULTS["null_r"], dummy_rc=True,
+                            data=af_content(rng, [af_unfactored(9)])))
+    for eigen in (0, -3, INT32_MIN):
+        yield (f"eigen-{eigen}", encode_adafactor(small, AF_DIVIDE, three, eigen=eigen,
+                                                  data=af_content(rng, small)))
+    yield ("unknown-flag", encode_adafactor(small, flags=AF_UNKNOWN_FLAG | AF_FLUSH,
+                                            data=af_content(rng, small)))
+    for bits in (0, 1):
+        yield (f"unknown-unscale-{bits}", encode_adafactor(small, AF_UNKNOWN, bits,
+                                                           data=af_content(rng, small)))
+
+
 def main():
     for sub, generate in (("core", seeds), ("scale_rule", rule_seeds), ("norms", norm_seeds),
-                          ("optim", optim_seeds)):
+                          ("optim", optim_seeds), ("adafactor", adafactor_seeds)):
         out = os.path.join(HERE, "corpus", sub)
         os.makedirs(out, exist_ok=True)
         n = 0

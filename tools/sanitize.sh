@@ -3,12 +3,12 @@
 # AddressSanitizer and UndefinedBehaviorSanitizer, then exercised.
 #
 #   1. pure C (LeakSanitizer on too): the fuzz targets (buffers, fused
-#      optimizer step, loss-scale rule, sums of squares) replaying their
-#      corpora and every regression input, and the thread-pool driver, under
-#      each kernel level LOSSSCALE_SIMD can name; the thread-pool driver
-#      again under ThreadSanitizer; with clang, the replay under clang's
-#      ASan (which instruments masked vector loads and stores) and both
-#      under MemorySanitizer;
+#      optimizer step, loss-scale rule, sums of squares, Adafactor's step)
+#      replaying their corpora and every regression input, and the
+#      thread-pool driver, under each kernel level LOSSSCALE_SIMD can name;
+#      the thread-pool driver again under ThreadSanitizer; with clang, the
+#      replay under clang's ASan (which instruments masked vector loads and
+#      stores) and both under MemorySanitizer;
 #   2. Python: the extension rebuilt into build/sanitize/ (never over the
 #      in-place modules), then every test that needs only lossscale.core,
 #      with the sanitizer runtime preloaded into the interpreter; the fuzz
@@ -39,6 +39,7 @@ tools/build_c.sh "$OUT/replay_core" "$CC" "$SAN -O2" fuzz/fuzz_core.c fuzz/repla
 tools/build_c.sh "$OUT/replay_scale_rule" "$CC" "$SAN -O2" fuzz/fuzz_scale_rule.c fuzz/replay.c
 tools/build_c.sh "$OUT/replay_optim" "$CC" "$SAN -O2" fuzz/fuzz_optim.c fuzz/replay.c
 tools/build_c.sh "$OUT/replay_norms" "$CC" "$SAN -O2" fuzz/fuzz_norms.c fuzz/replay.c
+tools/build_c.sh "$OUT/replay_adafactor" "$CC" "$SAN -O2" fuzz/fuzz_adafactor.c fuzz/replay.c
 ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_scale_rule" fuzz/corpus/scale_rule fuzz/regressions/scale_rule
 tools/build_c.sh "$OUT/test_threads" "$CC" "$SAN -O2" _core/tests/test_threads.c
 for level in $LEVELS; do
@@ -47,6 +48,7 @@ for level in $LEVELS; do
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_core" fuzz/corpus/core fuzz/regressions/core
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_norms" $(inputs norms)
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_adafactor" $(inputs adafactor)
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/test_threads"
 done
 echo "-- ThreadSanitizer"
@@ -63,10 +65,13 @@ if command -v clang >/dev/null 2>&1; then
     tools/build_c.sh "$OUT/clang/replay_core" clang "$SAN -O2" fuzz/fuzz_core.c fuzz/replay.c
     tools/build_c.sh "$OUT/clang/replay_optim" clang "$SAN -O2" fuzz/fuzz_optim.c fuzz/replay.c
     tools/build_c.sh "$OUT/clang/replay_norms" clang "$SAN -O2" fuzz/fuzz_norms.c fuzz/replay.c
+    tools/build_c.sh "$OUT/clang/replay_adafactor" clang "$SAN -O2" fuzz/fuzz_adafactor.c \
+        fuzz/replay.c
     MSAN="-fsanitize=memory -fsanitize-memory-track-origins -fno-omit-frame-pointer -g -O1"
     tools/build_c.sh "$OUT/msan/replay_core" clang "$MSAN" fuzz/fuzz_core.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_optim" clang "$MSAN" fuzz/fuzz_optim.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_norms" clang "$MSAN" fuzz/fuzz_norms.c fuzz/replay.c
+    tools/build_c.sh "$OUT/msan/replay_adafactor" clang "$MSAN" fuzz/fuzz_adafactor.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/test_threads" clang "$MSAN" _core/tests/test_threads.c
     for level in $LEVELS; do
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
@@ -75,9 +80,12 @@ if command -v clang >/dev/null 2>&1; then
             "$OUT/clang/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
             "$OUT/clang/replay_norms" $(inputs norms)
+        LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
+            "$OUT/clang/replay_adafactor" $(inputs adafactor)
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_core" fuzz/corpus/core fuzz/regressions/core
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_norms" $(inputs norms)
+        LOSSSCALE_SIMD=$level "$OUT/msan/replay_adafactor" $(inputs adafactor)
         LOSSSCALE_SIMD=$level "$OUT/msan/test_threads"
     done
 else
