@@ -237,7 +237,8 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     reader r = {data, size, 0};
     const uint8_t mode = next_byte(&r);
     const int unscale = mode & 3;
-    c->flags = ((mode >> 2) & 1 ? LS_FLUSH_DENORMALS : 0u) | ((mode >> 3) & 1 ? LS_CHECK_INPUTS : 0u);
+    c->flags = ((mode >> 2) & 1 ? LS_FLUSH_DENORMALS : 0u)
+               | ((mode >> 3) & 1 ? LS_CHECK_INPUTS : 0u);
     c->caller_flush = (mode >> 4) & 1;
     c->config.rsqrt = (mode >> 5) & 1;
     c->lib_threads = 1 + (mode >> 6);

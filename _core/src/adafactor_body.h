@@ -5,6 +5,16 @@
  * every tail.  Each lane's operations are the element's, in its order.
  */
 
+#ifdef LS_VW
+/* ls_adafactor_by1 on LS_VW lanes. */
+LS_INLINE LS_V LS_FN(adafactor_by)(LS_V x, int how, LS_V k)
+{
+    return how == LS_ADAFACTOR_DIVIDE     ? v_div(x, k)
+           : how == LS_ADAFACTOR_MULTIPLY ? v_mul(x, k)
+                                          : x;
+}
+#endif
+
 /* out = g unscaled (ls_adafactor_how: as it is, / k, * k), then with
  * `square` out * out + e1. */
 static void LS_KFN(adafactor_grad)(const float *g, float *out, size_t n, int how, float k,
@@ -14,14 +24,12 @@ static void LS_KFN(adafactor_grad)(const float *g, float *out, size_t n, int how
 #ifdef LS_VW
     const LS_V kv = v_set1(k), ev = v_set1(e1);
     for (; i + LS_VW <= n; i += LS_VW) {
-        LS_V x = v_load(g + i);
-        x = how == LS_ADAFACTOR_DIVIDE ? v_div(x, kv) : how == LS_ADAFACTOR_MULTIPLY ? v_mul(x, kv) : x;
+        const LS_V x = LS_FN(adafactor_by)(v_load(g + i), how, kv);
         v_store(out + i, square ? v_add(v_mul(x, x), ev) : x);
     }
 #endif
     for (; i < n; i++) {
-        float x = g[i];
-        x = how == LS_ADAFACTOR_DIVIDE ? x / k : how == LS_ADAFACTOR_MULTIPLY ? x * k : x;
+        const float x = ls_adafactor_by1(g[i], how, k);
         out[i] = square ? x * x + e1 : x;
     }
 }
@@ -49,10 +57,7 @@ static void LS_KFN(adafactor_u)(const ls_adafactor_span *s)
     }
     const LS_V kv = v_set1(s->k), fv = v_set1(s->f);
     for (; i + LS_VW <= vector_end; i += LS_VW) {
-        LS_V g = v_load(s->grad + i);
-        g = s->how == LS_ADAFACTOR_DIVIDE     ? v_div(g, kv)
-            : s->how == LS_ADAFACTOR_MULTIPLY ? v_mul(g, kv)
-                                              : g;
+        const LS_V g = LS_FN(adafactor_by)(v_load(s->grad + i), s->how, kv);
         LS_V v;
         if (s->v != NULL) {
             v = v_load(s->v + i);
@@ -64,10 +69,7 @@ static void LS_KFN(adafactor_u)(const ls_adafactor_span *s)
     }
 #endif
     for (; i < n; i++) {
-        float g = s->grad[i];
-        g = s->how == LS_ADAFACTOR_DIVIDE     ? g / s->k
-            : s->how == LS_ADAFACTOR_MULTIPLY ? g * s->k
-                                              : g;
+        const float g = ls_adafactor_by1(s->grad[i], s->how, s->k);
         float v;
         if (s->v != NULL) {
             v = s->v[i];
@@ -88,16 +90,12 @@ static void LS_KFN(adafactor_update)(float *w, const float *u, size_t n, float a
 #ifdef LS_VW
     const LS_V av = v_set1(alpha), kv = v_set1(k);
     for (; i + LS_VW <= n; i += LS_VW) {
-        LS_V x = v_load(u + i);
-        x = how == LS_ADAFACTOR_DIVIDE ? v_div(x, kv) : how == LS_ADAFACTOR_MULTIPLY ? v_mul(x, kv) : x;
+        const LS_V x = LS_FN(adafactor_by)(v_load(u + i), how, kv);
         v_store(w + i, v_sub(v_load(w + i), v_mul(av, x)));
     }
 #endif
-    for (; i < n; i++) {
-        float x = u[i];
-        x = how == LS_ADAFACTOR_DIVIDE ? x / k : how == LS_ADAFACTOR_MULTIPLY ? x * k : x;
-        w[i] = w[i] - alpha * x;
-    }
+    for (; i < n; i++)
+        w[i] = w[i] - alpha * ls_adafactor_by1(u[i], how, k);
 }
 
 #define LS_ADAFACTOR_LOOPS {LS_KFN(adafactor_grad), LS_KFN(adafactor_u), LS_KFN(adafactor_update)}

@@ -136,15 +136,23 @@ static void shards_of(size_t n, int threads, size_t *blocks, size_t *size)
     *blocks = *size > 0 ? n / *size : 0;
 }
 
+/* How many of the n values from `first` a range over a leaf's size puts
+ * in its left half: up to the packet boundary at or after its middle,
+ * counted from 0 (the right half starts at first + that). */
+static size_t tree_left(size_t first, size_t n)
+{
+    const size_t half = (n + 1) / 2;
+    const size_t split = LANES * ((first + half + LANES - 1) / LANES);
+    return split - first < n ? split - first : n;
+}
+
 /* The tree over [first, first + n): each leaf's range appended through
  * `out` (when not NULL) at *count, which counts them either way. */
 static void tree_leaves(size_t first, size_t n, size_t *out_first, size_t *out_n,
                         size_t *count)
 {
     if (n > LEAF) {
-        const size_t half = (n + 1) / 2;
-        const size_t split = LANES * ((first + half + LANES - 1) / LANES);
-        const size_t left = split - first < n ? split - first : n;
+        const size_t left = tree_left(first, n), split = first + left;
         tree_leaves(first, left, out_first, out_n, count);
         if (left < n)
             tree_leaves(split, n - left, out_first, out_n, count);
@@ -161,9 +169,7 @@ static void tree_leaves(size_t first, size_t n, size_t *out_first, size_t *out_n
 static float tree_combine(size_t first, size_t n, const float *leaf, size_t *next)
 {
     if (n > LEAF) {
-        const size_t half = (n + 1) / 2;
-        const size_t split = LANES * ((first + half + LANES - 1) / LANES);
-        const size_t left = split - first < n ? split - first : n;
+        const size_t left = tree_left(first, n), split = first + left;
         float sum = 0.0f + tree_combine(first, left, leaf, next);
         if (left < n)
             sum = sum + tree_combine(split, n - left, leaf, next);
@@ -212,9 +218,7 @@ static float all_combine(size_t n, int threads, const float *leaf)
 float ls_eigen_tree_sum(const float *range, size_t first, size_t n, int square)
 {
     if (n > LEAF) {
-        const size_t half = (n + 1) / 2;
-        const size_t split = LANES * ((first + half + LANES - 1) / LANES);
-        const size_t left = split - first < n ? split - first : n;
+        const size_t left = tree_left(first, n), split = first + left;
         float sum = 0.0f + ls_eigen_tree_sum(range, first, left, square);
         if (left < n)
             sum = sum + ls_eigen_tree_sum(range + left, split, n - left, square);

@@ -332,6 +332,12 @@ typedef struct ls_adafactor_span {
     int rsqrt;         /* g * TensorFlow's Rsqrt(v), else g / sqrt(v) */
 } ls_adafactor_span;
 
+/* x as it is, x / k or x * k (an ls_adafactor_how). */
+static inline float ls_adafactor_by1(float x, int how, float k)
+{
+    return how == LS_ADAFACTOR_DIVIDE ? x / k : how == LS_ADAFACTOR_MULTIPLY ? x * k : x;
+}
+
 typedef struct ls_adafactor_loops {
     void (*grad)(const float *g, float *out, size_t n, int how, float k, int square, float e1);
     void (*u)(const ls_adafactor_span *span);

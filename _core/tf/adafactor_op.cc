@@ -121,7 +121,7 @@ class AdafactorOp : public tf::OpKernel {
         OP_REQUIRES(ctx, twice < 0,
                     tf::errors::InvalidArgument(type_string(),
                                                 ": a variable or slot is passed twice (",
-                                                NameOf(ctx, inputs[twice]), ")"));
+                                                VariableNameAt(ctx, inputs[twice]), ")"));
         vars.Lock(ctx);
 
         std::vector<ls_adafactor_param> params(n);
@@ -134,7 +134,7 @@ class AdafactorOp : public tf::OpKernel {
             const int k = r_of[i];
             OP_REQUIRES(ctx, (k >= 0) == (shape.dims() >= 2),
                         tf::errors::InvalidArgument(
-                            type_string(), ": ", NameOf(ctx, 1 + i), " has rank ",
+                            type_string(), ": ", VariableNameAt(ctx, 1 + i), " has rank ",
                             shape.dims(), ", factored is ", k >= 0 ? "true" : "false",
                             " (Adafactor factors rank 2 and more)"));
             tf::TensorShape r_shape = shape, c_shape = shape;
@@ -152,7 +152,7 @@ class AdafactorOp : public tf::OpKernel {
             for (const auto& want : mine) {
                 tf::Var* var = vars.var(want.first);
                 const tf::Tensor* value = var->tensor();
-                const std::string what = NameOf(ctx, inputs[want.first]);
+                const std::string what = VariableNameAt(ctx, inputs[want.first]);
                 OP_REQUIRES(ctx, var->is_initialized,
                             tf::errors::FailedPrecondition(type_string(), ": ", what,
                                                            " is not initialized"));
@@ -201,21 +201,13 @@ class AdafactorOp : public tf::OpKernel {
         const int n = n_, f = f_;
         for (int i = 0; i < n; ++i) {
             ls_adafactor_param& p = (*params)[i];
-            p.var = Floats(vars.var(i));
-            p.v = Floats(vars.var(n + 2 * f + i));
+            p.var = FloatsOf(vars.var(i));
+            p.v = FloatsOf(vars.var(n + 2 * f + i));
             if (r_of[i] >= 0) {
-                p.r = Floats(vars.var(n + r_of[i]));
-                p.c = Floats(vars.var(n + f + r_of[i]));
+                p.r = FloatsOf(vars.var(n + r_of[i]));
+                p.c = FloatsOf(vars.var(n + f + r_of[i]));
             }
         }
-    }
-
-    static float* Floats(tf::Var* var) {
-        return reinterpret_cast<float*>(const_cast<char*>(var->tensor()->tensor_data().data()));
-    }
-
-    static std::string NameOf(tf::OpKernelContext* ctx, size_t input) {
-        return "variable '" + tf::HandleFromInput(ctx, static_cast<int>(input)).name() + "'";
     }
 };
 

@@ -164,6 +164,16 @@ class UpdatedVariables {
     std::unique_ptr<tf::VariableInputLockHolder> locks_;
 };
 
+// A resource variable's float32 buffer, to write (after PrepareToUpdate).
+inline float* FloatsOf(tf::Var* var) {
+    return reinterpret_cast<float*>(const_cast<char*>(var->tensor()->tensor_data().data()));
+}
+
+// "variable '<name>'" of the resource handle at an op's input, for messages.
+inline std::string VariableNameAt(tf::OpKernelContext* ctx, size_t input) {
+    return "variable '" + tf::HandleFromInput(ctx, static_cast<int>(input)).name() + "'";
+}
+
 }  // namespace lossscale_tf
 
 #endif  // LOSSSCALE_TF_H

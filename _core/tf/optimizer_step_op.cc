@@ -340,7 +340,7 @@ class FusedStepOp : public tf::OpKernel {
                     tf::errors::InvalidArgument(type_string(),
                                                 ": a variable, slot, average or accumulator "
                                                 "is passed twice (",
-                                                NameOf(ctx, inputs[twice]), ")"));
+                                                VariableNameAt(ctx, inputs[twice]), ")"));
         vars.Lock(ctx);
 
         // Check everything before any write.
@@ -354,7 +354,7 @@ class FusedStepOp : public tf::OpKernel {
             const tf::TensorShape shape = sparse ? vars.var(i)->tensor()->shape() : g.shape();
             ls_dtype dt;
             OP_REQUIRES(ctx, ToCoreDtype(g.dtype(), &dt) && dt != LS_FLOAT64,
-                        tf::errors::InvalidArgument("gradient of ", NameOf(ctx, 1 + i),
+                        tf::errors::InvalidArgument("gradient of ", VariableNameAt(ctx, 1 + i),
                                                     " has unsupported dtype ",
                                                     tf::DataTypeString(g.dtype())));
             // The variable, its slots, its average, its accumulator.
@@ -368,7 +368,7 @@ class FusedStepOp : public tf::OpKernel {
             for (int t : mine) {
                 tf::Var* var = vars.var(t);
                 const tf::Tensor* value = var->tensor();
-                const std::string what = NameOf(ctx, inputs[t]);
+                const std::string what = VariableNameAt(ctx, inputs[t]);
                 OP_REQUIRES(ctx, var->is_initialized,
                             tf::errors::FailedPrecondition(type_string(), ": ", what,
                                                            " is not initialized"));
@@ -400,8 +400,9 @@ class FusedStepOp : public tf::OpKernel {
                     ctx->input(first_scalar + 3 + num_scalars_ + num_clip_scalars_ + i);
                 OP_REQUIRES(ctx, term.shape() == g.shape(),
                             tf::errors::InvalidArgument(
-                                type_string(), ": the gradient term of ", NameOf(ctx, 1 + i),
-                                " has shape ", term.shape().DebugString(),
+                                type_string(), ": the gradient term of ",
+                                VariableNameAt(ctx, 1 + i), " has shape ",
+                                term.shape().DebugString(),
                                 ", its gradient has shape ", g.shape().DebugString()));
                 params[i].grad_term = term.flat<float>().data();
             }
@@ -424,13 +425,13 @@ class FusedStepOp : public tf::OpKernel {
         for (size_t t = 0; t < vars.size(); ++t)
             OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));
         for (int i = 0; i < n; ++i) {
-            params[i].var = Floats(vars.var(i));
+            params[i].var = FloatsOf(vars.var(i));
             for (int s = 1; s * n + i < grads_first - 1; ++s)
-                params[i].slot[s - 1] = Floats(vars.var(s * n + i));
+                params[i].slot[s - 1] = FloatsOf(vars.var(s * n + i));
             if (num_averages_ > 0)
-                params[i].average = Floats(vars.var(grads_first - 1 + i));
+                params[i].average = FloatsOf(vars.var(grads_first - 1 + i));
             if (num_accumulators_ > 0)
-                params[i].accumulator = Floats(vars.var(accumulator_at + i));
+                params[i].accumulator = FloatsOf(vars.var(accumulator_at + i));
         }
         // Validated once (buffers included), then split over the pool.
         const int rc = ls_optim_update_with(params.data(), params.size(), &config,
@@ -443,7 +444,7 @@ class FusedStepOp : public tf::OpKernel {
     tf::Status CheckSlices(tf::OpKernelContext* ctx, int i, const tf::Tensor& g,
                            const tf::Tensor& indices, const tf::TensorShape& shape,
                            ls_param* p) {
-        const std::string where = "the sparse gradient of " + NameOf(ctx, 1 + i);
+        const std::string where = "the sparse gradient of " + VariableNameAt(ctx, 1 + i);
         if (shape.dims() < 1 || g.dims() != shape.dims())
             return tf::errors::InvalidArgument(type_string(), ": ", where, " has slices of shape ",
                                                g.shape().DebugString(), " for a variable of shape ",
@@ -468,14 +469,6 @@ class FusedStepOp : public tf::OpKernel {
         p->slices = static_cast<size_t>(index.size());
         p->row_length = rows > 0 ? static_cast<size_t>(shape.num_elements() / rows) : 1;
         return tf::OkStatus();
-    }
-
-    static float* Floats(tf::Var* var) {
-        return reinterpret_cast<float*>(const_cast<char*>(var->tensor()->tensor_data().data()));
-    }
-
-    static std::string NameOf(tf::OpKernelContext* ctx, size_t input) {
-        return "variable '" + tf::HandleFromInput(ctx, static_cast<int>(input)).name() + "'";
     }
 };
 
