@@ -19,8 +19,8 @@
  *
  * Only the additions' grouping matters (every addition is one IEEE
  * float32 rounding, whatever vector unit makes it), so the lanes are GCC
- * vector types in a file with no ISA flags: SSE2 on x86-64, which streams
- * faster than the memory delivers.  Leaves are independent: the job sums
+ * vector types (two 4-lane halves each) in a file with no ISA flags: SSE2
+ * on x86-64, which streams faster than the memory delivers.  Leaves are independent: the job sums
  * every leaf of every gradient over the threads, then replays each tree
  * on the calling thread over the leaves' sums.
  */
@@ -34,28 +34,40 @@
 
 enum { LANES = 8, LEAF = LANES * 1024 };
 
-/* The 8-lane values never cross a call (every function taking or returning
- * one is inlined), so the ABI of passing them does not apply. */
-#pragma GCC diagnostic ignored "-Wpsabi"
+/* An 8-lane value is two 4-lane halves: GCC and clang keep a 16-byte
+ * vector in one register (SSE, NEON), where a 32-byte one without AVX is
+ * lowered through the stack. */
+typedef float lanes4 __attribute__((vector_size(4 * sizeof(float))));
+typedef struct lanes8 {
+    lanes4 lo, hi;
+} lanes8;
 
-typedef float lanes8 __attribute__((vector_size(LANES * sizeof(float))));
+static inline __attribute__((always_inline)) lanes8 add8(lanes8 a, lanes8 b)
+{
+    return (lanes8){a.lo + b.lo, a.hi + b.hi};
+}
 
 /* How each value becomes its square: the values as given are squared
  * after no unscale, a division or a multiplication (by k); PLAIN values
  * are squares already (a sparse leaf's densified squares). */
 enum { SQUARE_NONE, SQUARE_DIVIDE, SQUARE_MULTIPLY, PLAIN };
 
-static inline __attribute__((always_inline)) lanes8 term8(const float *p, int mode, const lanes8 *k)
+static inline __attribute__((always_inline)) lanes4 term4(const float *p, int mode, lanes4 k)
 {
-    lanes8 x;
+    lanes4 x;
     memcpy(&x, p, sizeof x);
     if (mode == PLAIN)
         return x;
     if (mode == SQUARE_DIVIDE)
-        x = x / *k;
+        x = x / k;
     else if (mode == SQUARE_MULTIPLY)
-        x = x * *k;
+        x = x * k;
     return x * x;
+}
+
+static inline __attribute__((always_inline)) lanes8 term8(const float *p, int mode, lanes4 k)
+{
+    return (lanes8){term4(p, mode, k), term4(p + 4, mode, k)};
 }
 
 static inline __attribute__((always_inline)) float term1(float x, int mode, float k)
@@ -74,34 +86,34 @@ static inline __attribute__((always_inline)) float term1(float x, int mode, floa
 static inline __attribute__((always_inline)) float leaf_sum(const float *p, size_t n, int mode,
                                                             float k)
 {
-    const lanes8 kv = {k, k, k, k, k, k, k, k};
-    lanes8 a0 = {0};
+    const lanes4 kv = {k, k, k, k};
+    lanes8 a0 = {{0}, {0}};
     size_t start = 0;
     if (n >= 4 * LANES) {
         const size_t runs = n / (4 * LANES) * (4 * LANES);
-        lanes8 a1 = {0}, a2 = {0}, a3 = {0};
+        lanes8 a1 = a0, a2 = a0, a3 = a0;
         for (size_t j = 0; j < runs; j += 4 * LANES) {
-            a0 += term8(p + j, mode, &kv);
-            a1 += term8(p + j + LANES, mode, &kv);
-            a2 += term8(p + j + 2 * LANES, mode, &kv);
-            a3 += term8(p + j + 3 * LANES, mode, &kv);
+            a0 = add8(a0, term8(p + j, mode, kv));
+            a1 = add8(a1, term8(p + j + LANES, mode, kv));
+            a2 = add8(a2, term8(p + j + 2 * LANES, mode, kv));
+            a3 = add8(a3, term8(p + j + 3 * LANES, mode, kv));
         }
-        a0 += a1;
-        a0 += a2;
-        a0 += a3;
+        a0 = add8(a0, a1);
+        a0 = add8(a0, a2);
+        a0 = add8(a0, a3);
         start = runs;
     }
     if (n >= LANES && start <= n - LANES) {
         const size_t packets = n / LANES * LANES;
         for (size_t j = start; j < packets; j += LANES)
-            a0 += term8(p + j, mode, &kv);
+            a0 = add8(a0, term8(p + j, mode, kv));
         start = packets;
     }
     float rest = 0.0f;
     for (size_t j = start; j < n; j++)
         rest += term1(p[j], mode, k);
-    const float b0 = a0[0] + a0[4], b1 = a0[1] + a0[5], b2 = a0[2] + a0[6], b3 = a0[3] + a0[7];
-    return rest + ((b0 + b2) + (b1 + b3));
+    const lanes4 b = a0.lo + a0.hi; /* lane l + lane l + 4 */
+    return rest + ((b[0] + b[2]) + (b[1] + b[3]));
 }
 
 static float leaf_of(const float *p, size_t n, int mode, float k)
