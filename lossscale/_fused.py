@@ -1146,6 +1146,7 @@ def _lion_sparse(inner, variable):
                                                           tf.float32),
                       hyper=hyper)
 
+
 def _adafactor_scalars(inner, lr):
     """Adafactor's rho_t, beta_2_t and 1 - beta_2_t, with Keras' own ops in
     its update_step's order (so a graph rewrites them as it rewrites

@@ -12,8 +12,8 @@ the cost of a step.
 
 For a stock inner optimizer of a fused family (``SGD``, ``Adam``,
 ``AdamW``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Nadam``, ``Lion``,
-``Adafactor``: ``lossscale._fused.FAMILIES``) the step is fused: a read-only finite check
-of the scaled gradients (one small native op per large gradient, inside
+``Adafactor``: ``lossscale._fused.FAMILIES``) the step is fused: a
+read-only finite check of the scaled gradients (one small native op per large gradient, inside
 the graph that makes them, so each gradient is read while still in
 cache), the scale
 update (one native op), then ONE native op that unscales every gradient on
