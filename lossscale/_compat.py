@@ -204,6 +204,15 @@ def _slot_list(optimizer, kind):
     return slots
 
 
+def plain_resource_variable(value):
+    """A resource variable of ``value`` made by its own class, which no
+    strategy's variable creator intercepts (a ``tf.Variable`` under a
+    strategy's scope is mirrored)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.ResourceVariable(value)
+
+
 def nadam_u_product(optimizer):
     """Nadam's running product of its momentum schedule, the scalar state
     its ``_backend_update_step`` moves once per applied step."""

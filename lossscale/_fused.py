@@ -1186,8 +1186,6 @@ def _adafactor_agrees(library):
     packets inside and across its slices and one unrolled by 4, a last axis
     over a tree, a full reduction over two shards)."""
     if "agree" not in _ADAFACTOR_AGREES:
-        from tensorflow.python.ops import resource_variable_ops
-
         with tf.init_scope(), tf.device("/cpu:0"):
             rng = np.random.default_rng(11)
             shapes = [(3, 21, 13), (18, 40), (2, 9000), (700, 450)]
@@ -1208,7 +1206,7 @@ def _adafactor_agrees(library):
                 m = tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / clip)
                 want = w0 - alpha * (u / m)
                 # Plain resource variables: a strategy's scope would mirror tf.Variable's.
-                made = [resource_variable_ops.ResourceVariable(x)
+                made = [_compat.plain_resource_variable(x)
                         for x in (w0, r0, c0, np.zeros(shape, np.float32))]
                 library.loss_scale_apply_adafactor(
                     tf.constant(True), [made[0].handle], [made[1].handle], [made[2].handle],
