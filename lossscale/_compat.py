@@ -307,6 +307,12 @@ def clip_gradients(optimizer, grads):
     return optimizer._clip_gradients(grads)  # pylint: disable=protected-access
 
 
+def update_step(optimizer, grad, variable, learning_rate):
+    """One variable's update by a Keras 3 ``optimizer``'s own
+    ``update_step``: its ops, as its ``apply`` runs them for that variable."""
+    optimizer.update_step(grad, variable, learning_rate)
+
+
 def check_variables_are_known(optimizer, variables):
     """Raises Keras' own ValueError (naming the variable) when ``optimizer``
     was not built with every one of ``variables``, as its ``apply`` does."""
@@ -537,6 +543,23 @@ def tf_keras_legacy_learning_rate(optimizer):
     as its ``_prepare_local`` computes it (the schedule at ``iterations``,
     then the ``decay``)."""
     return tf.identity(optimizer._decayed_lr(tf.float32))  # pylint: disable=protected-access
+
+
+def tf_keras_legacy_transform_gradients(optimizer, grads, variables):
+    """``grads`` clipped by a legacy ``tf_keras`` optimizer's own
+    ``_transform_gradients`` (its clipvalue, clipnorm and global_clipnorm, in
+    that order, its ops in its order)."""
+    pairs = optimizer._transform_gradients(list(zip(grads, variables)))  # pylint: disable=protected-access
+    return [g for g, _ in pairs]
+
+
+def tf_keras_legacy_apply_sparse(optimizer, values, variable, indices):
+    """A sparse gradient's update of ``variable`` by a legacy ``tf_keras``
+    optimizer's own ``_resource_apply_sparse_duplicate_indices`` (what its
+    ``apply_gradients`` runs for an ``IndexedSlices``, its scalars prepared
+    for the variable's device and dtype as its fallback prepares them)."""
+    return optimizer._resource_apply_sparse_duplicate_indices(  # pylint: disable=protected-access
+        values, variable, indices)
 
 
 def tf_keras_legacy_hyper(optimizer, name):

@@ -323,6 +323,16 @@ DENSIFIED_BY_CLIP = SparseForm()
 # TensorFlow's conversion densifies it (the same sums).
 SUMMED_BY_ROW = SparseForm()
 
+# A sparse gradient whose update no kernel reproduces, on one replica: the
+# inner optimizer's own update of that variable (its ops: Keras 3's
+# ``update_step``, tf_keras' legacy ``_resource_apply_sparse_duplicate_indices``)
+# runs inside the fused step, under its decision, after the slices' checks,
+# on the gradient unscaled (and clipped) as stock unscales (and clips) it;
+# every other variable takes the kernels.  Only for families whose update
+# of one variable reads nothing the step moves for the others (SGD: the
+# learning rate, its own momentum slot).
+BY_OWN_UPDATE = SparseForm()
+
 # The families whose native kernels take a sparse gradient's slices (the
 # core's LS_OPTIM_SPARSE_FAMILIES: an element's update reads that element
 # alone).
@@ -351,8 +361,9 @@ class Plan:
         # stock's are) before the fused pass, which then decays nothing.
         # Adafactor's op decays nothing: its decay is always Keras' own ops.
         self.decay_by_ops = [bool(d) and (_decay_follows_schedule(inner)
-                                          or family.name == "adafactor")
-                             for d in self.decay]
+                                          or family.name == "adafactor"
+                                          or form is BY_OWN_UPDATE)
+                             for d, form in zip(self.decay, forms)]
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
         self.replicated = _replicas() > 1
@@ -361,9 +372,11 @@ class Plan:
         merges = clip is not None and family.merges_global_clip(inner)
         self.merged_clip = [merges and len(v.shape) > 0 for v in variables]
         self.clip_scalars = []
-        # Under several replicas with clipvalue: whether every replica's
-        # gradients were finite before their clip (``sum_replicas``).
-        self.replicas_finite = None
+        # Where Keras' own ops clip before the fused pass: whether the
+        # gradients were finite before the clip, which may make an infinity
+        # finite (``sum_replicas`` under several replicas with clipvalue:
+        # every replica's; ``clip_by_own_ops``).
+        self.finite_before_clip = None
         self.scalars = None
         self.sparse_scalars = None
         self.state = []
@@ -398,9 +411,10 @@ class Plan:
         gradient on any replica still reaches every sum as a NaN through a
         norm (its norm is not finite, and the clipped values of its replica
         are NaN); ``clipvalue`` clips an infinity to a finite value, so its
-        replicas' own finite checks are summed too (``replicas_finite``).
+        replicas' own finite checks are summed too (``finite_before_clip``).
         tf_keras' loss-scale optimizer sums the gradients first and its
-        inner optimizer clips the sums: the fused pass clips them there."""
+        inner optimizer clips the sums: the fused pass clips them there
+        (with a sparse gradient, its own ops: ``clip_by_own_ops``)."""
         if not self.replicated:
             return unscale
         context = tf.distribute.get_replica_context()
@@ -411,12 +425,40 @@ class Plan:
             if self.clip[0] == "value":
                 if finite is None:
                     finite = native_ops.all_finite_grouped(self.grads)
-                self.replicas_finite = _step.all_replicas_finite(context, finite)
+                self.finite_before_clip = _step.all_replicas_finite(context, finite)
             self.grads = list(_compat.clip_gradients(self.inner, self.grads))
             self.forms = [form if isinstance(g, tf.IndexedSlices) else None
                           for g, form in zip(self.grads, self.forms)]
             self.clip = None
         self.grads = list(context.all_reduce(tf.distribute.ReduceOp.SUM, self.grads))
+        return "none"
+
+    def clip_by_own_ops(self, rule, scale, unscale):
+        """tf_keras' clip of a step with a sparse gradient, before the fused
+        pass: its optimizers clip a sparse gradient's slices as they came,
+        duplicates apart (``clip_by_norm`` by the slices' norm,
+        ``clip_by_global_norm`` by their ``l2_loss`` among the others'),
+        before the update sums a row's slices, where the kernels clip a
+        row's sum.  So with a clip and a sparse gradient, the gradients are
+        unscaled as stock unscales them (by ``rule``, unless ``unscale`` is
+        ``"none"``), checked, and clipped by the inner optimizer's own ops
+        (``KerasLine.clip_by_own_ops``, which clips them all: a global
+        norm takes in every one); the fused pass then clips nothing.
+        Returns the unscale the fused pass applies.  (Keras 3 clips a sparse
+        gradient's slices as the kernels do, or densifies it.)"""
+        if (self.clip is None or self.family.line is KERAS_3
+                or not any(isinstance(g, tf.IndexedSlices) for g in self.grads)):
+            return unscale
+        if unscale == "none":
+            finite = native_ops.all_finite_grouped(self.grads)
+        else:
+            self.grads, finite = rule.unscale_and_check(self.grads, scale)
+        if self.finite_before_clip is not None:
+            finite = tf.logical_and(finite, self.finite_before_clip)
+        self.finite_before_clip = finite
+        self.grads = self.family.line.clip_by_own_ops(self.inner, self.grads, self.variables)
+        self.clip = None
+        self.merged_clip = [False] * len(self.grads)
         return "none"
 
     def run(self, library, should_apply, scale, unscale, accumulation=None):
@@ -439,7 +481,9 @@ class Plan:
         densified = [i for i, form in enumerate(self.forms)
                      if (form is DENSIFIED_BY_CLIP and not native) or form is SUMMED_BY_ROW]
         sparse = [i for i, form in enumerate(self.forms)
-                  if form is not None and form not in (DENSIFIED_BY_CLIP, SUMMED_BY_ROW)]
+                  if form is not None
+                  and form not in (DENSIFIED_BY_CLIP, SUMMED_BY_ROW, BY_OWN_UPDATE)]
+        own = [i for i, form in enumerate(self.forms) if form is BY_OWN_UPDATE]
         if accumulation is not None and len(dense) != len(self.forms):
             # decide() keeps a sparse gradient with accumulation stock.
             raise ValueError("gradient accumulation takes dense gradients only")
@@ -463,6 +507,25 @@ class Plan:
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
+        if own:
+            # After the family's own state moves, as Keras moves it before
+            # any update_step (Nadam's u_product).
+            _step.cond(should_apply, lambda: self._update_by_own_ops(own, scale, unscale),
+                       lambda: None)
+
+    def _update_by_own_ops(self, which, scale, unscale):
+        """The inner optimizer's own update of the variables ``which``
+        (``BY_OWN_UPDATE``), after the slices' checks: each sparse gradient
+        unscaled as stock unscales it and clipped as the inner optimizer
+        clips it (a clip of its own: clipnorm or clipvalue)."""
+        line = self.family.line
+        with tf.control_dependencies(self.checks):
+            for i in which:
+                variable = self.variables[i]
+                grad = _unscaled_slices(self.grads[i], variable, scale, unscale)
+                if self.clip is not None:
+                    grad = line.clip_by_own_ops(self.inner, [grad], [variable])[0]
+                line.update_by_own_ops(self.inner, grad, variable, self.learning_rate)
 
     def _launch_adafactor(self, library, should_apply, scale, unscale):
         """Adafactor's op over the plan: every gradient dense.  The op
@@ -658,8 +721,8 @@ class Plan:
         mode = self.clip[0] if self.clip else None
         if mode not in ("norm", "global"):
             finite = native_ops.all_finite_grouped(self.grads)
-            if self.replicas_finite is not None:
-                finite = tf.logical_and(finite, self.replicas_finite)
+            if self.finite_before_clip is not None:
+                finite = tf.logical_and(finite, self.finite_before_clip)
             return finite
         clipnorm = self.clip[1]
         if mode == "norm":
@@ -781,6 +844,16 @@ class KerasLine:
         the reason the step is left to the stock path."""
         return clip_of(inner)
 
+    def clip_by_own_ops(self, inner, grads, variables):
+        """``grads`` (unscaled) clipped by the optimizer's own ops."""
+        del variables
+        return list(_compat.clip_gradients(inner, grads))
+
+    def update_by_own_ops(self, inner, grad, variable, learning_rate):
+        """``variable`` updated by ``grad`` (unscaled, clipped) with the
+        optimizer's own ops (``BY_OWN_UPDATE``)."""
+        _compat.update_step(inner, grad, variable, learning_rate)
+
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
         """The factor of a global-norm clip, and the sums whose finiteness
         shows that every gradient is finite: Keras' ``clip_by_global_norm``,
@@ -858,6 +931,14 @@ def _map_values(fn, slices):
 # ------------------------------------------------------------- families
 # Each family's numbers in the order of its family_<name>.h.
 
+def _by_own_update(why):
+    """``BY_OWN_UPDATE`` on one replica; under several, the reason ``why``
+    no kernel takes the sparse gradient, and the step is stock."""
+    if _replicas() > 1:
+        return why + " under several replicas"
+    return BY_OWN_UPDATE
+
+
 def _sgd_slots(inner):
     return ("momentum",) if float(inner.momentum) != 0 else ()
 
@@ -896,12 +977,15 @@ def _sgd_sparse(inner, variable):
     # ops.subtract(m * momentum, ops.multiply(g, lr)) densifies the
     # products (each slice times lr, then a row's slices summed): the
     # kernel takes those sums as its gradient, at a learning rate of 1
-    # (x * 1 is x).  Without momentum Keras subtracts slice by slice.
+    # (x * 1 is x).  Without momentum Keras subtracts slice by slice
+    # (scatter_sub, duplicates apart), and a weight decay's wd * lr has no
+    # place beside that learning rate of 1: both run as Keras' own
+    # update_step of the variable (BY_OWN_UPDATE) on one replica.
     if float(inner.momentum) == 0:
-        return ("Keras' SGD without momentum applies a sparse gradient slice by slice "
-                f"(scatter_sub) to {variable.name}")
+        return _by_own_update("Keras' SGD without momentum applies a sparse gradient slice "
+                              f"by slice (scatter_sub) to {variable.name}")
     if _decay_form(inner, variable, False):
-        return f"SGD's weight decay of {variable.name}, whose gradient is sparse"
+        return _by_own_update(f"SGD's weight decay of {variable.name}, whose gradient is sparse")
     return SparseForm(slice_factor=lambda lr: lr,
                       learning_rate=lambda lr: tf.constant(1.0, tf.float32))
 
@@ -1230,7 +1314,7 @@ FAMILIES = (
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
            run_time_forms=_rmsprop_run_time_forms,
-           sparse=lambda inner, v: (
+           sparse=lambda inner, v: _by_own_update(
                "Keras' RMSprop divides each slice of a sparse gradient by its row's "
                "denominator (taking in the rows where that is 0 or NaN)")),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
@@ -1243,7 +1327,7 @@ FAMILIES = (
     Family("nadam", keras.optimizers.Nadam, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=_nadam_hyper,
            scalars=_nadam_scalars, state=_nadam_state, supports=_AROUND_UPDATE,
-           sparse=lambda inner, v: (
+           sparse=lambda inner, v: _by_own_update(
                "Keras' Nadam takes a row's sum of ((1 - u_t) * slice) / (1 - u_product) "
                "for a sparse gradient, a term the fused kernel does not take")),
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
@@ -1376,6 +1460,15 @@ class _TfKerasLegacyLine(KerasLine):
         del variables
         return _tf_global_clip_factor(grads, scale, unscale, clip_norm)
 
+    def clip_by_own_ops(self, inner, grads, variables):
+        return _compat.tf_keras_legacy_transform_gradients(inner, grads, variables)
+
+    def update_by_own_ops(self, inner, grad, variable, learning_rate):
+        # Its apply_gradients hands the slices to this method, duplicates
+        # and all; it prepares its own learning rate (as ``learning_rate``).
+        del learning_rate
+        _compat.tf_keras_legacy_apply_sparse(inner, grad.values, variable, grad.indices)
+
 
 def _tf_global_clip_factor(grads, scale, unscale, clip_norm):
     """``tf.clip_by_global_norm``'s factor (tf_keras' clip, current and
@@ -1421,21 +1514,6 @@ def _tf_keras_reason(inner):
          "overwrites the variables by the strategy's update calls)"))
 
 
-def _tf_keras_sparse_reason(inner, variable):
-    """Why a sparse gradient of ``variable`` cannot take the fused step of
-    any current ``tf_keras`` optimizer, or None: its ``apply_gradients``
-    clips the slices (clip_by_norm and clip_by_value each slice as it came,
-    clip_by_global_norm by the norm of the slices, keeping the gradient
-    sparse) before it sums a row's duplicates, which the kernels' clip of
-    the summed rows does not reproduce."""
-    clip = clip_of(inner)
-    if isinstance(clip, tuple):
-        return (f"{_CLIP_ATTRS[clip[0]]} with a sparse (IndexedSlices) gradient of "
-                f"{variable.name} (tf_keras clips its slices before summing a row's "
-                "duplicates)")
-    return None
-
-
 def _tf_keras_sgd_sparse(inner, variable):
     # tf_keras' SGD.update_step on a row's summed slices s (SUMMED_BY_ROW):
     # m = m * momentum, s * -lr scatter-added, then w + m (momentum 0 too:
@@ -1444,10 +1522,9 @@ def _tf_keras_sgd_sparse(inner, variable):
     # Nesterov then adds s * -lr to w before m * momentum, (w - s * lr) +
     # m * momentum where the dense update rounds w + (m * momentum - s * lr):
     # the core's summed family tf_keras_sgd (family_tf_keras_sgd.h), with
-    # the dense numbers.
-    reason = _tf_keras_sparse_reason(inner, variable)
-    if reason is not None:
-        return reason
+    # the dense numbers.  (A clip runs before, as its own ops:
+    # Plan.clip_by_own_ops.)
+    del variable
     return SparseForm(family="tf_keras_sgd") if inner.nesterov else SUMMED_BY_ROW
 
 
@@ -1457,7 +1534,8 @@ def _tf_keras_adam_sparse(inner, variable):
     # row, s * (1 - beta_1) scatter-added (v alike, of tf.square(s)), then
     # amsgrad and the variable as the dense update: the core's summed
     # family tf_keras_adam, with Adam's numbers (family_tf_keras_adam.h).
-    return _tf_keras_sparse_reason(inner, variable) or SparseForm(family="tf_keras_adam")
+    del inner, variable
+    return SparseForm(family="tf_keras_adam")
 
 
 def _tf_keras_rmsprop_sparse(inner, variable):
@@ -1471,9 +1549,7 @@ def _tf_keras_rmsprop_sparse(inner, variable):
     # optimizer regroups that chain as a larger variable's dense one, lr
     # with rsqrt(d) first, but for a one-element variable's, whose three
     # factors tie in size and are ordered by the names of their tensors.
-    reason = _tf_keras_sparse_reason(inner, variable)
-    if reason is not None:
-        return reason
+    del inner
     if (_grappler_reassociates_products()
             and tf.TensorShape(variable.shape).num_elements() == 1):
         return (f"a sparse (IndexedSlices) gradient of a one-element variable ({variable.name}) "
@@ -1659,17 +1735,16 @@ def _legacy_sparse(inner, variable):
     move the rows named alone (SGD's momentum, RMSprop's with momentum,
     Adagrad), or by its own ops (Adam; RMSprop without momentum), which
     decay the slots of every row first.  The core sums the slices so and
-    runs each family's sparse form (``family_legacy_<name>.h``)."""
-    given = [attr for attr, _ in _CLIP_OPTIONS if getattr(inner, attr, None) is not None]
-    if given:
-        # clip_by_norm and clip_by_global_norm take the norms of the slices
-        # as they came, duplicates apart, not of the row sums.
-        return (f"a sparse gradient ({variable.name}) with {given[0]} (tf_keras' legacy "
-                "optimizers clip its slices before summing a row's duplicates)")
+    runs each family's sparse form (``family_legacy_<name>.h``).  A clip
+    runs before, as its own ops (``Plan.clip_by_own_ops``: it clips the
+    slices as they came, duplicates apart).  SGD without momentum adds the
+    slices to the variable one by one (``ResourceScatterAdd``, duplicates
+    apart): on one replica, that is its own op (``BY_OWN_UPDATE``)."""
     if isinstance(inner, _tf_keras_optimizers(legacy=True).SGD) \
             and not _legacy_momentum_flag(inner):
-        return ("tf_keras' legacy SGD without momentum adds a sparse gradient's slices to "
-                f"{variable.name} one by one (ResourceScatterAdd), duplicates apart")
+        return _by_own_update(
+            "tf_keras' legacy SGD without momentum adds a sparse gradient's slices to "
+            f"{variable.name} one by one (ResourceScatterAdd), duplicates apart")
     if isinstance(inner, _tf_keras_optimizers(legacy=True).Adam):
         return SparseForm(scalars=_legacy_adam_sparse_scalars)
     return SparseForm()

@@ -275,6 +275,8 @@ class _NativeOps:
             # tf_keras' unscaling is the native op's product (times
             # tf.cast(1 / scale, g.dtype)): ``ops`` serves as the rule.
             unscale = plan.sum_replicas(ops, scale, unscale)
+        # A clip with a sparse gradient: tf_keras' own clip, before the pass.
+        unscale = plan.clip_by_own_ops(ops, scale, unscale)
         state = self._loss_scale
         if isinstance(state, _NativeDynamicLossScaleState):
             def advance(finite):
