@@ -13,12 +13,14 @@ indices, float16 / bfloat16 / float32 values, a non-finite value injected),
 under ``mixed_float16`` and ``mixed_bfloat16``, in ``tf.function`` and
 eagerly.  Adam (amsgrad, a schedule), AdamW, SGD with momentum (Nesterov,
 a schedule), Adamax (weight decay), Lion (a schedule) and Adagrad (a
-schedule; weight decay) take the fused path, Adagrad's table updated on
-the rows its slices index alone; SGD without momentum or with weight
-decay, RMSprop and Nadam keep the stock path and say why, and so does
-Adagrad where a row of its divisor could be 0 or NaN.  A sparse gradient whose indices leave the table,
-or whose slices are not its rows' shape, raises with the variable's name
-and changes nothing.
+schedule; weight decay) take the kernels' sparse forms, Adagrad's table
+updated on the rows its slices index alone; SGD without momentum or with
+weight decay, RMSprop and Nadam take the fused step with the sparse
+variable updated by the inner optimizer's own ops inside it
+(``_fused.BY_OWN_UPDATE``); Adagrad keeps the stock path where a row of
+its divisor could be 0 or NaN, and says why.  A sparse gradient whose
+indices leave the table, or whose slices are not its rows' shape, raises
+with the variable's name and changes nothing.
 """
 
 import keras
@@ -36,18 +38,15 @@ Stock = keras.optimizers.LossScaleOptimizer
 Ours = lossscale.LossScaleOptimizer
 INF = float("inf")
 
-# The configurations whose sparse step is fused, and what each other one's
-# step_path says instead.
-FUSED = ["adam", "adam_amsgrad_schedule", "adamw_exclude", "sgd_momentum",
-         "sgd_nesterov_schedule", "adamax_decay", "lion_schedule", "adagrad_schedule",
-         "adagrad_decay"]
-STOCK_REASONS = {
-    "sgd": "SGD without momentum applies a sparse gradient slice by slice",
-    "sgd_weight_decay": "SGD's weight decay of",
-    "rmsprop": "RMSprop divides each slice",
-    "rmsprop_centered_decay_exclude": "RMSprop divides each slice",
-    "nadam_decay": "Nadam takes a row's sum",
-}
+# The configurations whose sparse gradient a kernel takes, and those whose
+# sparse variable the inner optimizer's own update moves inside the fused
+# step (every other variable by the kernels).
+KERNEL_SPARSE = ["adam", "adam_amsgrad_schedule", "adamw_exclude", "sgd_momentum",
+                 "sgd_nesterov_schedule", "adamax_decay", "lion_schedule", "adagrad_schedule",
+                 "adagrad_decay"]
+OWN_UPDATE = ["sgd", "sgd_weight_decay", "rmsprop", "rmsprop_centered_decay_exclude",
+              "nadam_decay"]
+FUSED = KERNEL_SPARSE + OWN_UPDATE
 VOCAB, USED, SEQ, DIM = 60, 40, 5, 6  # tokens < USED: rows USED.. never touched
 
 
@@ -73,11 +72,8 @@ def all_variables(model, opt):
 
 
 def assert_step_path(opt, name):
-    if name in FUSED:
-        assert opt.step_path.startswith("fused"), opt.step_path
-    else:
-        assert opt.step_path.startswith("stock: "), opt.step_path
-        assert STOCK_REASONS[name] in opt.step_path, opt.step_path
+    assert name in FUSED
+    assert opt.step_path.startswith("fused"), opt.step_path
 
 
 def embedding_lockstep(name, policy, eager, steps, seed=0, make_inner=None):
@@ -120,10 +116,21 @@ def test_embedding_model_bit_identical_to_stock_every_step(policy, eager, name):
     assert 0 < int(opts[1].iterations.numpy()) <= steps - skipped
 
 
-@pytest.mark.parametrize("name", list(STOCK_REASONS))
-def test_other_families_keep_the_stock_path_and_say_why(name):
-    _, opts = embedding_lockstep(name, "mixed_float16", False, 12, seed=3)
-    assert_step_path(opts[1], name)
+@pytest.mark.parametrize("name", FUSED)
+def test_which_sparse_variables_take_their_own_update(name):
+    """The plan sends a sparse gradient to a kernel's sparse form, or, where
+    no kernel reproduces its update, to the inner optimizer's own ops; the
+    dense gradient beside it always to a kernel."""
+    table = keras.Variable(np.ones((10, 3), np.float32), name="emb_table")
+    dense = keras.Variable(np.ones((4,), np.float32), name="dense")
+    inner = INNERS[name]()
+    inner.build([table, dense])
+    grads = [tf.IndexedSlices(tf.ones((2, 3)), tf.constant([1, 1]), tf.constant([10, 3])),
+             tf.ones((4,))]
+    plan = _fused.decide(inner, grads=grads, variables=[table, dense]).plan
+    assert plan is not None
+    assert (plan.forms[0] is _fused.BY_OWN_UPDATE) == (name in OWN_UPDATE), plan.forms
+    assert plan.forms[1] is None
 
 
 # Clip values that clip some steps and some variables and not others on
@@ -151,9 +158,7 @@ def test_clipped_sparse_gradient_bit_identical_to_stock(policy, eager, name, cli
     _, opts = embedding_lockstep(name, policy, eager, 12 if eager else 40,
                                  make_inner=make_inner)
     path = opts[1].step_path
-    if clip != "global_clipnorm" and name in STOCK_REASONS:
-        assert STOCK_REASONS[name] in path, path
-    elif clip == "global_clipnorm" and name == "sgd_weight_decay" and not eager:
+    if clip == "global_clipnorm" and name == "sgd_weight_decay" and not eager:
         assert path.startswith("stock: global_clipnorm and weight decay with SGD"), path
     else:
         assert path.startswith("fused"), path
