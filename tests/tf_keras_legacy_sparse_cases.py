@@ -7,7 +7,10 @@ of the batch, so a token repeated in a batch repeats its row's index.
 (``_deduplicate_indexed_slices``), then update by TensorFlow's
 ``ResourceSparseApply*`` kernels, which move the rows named alone (SGD with
 momentum, RMSprop with momentum, Adagrad), or by their own ops, which decay
-the slots of every row (Adam, RMSprop without momentum).  Every check here
+the slots of every row (Adam, RMSprop without momentum); SGD without
+momentum adds the slices one by one (``ResourceScatterAdd``), which the
+fused step runs as that op itself.  A clip takes the slices as they came,
+before the sum: the fused step clips by the optimizer's own ops.  Every check here
 trains with ours and with ``tf_keras``' own ``LossScaleOptimizer`` from the
 same weights and data and compares every weight, slot, the loss scale, its
 counter and ``iterations`` bit for bit after every step, through
@@ -33,6 +36,7 @@ TOKENS = 6
 WIDE, NARROW = 20, 1
 
 LEGACY = {
+    "sgd": (lambda: tf_keras.optimizers.legacy.SGD(1e-2), "SGD"),
     "sgd_momentum": (lambda: tf_keras.optimizers.legacy.SGD(1e-2, momentum=0.9), "SGD"),
     "sgd_nesterov_schedule": (lambda: tf_keras.optimizers.legacy.SGD(
         tf_keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=3, decay_rate=0.9),
@@ -47,6 +51,15 @@ LEGACY = {
     "rmsprop_momentum_centered": (lambda: tf_keras.optimizers.legacy.RMSprop(
         1e-3, momentum=0.5, centered=True), "RMSprop"),
     "adagrad": (lambda: tf_keras.optimizers.legacy.Adagrad(1e-2), "Adagrad"),
+    # Clips that bite on some steps and some variables and not on others.
+    "sgd_clipvalue": (lambda: tf_keras.optimizers.legacy.SGD(1e-2, clipvalue=0.5), "SGD"),
+    "sgd_momentum_clipnorm": (lambda: tf_keras.optimizers.legacy.SGD(
+        1e-2, momentum=0.9, clipnorm=1.0), "SGD"),
+    "adam_clipnorm": (lambda: tf_keras.optimizers.legacy.Adam(1e-2, clipnorm=1.0), "Adam"),
+    "rmsprop_clipvalue": (lambda: tf_keras.optimizers.legacy.RMSprop(1e-3, clipvalue=0.5),
+                          "RMSprop"),
+    "adagrad_global_clipnorm": (lambda: tf_keras.optimizers.legacy.Adagrad(
+        1e-2, global_clipnorm=2.0), "Adagrad"),
 }
 
 
@@ -141,31 +154,51 @@ def _slices(indices, rows=None):
                             tf.constant([5 if rows is None else rows, 3], tf.int64))
 
 
-@pytest.mark.parametrize("inner,path", [
-    (lambda: tf_keras.optimizers.legacy.SGD(1e-2),
-     "stock: tf_keras' legacy SGD without momentum adds a sparse gradient's slices to {} one "
-     "by one (ResourceScatterAdd), duplicates apart"),
-    (lambda: tf_keras.optimizers.legacy.Adam(clipnorm=1.0),
-     "stock: a sparse gradient ({}) with clipnorm (tf_keras' legacy optimizers clip its "
-     "slices before summing a row's duplicates)"),
-    (lambda: tf_keras.optimizers.legacy.Adagrad(global_clipnorm=1.0),
-     "stock: a sparse gradient ({}) with global_clipnorm (tf_keras' legacy optimizers clip "
-     "its slices before summing a row's duplicates)"),
-    (lambda: tf_keras.optimizers.legacy.RMSprop(clipvalue=1.0),
-     "stock: a sparse gradient ({}) with clipvalue (tf_keras' legacy optimizers clip its "
-     "slices before summing a row's duplicates)"),
-])
-def test_legacy_sparse_stock_paths(inner, path):
-    """What stays stock, with its reason, and moves as stock moves."""
+@pytest.mark.parametrize("inner,name", [
+    (lambda: tf_keras.optimizers.legacy.SGD(1e-2), "SGD"),
+    (lambda: tf_keras.optimizers.legacy.Adam(clipnorm=1.0), "Adam"),
+    (lambda: tf_keras.optimizers.legacy.Adagrad(global_clipnorm=1.0), "Adagrad"),
+    (lambda: tf_keras.optimizers.legacy.RMSprop(clipvalue=1.0), "RMSprop"),
+    (lambda: tf_keras.optimizers.legacy.SGD(0.5, momentum=0.5, clipvalue=0.7), "SGD"),
+], ids=["sgd", "adam_clipnorm", "adagrad_global_clipnorm", "rmsprop_clipvalue",
+        "sgd_momentum_clipvalue"])
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+def test_legacy_hand_made_slices_bit_identical(inner, name, use_function):
+    """Slices that repeat a row and clips that bite on them, beside a dense
+    gradient that overflows on one step: the step fused (SGD without
+    momentum by its own ResourceScatterAdd, a clip by the optimizer's own
+    ops), every state as tf_keras' own, the overflowing step skipped."""
     states = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
         var = _table()
+        dense = tf.Variable(np.ones(4, np.float32))
         opt = make(inner(), initial_scale=4.0)
-        for _ in range(3):
-            opt.apply_gradients([(_slices([3, 0, 3, 1]), var)])
-        states.append([var.numpy()] + [v.numpy() for v in opt.inner_optimizer.variables()])
-    assert opt.step_path == path.format(var.name)
+
+        def step(grad, dense_grad):
+            grads = opt.get_unscaled_gradients([grad, dense_grad])
+            opt.apply_gradients(zip(grads, [var, dense]))
+
+        if use_function:
+            step = tf.function(step)
+        for k in range(4):
+            scaled = _slices([3, 0, 3, 1])
+            scaled = tf.IndexedSlices(scaled.values * 4.0, scaled.indices, scaled.dense_shape)
+            step(scaled, tf.constant([1.0, 2.0, np.inf if k == 2 else 3.0, 4.0]))
+        states.append([var.numpy(), dense.numpy()]
+                      + [v.numpy() for v in opt.inner_optimizer.variables()]
+                      + [opt.loss_scale.numpy()])
+    assert opt.step_path == f"fused ({name})", opt.step_path
+    assert not np.array_equal(states[0][0], _table().numpy())
     _assert_same_states([states[1]], [states[0]])
+
+
+def test_legacy_sgd_without_momentum_under_a_strategy_is_stock():
+    """Under several replicas the slices' own scatter stays stock's, saying why."""
+    opt, states, _ = fit_lockstep(_model, lambda cls: _make(cls, "sgd"), *_data(6), STRATEGY)
+    assert opt.step_path.startswith("stock: tf_keras' legacy SGD without momentum adds a "
+                                    "sparse gradient's slices to "), opt.step_path
+    assert opt.step_path.endswith("under several replicas"), opt.step_path
+    _assert_same_states(states[1], states[0])
 
 
 @pytest.mark.parametrize("kind", ["sgd_momentum", "adam", "rmsprop", "adagrad"])
@@ -196,7 +229,8 @@ def test_legacy_sparse_bad_slices_change_nothing(kind, indices, rows, match, use
 
 
 @pytest.mark.parametrize("kind", ["sgd_nesterov_schedule", "adam_amsgrad", "rmsprop_centered",
-                                  "rmsprop_momentum_centered", "adagrad"])
+                                  "rmsprop_momentum_centered", "adagrad", "adam_clipnorm",
+                                  "rmsprop_clipvalue"])
 def test_legacy_sparse_mirrored_fit_bit_identical(kind):
     """Under MirroredStrategy (two replicas): the all-reduce concatenates the
     replicas' slices, which tf_keras then sums per row as one replica's."""

@@ -221,32 +221,31 @@ def test_averages_move_and_overwrite():
     assert any(equal) and not all(equal), equal
 
 
-_STOCK_SPARSE = {
-    "sgd_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, clipnorm=1.0),
-                     "clipnorm with a sparse (IndexedSlices) gradient of {name} (tf_keras clips "
-                     "its slices before summing a row's duplicates)"),
-    "sgd_global_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, global_clipnorm=1.0),
-                            "global_clipnorm with a sparse (IndexedSlices) gradient of {name} "
-                            "(tf_keras clips its slices before summing a row's duplicates)"),
-    "adam_clipvalue": (lambda: tf_keras.optimizers.Adam(1e-2, clipvalue=1.0),
-                       "clipvalue with a sparse (IndexedSlices) gradient of {name} (tf_keras "
-                       "clips its slices before summing a row's duplicates)"),
+# tf_keras clips a sparse gradient's slices as they came (clip_by_norm by
+# their norm, clip_by_global_norm by their l2_loss among the others'),
+# before it sums a row's duplicates: the fused step clips by its own ops.
+_CLIPPED_SPARSE = {
+    "sgd_momentum_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, momentum=0.9, clipnorm=1.0),
+                              "SGD"),
+    "sgd_global_clipnorm": (lambda: tf_keras.optimizers.SGD(1e-2, global_clipnorm=1.0), "SGD"),
+    "adam_clipvalue": (lambda: tf_keras.optimizers.Adam(1e-2, clipvalue=1.0), "Adam"),
+    "adamw_global_clipnorm_ema": (lambda: tf_keras.optimizers.AdamW(
+        1e-2, weight_decay=0.01, global_clipnorm=0.5, use_ema=True), "AdamW"),
+    "rmsprop_clipnorm": (lambda: tf_keras.optimizers.RMSprop(1e-3, clipnorm=0.5), "RMSprop"),
 }
 
 
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
-@pytest.mark.parametrize("kind", sorted(_STOCK_SPARSE))
-def test_sparse_stock_paths_are_exact(kind, use_function):
-    # What stays stock says why, and trains as tf_keras' own.
-    make, reason = _STOCK_SPARSE[kind]
+@pytest.mark.parametrize("kind", sorted(_CLIPPED_SPARSE))
+def test_clipped_sparse_gradients_fused_bit_identical(kind, use_function):
+    make, name = _CLIPPED_SPARSE[kind]
     runs = []
     for cls in (STOCK, lossscale.LossScaleOptimizer):
         opt = _make(cls, make())
-        x, y = _sparse_data(12)
-        model = _sparse_model()
-        runs.append(_custom_loop(opt, model, x, y, use_function, 12, _fused_state))
-    name = model.layers[0].embeddings.name
-    assert opt.step_path == "stock: " + reason.format(name=name), opt.step_path
+        x, y = _sparse_data(STEPS)
+        runs.append(_custom_loop(opt, _sparse_model(), x, y, use_function, STEPS, _fused_state))
+    assert opt.step_path == f"fused ({name})", opt.step_path
+    _assert_moved(runs[0])
     _assert_same_states(runs[1], runs[0])
 
 
