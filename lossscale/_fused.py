@@ -55,7 +55,12 @@ slices added in their order onto 0, as TensorFlow's conversion
 densifies -- the gradient and the family's term (Adam's squares) alike --
 so that no dense gradient is ever made.  Adagrad, whose Keras update
 scatters its slices, takes them as it scatters them: the op updates the
-rows they index alone, slice by slice in their order.  Clipped, a sparse
+rows they index alone, slice by slice in their order.  A family whose
+sparse update no kernel reproduces (Keras' SGD without momentum or with
+weight decay, RMSprop, Nadam; tf_keras' legacy SGD without momentum) takes
+the fused step on one replica all the same: that variable moves by the
+inner optimizer's own update, its ops inside the step (``BY_OWN_UPDATE``),
+the others by the kernels.  Clipped, a sparse
 gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
 (``DENSIFIED_BY_CLIP``, any family: the row sums clipped, or TensorFlow's
 conversion where the family takes no slices), its slices clipped under
@@ -71,8 +76,10 @@ Nesterov SGD (the sums times -lr scatter-added to the weights before
 and TensorFlow's Rsqrt of the named rows' denominators gathered, which
 rounds an element by its place in that tensor) the summed
 ``tf_keras_rmsprop`` (a one-element variable's in a graph stays stock, its
-product ordered by the names of its tensors); a clipped sparse gradient
-stays stock (``tf.clip_by_global_norm`` keeps it sparse there).
+product ordered by the names of its tensors).  tf_keras clips a sparse
+gradient's slices as they came, before that sum (``tf.clip_by_global_norm``
+keeps it sparse there): a step with a clip and a sparse gradient runs its
+own clip ops before the fused pass (``Plan.clip_by_own_ops``).
 
 Some of what TensorFlow's graph optimizer does to the stock step in a
 ``tf.function`` hangs on whether that function returns a value (it then
@@ -125,8 +132,10 @@ summed in ``unsorted_segment_sum``'s order (its
 TensorFlow's ``ResourceSparseApply*`` kernels update them (SGD with
 momentum, RMSprop with momentum, Adagrad), or every row's slots decayed
 first as tf_keras' own ops do (Adam, RMSprop without momentum); SGD
-without momentum (slice by slice) and a clipped sparse gradient (its
-slices clipped before the sum) are stock.  Each such family says through its
+without momentum adds the slices one by one, by its own op inside the
+fused step (``BY_OWN_UPDATE``).  tf_keras clips a sparse gradient's slices
+before the sum: with a sparse gradient its own clip ops run before the
+fused pass (``Plan.clip_by_own_ops``).  Each such family says through its
 ``line`` (``KerasLine``) where that Keras keeps the learning rate, the
 slots, the weight decay and the EMA.  The current ones take ``use_ema``:
 the op moves each average as ``tf_keras`` does (``ema_momentum`` and
@@ -935,7 +944,7 @@ def _by_own_update(why):
     """``BY_OWN_UPDATE`` on one replica; under several, the reason ``why``
     no kernel takes the sparse gradient, and the step is stock."""
     if _replicas() > 1:
-        return why + " under several replicas"
+        return why + ", and its own update does not run under several replicas"
     return BY_OWN_UPDATE
 
 

@@ -436,7 +436,10 @@ def test_tf24_loop_bit_identical_to_tensorflow_reference():
 # A family whose kernel takes the sparse terms, and one whose table is
 # updated on its indexed rows (Adagrad's scatters).
 BAD_INNERS = {"adam": lambda: keras.optimizers.Adam(0.01),
-              "adagrad": lambda: keras.optimizers.Adagrad(0.01)}
+              "adagrad": lambda: keras.optimizers.Adagrad(0.01),
+              # The sparse variable by the inner optimizer's own update.
+              "sgd": lambda: keras.optimizers.SGD(0.01),
+              "rmsprop": lambda: keras.optimizers.RMSprop(0.01, clipnorm=1.0)}
 
 
 def bad_setup(inner="adam"):
