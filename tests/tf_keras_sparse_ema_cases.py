@@ -353,7 +353,10 @@ _EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA with ema_overwrite_frequency unde
                                         ("rmsprop_centered_momentum", "fused (RMSprop)"),
                                         ("sgd_ema", "fused (SGD)"),
                                         ("sgd_momentum_decay_ema_overwrite",
-                                         _EMA_UNDER_A_STRATEGY)])
+                                         _EMA_UNDER_A_STRATEGY),
+                                        ("adam_clipvalue", "fused (Adam)"),
+                                        ("sgd_global_clipnorm", "fused (SGD)"),
+                                        ("rmsprop_clipnorm", "fused (RMSprop)")])
 def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
     # Two replicas, each on its own half of the batch: tf_keras sums the
     # replicas' gradients (a sparse one's slices concatenated in replica
@@ -365,7 +368,7 @@ def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
     for cls in (STOCK, lossscale.LossScaleOptimizer):
         with STRATEGY.scope():
             model = _sparse_model()
-            opt = _make(cls, SPARSE[kind][0]())
+            opt = _make(cls, {**SPARSE, **_CLIPPED_SPARSE}[kind][0]())
 
         def replica_step(xb, yb, model=model, opt=opt):
             with tf.GradientTape() as tape:
