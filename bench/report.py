@@ -331,7 +331,8 @@ def case_label(case):
               "mlp_4096x3": "MLP 3 × 4096",
               "bert_classifier_adam": "KerasHub BERT classifier, Adam",
               "bert_classifier_adamw_clip": "KerasHub BERT classifier, AdamW + "
-                                            "global_clipnorm"}.get(name, name)
+                                            "global_clipnorm",
+              "bert_classifier_rmsprop": "KerasHub BERT classifier, RMSprop"}.get(name, name)
     return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 

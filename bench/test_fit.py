@@ -20,7 +20,9 @@
   vocabulary, 28.8M parameters), mixed_float16, a batch of 8 sequences of
   128 tokens, ``train_on_batch``: a real model whose word-embedding gradient
   is an ``IndexedSlices``, with ``Adam`` and with the fine-tuning recipe's
-  ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``.  Its ``grads_only``
+  ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``, and with the TensorFlow
+  mixed-precision guide's ``RMSprop()`` (its embedding table moved by
+  Keras' own update inside the fused step).  Its ``grads_only``
   peer runs the same forward and backward pass without the optimizer (a
   ``tf.function`` returning the scaled gradients), so that the report can
   say what share of the step the optimizer is.  The weights after a few
@@ -50,7 +52,8 @@ def mlp_peers():
 
 
 BERT_CASES = {"bert_classifier_adam/mixed_float16": "adam",
-              "bert_classifier_adamw_clip/mixed_float16": "adamw_clip"}
+              "bert_classifier_adamw_clip/mixed_float16": "adamw_clip",
+              "bert_classifier_rmsprop/mixed_float16": "rmsprop"}
 BERT_CONFIG = dict(vocabulary_size=30522, num_layers=4, num_heads=8, hidden_dim=512,
                    intermediate_dim=2048, max_sequence_length=512, dropout=0.0)
 BERT_BATCH, BERT_TOKENS, BERT_SCALE = 8, 128, 2.0 ** 8
@@ -172,6 +175,11 @@ def bert_model(recipe, peer):
                                           dropout=0.0, dtype="mixed_float16")
     if recipe == "adam":
         inner = keras.optimizers.Adam(2e-5)
+    elif recipe == "rmsprop":
+        # The TensorFlow mixed-precision guide's RMSprop(): no kernel takes
+        # its sparse update, so the word embeddings move by Keras' own
+        # update_step inside the fused step.
+        inner = keras.optimizers.RMSprop()
     else:
         inner = keras.optimizers.AdamW(2e-5, weight_decay=0.01, epsilon=1e-6,
                                        global_clipnorm=1.0)

@@ -338,9 +338,16 @@ SUMMED_BY_ROW = SparseForm()
 # runs inside the fused step, under its decision, after the slices' checks,
 # on the gradient unscaled (and clipped) as stock unscales (and clips) it;
 # every other variable takes the kernels.  Only for families whose update
-# of one variable reads nothing the step moves for the others (SGD: the
-# learning rate, its own momentum slot).
+# of one variable reads nothing the step moves for the others but what
+# moves before every update in stock's step too (SGD and RMSprop: the
+# learning rate and the variable's own slots; Nadam: its u_product, which
+# ``Plan.run`` moves first, as Keras does).
 BY_OWN_UPDATE = SparseForm()
+
+# A clip the kernels do not take, run as the inner optimizer's own ops on
+# the unscaled gradients before the fused pass (``Plan.clip_by_own_ops``):
+# tf_keras' legacy optimizers clip by every option set, by 0 too, in turn.
+OWN_CLIP = ("own", None)
 
 # The families whose native kernels take a sparse gradient's slices (the
 # core's LS_OPTIM_SPARSE_FAMILIES: an element's update reads that element
@@ -452,11 +459,14 @@ class Plan:
         unscaled as stock unscales them (by ``rule``, unless ``unscale`` is
         ``"none"``), checked, and clipped by the inner optimizer's own ops
         (``KerasLine.clip_by_own_ops``, which clips them all: a global
-        norm takes in every one); the fused pass then clips nothing.
-        Returns the unscale the fused pass applies.  (Keras 3 clips a sparse
-        gradient's slices as the kernels do, or densifies it.)"""
-        if (self.clip is None or self.family.line is KERAS_3
-                or not any(isinstance(g, tf.IndexedSlices) for g in self.grads)):
+        norm takes in every one); the fused pass then clips nothing.  So
+        too for a clip the kernels do not take (``OWN_CLIP``), with dense
+        gradients alone.  Returns the unscale the fused pass applies.
+        (Keras 3 clips a sparse gradient's slices as the kernels do, or
+        densifies it.)"""
+        if self.clip is None or (self.clip is not OWN_CLIP and (
+                self.family.line is KERAS_3
+                or not any(isinstance(g, tf.IndexedSlices) for g in self.grads))):
             return unscale
         if unscale == "none":
             finite = native_ops.all_finite_grouped(self.grads)
@@ -1452,17 +1462,20 @@ class _TfKerasLegacyLine(KerasLine):
     def clip_of(self, inner):
         """Its ``_transform_gradients`` clips by every option that is not
         None: by 0 too (every gradient 0, or NaN), and by ``clipvalue``
-        before a norm when both are set.  Those stay stock."""
+        before a norm when both are set.  Those run as its own ops before
+        the fused pass (``OWN_CLIP``: ``Plan.clip_by_own_ops``); each value
+        other than 0 must be a positive finite number, as for one clip."""
         given = [attr for attr, _ in _CLIP_OPTIONS if getattr(inner, attr, None) is not None]
-        if len(given) > 1:
-            return (f"the inner optimizer sets {' and '.join(sorted(given))} (tf_keras' legacy "
-                    "optimizers clip by each in turn)")
-        for attr in given:
-            value = getattr(inner, attr)
-            if (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-                    and value == 0):
-                return (f"the inner optimizer's {attr} is 0 (tf_keras' legacy optimizers clip "
-                        "by it: every gradient becomes 0)")
+        zero = [attr for attr in given
+                if isinstance(getattr(inner, attr), (int, float, np.number))
+                and not isinstance(getattr(inner, attr), bool) and getattr(inner, attr) == 0]
+        if len(given) > 1 or zero:
+            for attr in given:
+                if attr not in zero:
+                    reason = clip_of(_OneClip(inner, attr))
+                    if isinstance(reason, str):
+                        return reason
+            return OWN_CLIP
         return clip_of(inner)
 
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
@@ -1490,6 +1503,15 @@ def _tf_global_clip_factor(grads, scale, unscale, clip_norm):
     scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm,
                                               tf.constant(1.0, tf.float32) / clip_norm)
     return scale_for_finite + (use_norm - use_norm), halves
+
+
+class _OneClip:
+    """``inner`` as ``clip_of`` sees it with only its clip ``attr`` set (its
+    name kept for the messages)."""
+
+    def __init__(self, inner, attr):
+        setattr(self, attr, getattr(inner, attr))
+        self.name = type(inner).__name__
 
 
 TF_KERAS = _TfKerasLine()

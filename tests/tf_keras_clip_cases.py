@@ -148,24 +148,34 @@ def test_legacy_global_clip_of_an_overflowing_norm():
     _assert_same_states([states[1]], [states[0]])
 
 
-@pytest.mark.parametrize("options, reason", [
-    ({"clipnorm": 0.0}, "the inner optimizer's clipnorm is 0"),
-    ({"global_clipnorm": 0}, "the inner optimizer's global_clipnorm is 0"),
-    ({"clipvalue": 0.5, "clipnorm": 1.0}, "the inner optimizer sets clipnorm and clipvalue"),
-    ({"clipvalue": 0.5, "global_clipnorm": 1.0},
-     "the inner optimizer sets clipvalue and global_clipnorm"),
-])
-def test_legacy_clips_stock_keeps_are_exact(options, reason):
-    """What the fused step leaves to stock: a clip of 0 (the legacy
-    optimizers clip by it) and two clips at once; still bit-identical."""
+@pytest.mark.parametrize("options", [
+    {"clipnorm": 0.0}, {"global_clipnorm": 0}, {"clipvalue": 0.5, "clipnorm": 1.0},
+    {"clipvalue": 0.5, "global_clipnorm": 1.0}, {"clipvalue": 0.01, "clipnorm": 0},
+], ids=["clipnorm_0", "global_clipnorm_0", "clipvalue_clipnorm", "clipvalue_global_clipnorm",
+        "clipvalue_clipnorm_0"])
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+def test_legacy_clips_the_kernels_do_not_take_fuse_exactly(options, use_function):
+    """A clip of 0 (the legacy optimizers clip by it) and two clips at
+    once, each in turn: the optimizer's own clip ops before the fused
+    pass, every state bit-identical, the overflowing steps skipped."""
     x, y = _fused_data(12)
     runs = []
     for make in (STOCK, lossscale.LossScaleOptimizer):
         opt = make(tf_keras.optimizers.legacy.Adam(1e-2, **options), initial_scale=2.0**10,
                    dynamic_growth_steps=GROWTH)
-        runs.append(_custom_loop(opt, _fused_model(), x, y, True, 12, _fused_state))
-    assert opt.step_path.startswith(f"stock: {reason}"), opt.step_path
+        runs.append(_custom_loop(opt, _fused_model(), x, y, use_function, 12, _fused_state))
+    assert opt.step_path == "fused (Adam)", opt.step_path
     _assert_same_states(runs[1], runs[0])
+
+
+def test_legacy_two_clips_check_every_value():
+    var = tf.Variable([1.0, 2.0])
+    opt = lossscale.LossScaleOptimizer(tf_keras.optimizers.legacy.Adam(
+        clipvalue=0.5, clipnorm=float("inf")))
+    with pytest.raises(ValueError, match="clipnorm must be a positive finite number"):
+        opt.apply_gradients([(tf.constant([0.5, 0.25]), var)])
+    np.testing.assert_array_equal(var.numpy(), [1.0, 2.0])
+    assert int(opt.iterations.numpy()) == 0
 
 
 @pytest.mark.parametrize("clip, value", [("clipnorm", float("inf")),
