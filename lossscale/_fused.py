@@ -886,10 +886,13 @@ KERAS_3 = KerasLine()
 
 def _slices_checks(name, grad, variable):
     """The run-time checks of a sparse gradient against its variable: every
-    index a row of it, one slice per index, each slice a row's shape.  (A
-    static mismatch fails before, in ``_step.check_gradients``.)"""
+    index a row of it, one slice per index, each slice a row's shape.  A
+    mismatch the static shapes show raises the same error at once, before
+    any op is made (a scatter's shape inference would fail first, with no
+    variable named)."""
     where = f"{name}: the gradient of {variable.name}"
     after = "; no variable was changed"
+    _static_slices_check(where, after, grad, variable)
     var = _step.tf_variable(variable)
     var_shape = tf.shape(var, out_type=tf.int64)
     values_shape = tf.shape(grad.values, out_type=tf.int64)
@@ -910,6 +913,23 @@ def _slices_checks(name, grad, variable):
             indices, var_shape[0],
             message=f"{where} has an index past its last row{after}"),
     ]
+
+
+def _static_slices_check(where, after, grad, variable):
+    values = tf.TensorShape(grad.values.shape)
+    rows = tf.TensorShape(variable.shape)
+    count = tf.TensorShape(grad.indices.shape).num_elements()
+    why = None
+    if values.rank is not None and rows.rank is not None:
+        if values.rank != rows.rank:
+            why = "has slices of another rank than its rows"
+        elif not values[1:].is_compatible_with(rows[1:]):
+            why = "has slices of another shape than its rows"
+    if why is None and count is not None and values.rank and values[0] is not None \
+            and values[0] != count:
+        why = "has not one index per slice"
+    if why is not None:
+        raise tf.errors.InvalidArgumentError(None, None, f"{where} {why}{after}")
 
 
 def _unscaled_like_stock(g, scale, unscale):
