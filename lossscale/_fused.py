@@ -491,8 +491,12 @@ class Plan:
             _step.cond(should_apply, lambda: [
                 _decay_like_stock(self.inner, local_copy(self.variables[i]))
                 for i, by_ops in enumerate(self.decay_by_ops) if by_ops], lambda: None)
+        own = [i for i, form in enumerate(self.forms) if form is BY_OWN_UPDATE]
         if self.family.name == "adafactor":
-            self._launch_adafactor(library, should_apply, scale, unscale)
+            rest = [i for i in range(len(self.forms)) if i not in own]
+            if rest:
+                self._launch_adafactor(library, should_apply, scale, unscale, rest)
+            self._run_own_updates(should_apply, own, scale, unscale)
             return
         native = self.family.name in NATIVE_SPARSE
         dense = [i for i, form in enumerate(self.forms)
@@ -502,7 +506,6 @@ class Plan:
         sparse = [i for i, form in enumerate(self.forms)
                   if form is not None
                   and form not in (DENSIFIED_BY_CLIP, SUMMED_BY_ROW, BY_OWN_UPDATE)]
-        own = [i for i, form in enumerate(self.forms) if form is BY_OWN_UPDATE]
         if accumulation is not None and len(dense) != len(self.forms):
             # decide() keeps a sparse gradient with accumulation stock.
             raise ValueError("gradient accumulation takes dense gradients only")
@@ -526,10 +529,13 @@ class Plan:
         for variable, value in self.state:
             variable = local_copy(variable)
             variable.assign(tf.where(should_apply, value, variable.read_value()))
-        if own:
-            # After the family's own state moves, as Keras moves it before
-            # any update_step (Nadam's u_product).
-            _step.cond(should_apply, lambda: self._update_by_own_ops(own, scale, unscale),
+        # After the family's own state moves, as Keras moves it before any
+        # update_step (Nadam's u_product).
+        self._run_own_updates(should_apply, own, scale, unscale)
+
+    def _run_own_updates(self, should_apply, which, scale, unscale):
+        if which:
+            _step.cond(should_apply, lambda: self._update_by_own_ops(which, scale, unscale),
                        lambda: None)
 
     def _update_by_own_ops(self, which, scale, unscale):
@@ -546,21 +552,28 @@ class Plan:
                     grad = line.clip_by_own_ops(self.inner, [grad], [variable])[0]
                 line.update_by_own_ops(self.inner, grad, variable, self.learning_rate)
 
-    def _launch_adafactor(self, library, should_apply, scale, unscale):
-        """Adafactor's op over the plan: every gradient dense.  The op
-        divides float32 gradients by the scale; a clip, another unscale or
-        another dtype is Keras' own ops on the gradients unscaled as stock
-        unscales them, cast as Adafactor casts them (the op then unscales
-        nothing)."""
-        inner, variables, grads = self.inner, self.variables, self.grads
+    def _launch_adafactor(self, library, should_apply, scale, unscale, which):
+        """Adafactor's op over the variables ``which`` (positions in the
+        plan), their gradients dense (or densified by ``global_clipnorm``).
+        The op divides float32 gradients by the scale; a clip, another
+        unscale, another dtype or slices are Keras' own ops on the gradients
+        unscaled as stock unscales them (a slice at a time), cast as
+        Adafactor casts them (the op then unscales nothing).  A global clip
+        takes in every gradient's norm, the others' too."""
+        inner = self.inner
+        variables = [self.variables[i] for i in which]
+        grads = [self.grads[i] for i in which]
         if (self.clip is not None or unscale not in ("divide", "none")
-                or any(g.dtype != tf.float32 for g in grads)):
+                or any(g.dtype != tf.float32 or isinstance(g, tf.IndexedSlices)
+                       for g in grads)):
             with tf.control_dependencies(self.checks):
-                if unscale != "none":
-                    grads = [_unscaled_like_stock(g, scale, unscale) for g in grads]
-                grads = [tf.cast(g, tf.float32) for g in grads]
+                grads = [_unscaled_slices(g, v, scale, unscale)
+                         if isinstance(g, tf.IndexedSlices)
+                         else tf.cast(_unscaled_like_stock(g, scale, unscale), tf.float32)
+                         for g, v in zip(self.grads, self.variables)]
                 if self.clip is not None:
                     grads = list(_compat.clip_gradients(inner, grads))
+                grads = [tf.convert_to_tensor(grads[i]) for i in which]
             unscale = "none"
         factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
 
@@ -1379,7 +1392,7 @@ FAMILIES = (
            numbers=("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold"),
            hyper=lambda inner: [], scalars=_adafactor_scalars, supports=("use_ema",),
            unsupported=_adafactor_reason, scales_gradient=False,
-           sparse=lambda inner, v: (
+           sparse=lambda inner, v: _by_own_update(
                "Keras' Adafactor squares a sparse gradient's slices before it densifies "
                "them (a row's duplicates' squares summed), which the fused op does not take")),
 )
