@@ -16,9 +16,10 @@ lockstep against stock through the public optimizer, eagerly and in a
 overflow steps among them, every variable and slot compared bit for bit.
 The model-level lockstep (both mixed policies, clips, weight decay,
 schedules, MirroredStrategy) is in test_fused_step, test_fused_clip and
-test_fused_distributed; here also: the EMA, a sparse gradient and
-accumulation (stock, with their reasons), the agreement probe, and the op's
-own checks of bad input (each refused before anything moves).
+test_fused_distributed; here also: the EMA, a sparse gradient (its
+variable by Adafactor's own update inside the fused step; stock under
+several replicas) and accumulation (stock), the agreement probe, and the
+op's own checks of bad input (each refused before anything moves).
 """
 
 import re
@@ -107,13 +108,64 @@ def test_ema_bit_identical_to_stock(graph):
     assert_fused(ours)
 
 
-def test_sparse_gradient_and_accumulation_stay_stock_and_say_why():
+SPARSE_CLIPS = [{}, dict(clipnorm=0.5), dict(global_clipnorm=0.5),
+                dict(clipvalue=0.1, weight_decay=0.01, use_ema=True)]
+
+
+@pytest.mark.parametrize("kw", SPARSE_CLIPS, ids=["plain", "clipnorm", "global_clipnorm",
+                                                  "clipvalue_decay_ema"])
+@pytest.mark.parametrize("scale", [2.0**10, 1000.0], ids=["power_of_two", "inexact"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_sparse_gradient_bit_identical_to_stock(graph, scale, kw):
+    """An embedding table's slices (a row named twice, rows never named)
+    beside dense variables: Keras squares the slices before it densifies
+    them, which the op does not take, so the table moves by Adafactor's own
+    update inside the fused step and the rest by the op (under
+    ``global_clipnorm`` Keras densifies the table's gradient, and the op
+    takes it).  A step with an overflow is skipped by both."""
+    rng = np.random.default_rng(7)
+    init = [rng.standard_normal(s).astype(np.float32) for s in [(12, 6), (5, 7), (6,)]]
+    twins = [[keras.Variable(x) for x in init] for _ in range(2)]
+    opts = [cls(keras.optimizers.Adafactor(0.01, **kw), initial_scale=scale)
+            for cls in (Stock, Ours)]
+    def stepper(opt, variables):
+        opt.build(variables)
+
+        def step(table, dense, bias):
+            opt.apply([table, dense, bias], variables)
+
+        return tf.function(step) if graph else step
+
+    steps = [stepper(opt, variables) for opt, variables in zip(opts, twins)]
+    for k in range(8):
+        values = rng.standard_normal((5, 6)).astype(np.float16)
+        table = tf.IndexedSlices(tf.constant(values), tf.constant([4, 0, 4, 9, 1]),
+                                 tf.constant([12, 6]))
+        dense = rng.standard_normal((5, 7)) * (np.inf if k == 3 else 1.0)
+        grads = [table, tf.constant(dense, tf.float16),
+                 tf.constant(rng.standard_normal(6), tf.float16)]
+        for step in steps:
+            step(*grads)
+        for a, b in zip(twins[0] + list(opts[0].variables), twins[1] + list(opts[1].variables)):
+            assert bits(a.numpy()) == bits(b.numpy()), (k, a.path)
+    assert_fused(opts[1])
+    assert int(opts[1].iterations.numpy()) == 7
+    assert not np.array_equal(twins[1][0].numpy()[4], init[0][4])
+
+
+def test_sparse_gradient_under_replicas_and_accumulation_stay_stock_and_say_why(monkeypatch):
     table = keras.Variable(np.ones((10, 4), np.float32), name="table")
-    opt = lossscale.LossScaleOptimizer(keras.optimizers.Adafactor())
-    opt.apply([tf.IndexedSlices(tf.ones((2, 4)), tf.constant([1, 1]), tf.constant([10, 4]))],
-              [table])
-    assert opt.step_path.startswith(
-        "stock: Keras' Adafactor squares a sparse gradient's slices"), opt.step_path
+    inner = keras.optimizers.Adafactor()
+    inner.build([table])
+    grads = [tf.IndexedSlices(tf.ones((2, 4)), tf.constant([1, 1]), tf.constant([10, 4]))]
+    decision = _fused.decide(inner, grads=grads, variables=[table])
+    assert decision.plan.forms == [_fused.BY_OWN_UPDATE]
+    # The own update is a replica's: under several, the step is stock.
+    monkeypatch.setattr(_fused, "_replicas", lambda: 2)
+    family = next(f for f in _fused.FAMILIES if f.name == "adafactor")
+    path = family.sparse(inner, table)
+    assert path.startswith("Keras' Adafactor squares a sparse gradient's slices"), path
+    assert path.endswith("its own update does not run under several replicas"), path
     opt = lossscale.LossScaleOptimizer(keras.optimizers.Adafactor(
         gradient_accumulation_steps=2))
     opt.apply([tf.ones((10, 4))], [keras.Variable(np.ones((10, 4), np.float32))])
