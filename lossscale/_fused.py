@@ -57,7 +57,8 @@ so that no dense gradient is ever made.  Adagrad, whose Keras update
 scatters its slices, takes them as it scatters them: the op updates the
 rows they index alone, slice by slice in their order.  A family whose
 sparse update no kernel reproduces (Keras' SGD without momentum or with
-weight decay, RMSprop, Nadam; tf_keras' legacy SGD without momentum) takes
+weight decay, RMSprop, Nadam, Adafactor; tf_keras' legacy SGD without
+momentum) takes
 the fused step on one replica all the same: that variable moves by the
 inner optimizer's own update, its ops inside the step (``BY_OWN_UPDATE``),
 the others by the kernels.  Clipped, a sparse
@@ -340,8 +341,8 @@ SUMMED_BY_ROW = SparseForm()
 # every other variable takes the kernels.  Only for families whose update
 # of one variable reads nothing the step moves for the others but what
 # moves before every update in stock's step too (SGD and RMSprop: the
-# learning rate and the variable's own slots; Nadam: its u_product, which
-# ``Plan.run`` moves first, as Keras does).
+# learning rate and the variable's own slots; Adafactor: iterations too;
+# Nadam: its u_product, which ``Plan.run`` moves first, as Keras does).
 BY_OWN_UPDATE = SparseForm()
 
 # A clip the kernels do not take, run as the inner optimizer's own ops on
