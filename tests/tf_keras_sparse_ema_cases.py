@@ -356,7 +356,7 @@ _EMA_UNDER_A_STRATEGY = ("stock: tf_keras' EMA with ema_overwrite_frequency unde
                                          _EMA_UNDER_A_STRATEGY),
                                         ("adam_clipvalue", "fused (Adam)"),
                                         ("sgd_global_clipnorm", "fused (SGD)"),
-                                        ("rmsprop_clipnorm", "fused (RMSprop)")])
+                                        ("adamw_global_clipnorm_ema", "fused (AdamW)")])
 def test_sparse_under_mirrored_strategy_bit_identical(kind, path, use_function):
     # Two replicas, each on its own half of the batch: tf_keras sums the
     # replicas' gradients (a sparse one's slices concatenated in replica
