@@ -328,18 +328,22 @@ def test_slices_of_known_numbers_bit_identical_to_stock(name):
     slices_lockstep(name, np.float16, False, 16, rows_known=True)
 
 
-def test_tf24_rule_multiplies_the_values_as_its_stock_path():
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(0.01),
+                                  lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+                                  lambda: keras.optimizers.Adafactor(0.01)],
+                         ids=["adam", "rmsprop_own_update", "adafactor_own_update"])
+def test_tf24_rule_multiplies_the_values_as_its_stock_path(make):
     """With ``loss_scale=`` (TensorFlow 2.4's rule: values times 1 / scale in
     their own dtype) the fused sparse step gives what the same optimizer's
     stock path gives (``fused=False``: the values unscaled, then the inner
-    optimizer's own apply)."""
+    optimizer's own apply), by a kernel's sparse form or by the inner
+    optimizer's own update inside the fused step."""
     rng = np.random.default_rng(4)
     init = rng.standard_normal((30, 3)).astype(np.float32)
     results = []
     for fused in (False, True):
         table = keras.Variable(init, name="table")
-        opt = Ours(keras.optimizers.Adam(0.01), fused=fused,
-                   loss_scale=lossscale.DynamicLossScale(2.0**10, 3))
+        opt = Ours(make(), fused=fused, loss_scale=lossscale.DynamicLossScale(2.0**10, 3))
         opt.build([table])
         step = tf.function(lambda v, i: opt.apply(
             [tf.IndexedSlices(v, i, tf.constant([30, 3], tf.int64))], [table]))
