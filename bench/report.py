@@ -705,7 +705,14 @@ class Report:
         def cell_of(case):
             e = self.records.get(f"fit_{case.split('/')[0]}", {})
             same = e.get("identical", {}).get("ours")
-            return "—" if same is None else ("bit-identical" if same else "**DIFFERENT**")
+            if same is None:
+                return "—"
+            cell = "bit-identical" if same else "**DIFFERENT**"
+            checked = e.get("checked_batch", e.get("batch"))
+            if checked != e.get("batch"):
+                # Stock's own scatter is repeatable below 1,024 slices only.
+                cell += f" (checked on {checked} sequences, {checked * e['tokens']:,} tokens)"
+            return cell
 
         def path(case):
             e = self.records.get(f"fit_{case.split('/')[0]}", {})
