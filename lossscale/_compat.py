@@ -307,12 +307,6 @@ def clip_gradients(optimizer, grads):
     return optimizer._clip_gradients(grads)  # pylint: disable=protected-access
 
 
-def update_step(optimizer, grad, variable, learning_rate):
-    """One variable's update by a Keras 3 ``optimizer``'s own
-    ``update_step``: its ops, as its ``apply`` runs them for that variable."""
-    optimizer.update_step(grad, variable, learning_rate)
-
-
 def check_variables_are_known(optimizer, variables):
     """Raises Keras' own ValueError (naming the variable) when ``optimizer``
     was not built with every one of ``variables``, as its ``apply`` does."""

@@ -559,8 +559,9 @@ class Plan:
         The op divides float32 gradients by the scale; a clip, another
         unscale, another dtype or slices are Keras' own ops on the gradients
         unscaled as stock unscales them (a slice at a time), cast as
-        Adafactor casts them (the op then unscales nothing).  A global clip
-        takes in every gradient's norm, the others' too."""
+        Adafactor casts them (the op then unscales nothing).  Under a global
+        clip, whose norm takes in every gradient, ``which`` is every
+        variable: it densifies the sparse ones, which then take the op."""
         inner = self.inner
         variables = [self.variables[i] for i in which]
         grads = [self.grads[i] for i in which]
@@ -571,10 +572,10 @@ class Plan:
                 grads = [_unscaled_slices(g, v, scale, unscale)
                          if isinstance(g, tf.IndexedSlices)
                          else tf.cast(_unscaled_like_stock(g, scale, unscale), tf.float32)
-                         for g, v in zip(self.grads, self.variables)]
+                         for g, v in zip(grads, variables)]
                 if self.clip is not None:
                     grads = list(_compat.clip_gradients(inner, grads))
-                grads = [tf.convert_to_tensor(grads[i]) for i in which]
+                grads = [tf.convert_to_tensor(g) for g in grads]
             unscale = "none"
         factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
 
@@ -885,7 +886,7 @@ class KerasLine:
     def update_by_own_ops(self, inner, grad, variable, learning_rate):
         """``variable`` updated by ``grad`` (unscaled, clipped) with the
         optimizer's own ops (``BY_OWN_UPDATE``)."""
-        _compat.update_step(inner, grad, variable, learning_rate)
+        inner.update_step(grad, variable, learning_rate)
 
     def global_clip_factor(self, grads, scale, unscale, variables, clip_norm):
         """The factor of a global-norm clip, and the sums whose finiteness
@@ -914,19 +915,24 @@ def _slices_checks(name, grad, variable):
     return [
         tf.debugging.assert_equal(
             tf.rank(grad.values), tf.rank(var),
-            message=f"{where} has slices of another rank than its rows{after}"),
+            message=f"{where} {_OTHER_RANK}{after}"),
         tf.debugging.assert_equal(
             values_shape[1:], var_shape[1:],
-            message=f"{where} has slices of another shape than its rows{after}"),
+            message=f"{where} {_OTHER_SHAPE}{after}"),
         tf.debugging.assert_equal(
             tf.size(indices, out_type=tf.int64), values_shape[0],
-            message=f"{where} has not one index per slice{after}"),
+            message=f"{where} {_NOT_ONE_INDEX}{after}"),
         tf.debugging.assert_non_negative(
             indices, message=f"{where} has a negative index{after}"),
         tf.debugging.assert_less(
             indices, var_shape[0],
             message=f"{where} has an index past its last row{after}"),
     ]
+
+
+_OTHER_RANK = "has slices of another rank than its rows"
+_OTHER_SHAPE = "has slices of another shape than its rows"
+_NOT_ONE_INDEX = "has not one index per slice"
 
 
 def _static_slices_check(where, after, grad, variable):
@@ -936,12 +942,12 @@ def _static_slices_check(where, after, grad, variable):
     why = None
     if values.rank is not None and rows.rank is not None:
         if values.rank != rows.rank:
-            why = "has slices of another rank than its rows"
+            why = _OTHER_RANK
         elif not values[1:].is_compatible_with(rows[1:]):
-            why = "has slices of another shape than its rows"
+            why = _OTHER_SHAPE
     if why is None and count is not None and values.rank and values[0] is not None \
             and values[0] != count:
-        why = "has not one index per slice"
+        why = _NOT_ONE_INDEX
     if why is not None:
         raise tf.errors.InvalidArgumentError(None, None, f"{where} {why}{after}")
 
@@ -1506,7 +1512,7 @@ class _TfKerasLegacyLine(KerasLine):
         if len(given) > 1 or zero:
             for attr in given:
                 if attr not in zero:
-                    reason = clip_of(_OneClip(inner, attr))
+                    reason = _clip_value(inner, attr)
                     if isinstance(reason, str):
                         return reason
             return OWN_CLIP
@@ -1537,15 +1543,6 @@ def _tf_global_clip_factor(grads, scale, unscale, clip_norm):
     scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm,
                                               tf.constant(1.0, tf.float32) / clip_norm)
     return scale_for_finite + (use_norm - use_norm), halves
-
-
-class _OneClip:
-    """``inner`` as ``clip_of`` sees it with only its clip ``attr`` set (its
-    name kept for the messages)."""
-
-    def __init__(self, inner, attr):
-        setattr(self, attr, getattr(inner, attr))
-        self.name = type(inner).__name__
 
 
 TF_KERAS = _TfKerasLine()
@@ -2180,16 +2177,25 @@ def clip_of(inner):
         value = getattr(inner, attr, None)
         if value is None or (isinstance(value, (int, float)) and value == 0):
             continue
-        if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
-            return f"the inner optimizer's {attr} is not a number"
-        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
-                or not 0 < float(value) <= _FLOAT32_MAX):
-            # tf_keras' legacy optimizers keep their name in _name.
-            name = getattr(inner, "name", None) or type(inner).__name__
-            raise ValueError(f"{name}: {attr} must be a positive finite number, got "
-                             f"{value!r}")
-        return mode, float(value)
+        value = _clip_value(inner, attr)
+        return value if isinstance(value, str) else (mode, value)
     return None
+
+
+def _clip_value(inner, attr):
+    """The clip option ``attr`` of ``inner`` (set, not 0) as a float, or the
+    reason the step is left to the stock path; a value that is not a
+    positive finite number is a ``ValueError`` that names it."""
+    value = getattr(inner, attr)
+    if callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
+        return f"the inner optimizer's {attr} is not a number"
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+            or not 0 < float(value) <= _FLOAT32_MAX):
+        # tf_keras' legacy optimizers keep their name in _name.
+        name = getattr(inner, "name", None) or type(inner).__name__
+        raise ValueError(f"{name}: {attr} must be a positive finite number, got "
+                         f"{value!r}")
+    return float(value)
 
 
 def _clip_reason(clip, grads, unscale):
