@@ -768,7 +768,9 @@ class Report:
                   if check else "")
                + "*Time*: `apply` in `tf.function` on scaled gradients made in the graph "
                "(making them alone taken off), the scale fixed; torch's nearest equivalent "
-               "stepped by `GradScaler` on the same values in `.grad`"
+               "stepped by `GradScaler` on the same values in `.grad` (accumulating, its "
+               "step adds each fresh gradient into `.grad`, the add its autograd does in "
+               "backward, as ours adds it into its accumulator)"
                + (f"; {rounds} round{'s' if rounds > 1 else ''} per recipe." if rounds else "."),
                "")
         workloads_seen = {}

@@ -38,7 +38,10 @@ policy.  For every recipe:
   ``nn.Embedding`` makes it by default; its fused optimizers take no sparse
   gradient).  Learning-rate schedules are left out on torch's side (a
   scheduler steps outside the optimizer step); Lion has no torch
-  equivalent and is not timed against torch.
+  equivalent and is not timed against torch.  Accumulating gradients,
+  torch's step adds each fresh gradient into ``.grad`` (the add its
+  autograd does inside backward), as ours' step adds it into its
+  accumulator: making the fresh gradient alone is taken off on both sides.
 
 ``--quick`` runs four recipes (two dense, one of them Adafactor's own op,
 two sparse), one round (``ROUNDS``), on a cut of each workload: every 8th
@@ -469,10 +472,15 @@ class Data:
         copy, add = torch._foreach_copy_, torch._foreach_add_
         ema = [p.detach().clone() for p in params] if spec.ema else None
         calls = [0]
+        # Accumulating, backward's fresh gradients land in buffers of their
+        # own, and the step adds them into .grad: the add torch's autograd
+        # does inside backward is the work ours' step does on every call
+        # (its accumulator's add), so it is timed on both sides, not taken
+        # off with the producer.
+        fresh = [torch.zeros_like(p) for p in params] if spec.accumulate > 1 else grads
 
         def produce():
-            # What backward leaves in .grad: added to it while accumulating.
-            (add if spec.accumulate > 1 else copy)(grads, sources)
+            copy(fresh, sources)
 
         def update():
             if spec.clip or spec.clip_each:
@@ -491,6 +499,8 @@ class Data:
 
         def step():
             produce()
+            if spec.accumulate > 1:
+                add(grads, fresh)
             calls[0] += 1
             if calls[0] % spec.accumulate == 0:
                 update()
