@@ -220,8 +220,21 @@ def machine_facts():
         # The roofline's multiply runs on the item's threads (test_core.py);
         # runs without this fact timed it on one.
         "roofline_threads": "item",
+        "transparent_huge_pages": _transparent_huge_pages(),
         "loadavg_start": load_average(),
     }
+
+
+def _transparent_huge_pages():
+    """The kernel's transparent huge page mode (``always``, ``madvise``,
+    ``never``), or None where it does not say."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
 
 
 def facts_lines(facts):

@@ -1199,7 +1199,9 @@ class Report:
             self.w("## Machine and method", "",
                    f"- CPU: {f.get('cpu')} ({f.get('arch')}), {f.get('cores_available')} cores "
                    f"available, last-level cache {f.get('last_level_cache')}, memory "
-                   f"{f.get('memory')}",
+                   f"{f.get('memory')}"
+                   + (f", transparent huge pages `{f['transparent_huge_pages']}`"
+                      if f.get("transparent_huge_pages") else ""),
                    f"- lossscale kernel set chosen: `{f.get('simd_level')}` (best on this CPU: "
                    f"`{f.get('simd_best')}`); TensorFlow op library: {f.get('native_op')}",
                    f"- threads pinned: **{f.get('threads')}** for TensorFlow's intra- and "
@@ -1597,6 +1599,13 @@ class Report:
                        f"{min(tf_calls) / torch_call[0]:.0f}× faster.  The same overhead is "
                        "why torch can beat the TensorFlow op on 2,000 tiny tensors."
                        if torch_call else "."))
+        if self.facts.get("transparent_huge_pages") != "never":
+            out.append(
+                "- **The roofline's pages.** The roofline multiplies numpy's buffers, which "
+                "numpy puts on transparent huge pages where the kernel offers them "
+                "(`madvise`); TensorFlow's variables, slots and gradients lie on 4 KiB pages, "
+                "where each of a step's streams crosses a page, and may miss the TLB, every "
+                "4 KiB.  A TensorFlow step's ours ÷ roofline carries that difference.")
         out.append(
             "- **The TF composite in a graph overlaps with the producer.** Its per-tensor ops "
             "run as soon as each gradient exists, while it is in cache, and in parallel with "
