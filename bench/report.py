@@ -1628,6 +1628,16 @@ class Report:
                 "is small; "
                 + ("the two agree within the step time's scatter." if FASTER <= digits[0] <= SLOWER
                    else f"ours ÷ stock is {_r(digits[0])}."))
+        for case in self.recipe_cases():
+            peer = self.recipe_info(case).get("torch_peer") or ""
+            r = ratio(self.recipe_get(case, "ours"), self.recipe_get(case, "torch"))
+            if "accumulated gradients" in peer and r is not None:
+                out.append(
+                    f"- **Gradient accumulation against torch ({case.split('/')[0]}, "
+                    f"{_r(r.value)}).** Keras' loss scale moves on every call, so every call "
+                    "of ours (and of stock) checks the gradients it is handed before adding "
+                    "them to the accumulators; GradScaler checks once per update, the "
+                    "accumulated `.grad`, so torch's other calls are the add alone.")
         out.extend(self.why_torch_threads())
         return out
 
