@@ -474,6 +474,62 @@ def test_concurrent_updates_of_shared_variables_are_atomic():
     assert int(counter.numpy()) == state[1]
 
 
+def test_fused_steps_and_tensorflows_training_ops_share_variables():
+    """The fused step and TensorFlow's own training ops on the same
+    variables from many threads: every op takes its variables' locks in
+    TensorFlow's order (no deadlock, though each fused step locks all six
+    and TensorFlow's ResourceApplyMomentum two at a time) and holds them for
+    its whole update (no update lost).  Every value stays a small integer,
+    so the end state depends only on how many updates ran."""
+    import keras
+    from lossscale import LossScaleOptimizer
+
+    rounds, fusing, descending = 25, 3, 2
+    # Pairs of one shape, for ResourceApplyMomentum's var and accum; the
+    # list the fused step takes in the reverse order of their creation.
+    variables = [keras.Variable(np.zeros(5000 + 37 * (i // 2), np.float32), name=f"shared_{i}")
+                 for i in range(6)][::-1]
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0,
+                             dynamic_growth_steps=10 ** 9)
+    opt.build(variables)
+    # Scaled by 4, unscaled to ones: each fused step takes 1 from every value.
+    grads = [tf.constant(np.full(v.shape, 4.0, np.float32)) for v in variables]
+    fused = tf.function(lambda: opt.apply(grads, variables))
+    fused()
+    assert opt.step_path == "fused (SGD)"
+    handles = [v.value.handle for v in variables]
+
+    def descend(i):
+        # TensorFlow's own update: takes 1 from every value of variable i.
+        tf.raw_ops.ResourceApplyGradientDescent(var=handles[i], alpha=1.0,
+                                                delta=tf.ones(variables[i].shape),
+                                                use_locking=True)
+
+    def lock_pair(i, j):
+        # Locks variables i and j (var, accum) and writes both unchanged:
+        # accum * 1 + 0, then var - 0 * accum.
+        tf.raw_ops.ResourceApplyMomentum(var=handles[i], accum=handles[j], lr=0.0,
+                                         grad=tf.zeros(variables[j].shape), momentum=1.0,
+                                         use_locking=True)
+
+    def worker(kind):
+        for _ in range(rounds):
+            if kind == "fused":
+                fused()
+            elif kind == "descend":
+                for i in range(len(variables)):
+                    descend(i)
+            else:
+                for i in range(0, len(variables), 2):
+                    lock_pair(i, i + 1)
+                    lock_pair(i + 1, i)
+
+    run_threads(worker, [("fused",)] * fusing + [("descend",)] * descending + [("pairs",)] * 2)
+    want = -(1 + (fusing + descending) * rounds)
+    for v in variables:
+        np.testing.assert_array_equal(v.numpy(), np.full(v.shape, want, np.float32))
+
+
 def test_core_and_ops_at_the_same_time(two_core_threads):
     """numpy-core callers and TensorFlow-op callers side by side (the op runs
     on TensorFlow's pool, the core on its own): neither disturbs the other."""

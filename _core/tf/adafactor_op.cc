@@ -122,7 +122,7 @@ class AdafactorOp : public tf::OpKernel {
                     tf::errors::InvalidArgument(type_string(),
                                                 ": a variable or slot is passed twice (",
                                                 VariableNameAt(ctx, inputs[twice]), ")"));
-        vars.Lock(ctx);
+        vars.Lock();
 
         std::vector<ls_adafactor_param> params(n);
         std::vector<int> r_of(n, -1);
@@ -152,17 +152,18 @@ class AdafactorOp : public tf::OpKernel {
             for (const auto& want : mine) {
                 tf::Var* var = vars.var(want.first);
                 const tf::Tensor* value = var->tensor();
-                const std::string what = VariableNameAt(ctx, inputs[want.first]);
+                // Named only in a message: building the name costs more than the checks.
+                const auto what = [&] { return VariableNameAt(ctx, inputs[want.first]); };
                 OP_REQUIRES(ctx, var->is_initialized,
-                            tf::errors::FailedPrecondition(type_string(), ": ", what,
+                            tf::errors::FailedPrecondition(type_string(), ": ", what(),
                                                            " is not initialized"));
                 OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
-                            tf::errors::InvalidArgument(type_string(), ": ", what,
+                            tf::errors::InvalidArgument(type_string(), ": ", what(),
                                                         " must be float32, got ",
                                                         tf::DataTypeString(value->dtype())));
                 OP_REQUIRES(ctx, value->shape() == want.second,
                             tf::errors::InvalidArgument(
-                                type_string(), ": ", what, " has shape ",
+                                type_string(), ": ", what(), " has shape ",
                                 value->shape().DebugString(), ", expected ",
                                 want.second.DebugString(), " for the gradient of shape ",
                                 shape.DebugString()));

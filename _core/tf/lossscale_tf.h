@@ -95,11 +95,16 @@ inline int ParallelForOnPool(void* host, ls_range_fn range, const void* arg, siz
 }
 
 // The resource variables an op updates, held from lookup to the last
-// write.  Locking and copy-on-write are TensorFlow's own, as its training
-// ops use them: MaybeLockVariableInputMutexesInOrder (every mutex in
-// address order, so two ops sharing variables cannot deadlock) and
-// PrepareToUpdateVariable (a buffer a reader still holds, or any buffer of
-// a variable in copy-on-read mode, is copied before the update writes).
+// write.  Locking follows TensorFlow's training ops: every variable's mutex
+// taken exclusively, each once, in address order, as
+// MaybeLockVariableInputMutexesInOrder takes them, so that an op of ours
+// and one of TensorFlow's sharing variables cannot deadlock.  (That helper
+// itself looks every variable up again and finds repeats by a linear scan,
+// which it may since its ops lock two or three variables: over the
+// thousands of an optimizer step's it cost milliseconds a step.)
+// Copy-on-write is TensorFlow's own: PrepareToUpdateVariable (a buffer a
+// reader still holds, or any buffer of a variable in copy-on-read mode, is
+// copied before the update writes).
 class UpdatedVariables {
   public:
     // Looks up the variable of every input in `inputs`.  *twice: the
@@ -108,7 +113,7 @@ class UpdatedVariables {
     // TensorFlow's lock would take the variable once and the update would
     // then apply to it twice.
     tf::Status LookUp(tf::OpKernelContext* ctx, const std::vector<int>& inputs, int* twice) {
-        inputs_ = inputs;
+        Unlock();
         vars_.clear();
         vars_.resize(inputs.size());
         std::vector<std::pair<const tf::mutex*, int>> order(inputs.size());
@@ -126,11 +131,21 @@ class UpdatedVariables {
         return tf::OkStatus();
     }
 
+    UpdatedVariables() = default;
+    UpdatedVariables(const UpdatedVariables&) = delete;
+    UpdatedVariables& operator=(const UpdatedVariables&) = delete;
+    ~UpdatedVariables() { Unlock(); }
+
     // Takes every variable's lock, exclusively, until this object goes.
-    void Lock(tf::OpKernelContext* ctx) {
-        locks_ = std::make_unique<tf::VariableInputLockHolder>(
-            tf::MaybeLockVariableInputMutexesInOrder<Eigen::ThreadPoolDevice, float>(
-                ctx, /*do_lock=*/true, /*sparse=*/false, inputs_));
+    void Lock() {
+        Unlock();
+        locked_.reserve(vars_.size());
+        for (const auto& v : vars_)
+            locked_.push_back(v->mu());
+        std::sort(locked_.begin(), locked_.end());
+        locked_.erase(std::unique(locked_.begin(), locked_.end()), locked_.end());
+        for (tf::mutex* mu : locked_)
+            mu->lock();
     }
 
     tf::Var* var(size_t i) const { return vars_[i].get(); }
@@ -159,9 +174,14 @@ class UpdatedVariables {
     }
 
   private:
-    std::vector<int> inputs_;
+    void Unlock() {
+        for (auto it = locked_.rbegin(); it != locked_.rend(); ++it)
+            (*it)->unlock();
+        locked_.clear();
+    }
+
     std::vector<tf::core::RefCountPtr<tf::Var>> vars_;
-    std::unique_ptr<tf::VariableInputLockHolder> locks_;
+    std::vector<tf::mutex*> locked_; // held, in the order taken
 };
 
 // A resource variable's float32 buffer, to write (after PrepareToUpdate).

@@ -341,7 +341,7 @@ class FusedStepOp : public tf::OpKernel {
                                                 ": a variable, slot, average or accumulator "
                                                 "is passed twice (",
                                                 VariableNameAt(ctx, inputs[twice]), ")"));
-        vars.Lock(ctx);
+        vars.Lock();
 
         // Check everything before any write.
         std::vector<ls_param> params(n);
@@ -368,17 +368,18 @@ class FusedStepOp : public tf::OpKernel {
             for (int t : mine) {
                 tf::Var* var = vars.var(t);
                 const tf::Tensor* value = var->tensor();
-                const std::string what = VariableNameAt(ctx, inputs[t]);
+                // Named only in a message: building the name costs more than the checks.
+                const auto what = [&] { return VariableNameAt(ctx, inputs[t]); };
                 OP_REQUIRES(ctx, var->is_initialized,
-                            tf::errors::FailedPrecondition(type_string(), ": ", what,
+                            tf::errors::FailedPrecondition(type_string(), ": ", what(),
                                                            " is not initialized"));
                 OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
-                            tf::errors::InvalidArgument(type_string(), ": ", what,
+                            tf::errors::InvalidArgument(type_string(), ": ", what(),
                                                         " must be float32, got ",
                                                         tf::DataTypeString(value->dtype())));
                 OP_REQUIRES(ctx, value->shape() == shape,
                             tf::errors::InvalidArgument(
-                                type_string(), ": ", what, " has shape ",
+                                type_string(), ": ", what(), " has shape ",
                                 value->shape().DebugString(), ", its ",
                                 sparse ? "variable" : "gradient", " has shape ",
                                 shape.DebugString()));

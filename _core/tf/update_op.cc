@@ -126,7 +126,7 @@ class LossScaleUpdateOp : public tf::OpKernel {
         OP_REQUIRES(ctx, twice < 0,
                     tf::errors::InvalidArgument("LossScaleUpdate: ", slots[twice].name,
                                                 " is the same variable as another input"));
-        vars.Lock(ctx);
+        vars.Lock();
 
         for (size_t i = 0; i < slots.size(); ++i) {
             const VarSlot& s = slots[i];

@@ -63,7 +63,7 @@ class ZeroVariablesOp : public tf::OpKernel {
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
-        vars.Lock(ctx);
+        vars.Lock();
         // Every variable checked before any is written.
         for (size_t i = 0; i < vars.size(); ++i) {
             const tf::Tensor* t = vars.var(i)->tensor();
