@@ -286,7 +286,9 @@ GROUP_BYTES = 1 << 16
 def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
     """`all_finite` as a step should run it inside the graph that makes the
     gradients: one op per large gradient, small neighbours grouped up to
-    ``group_bytes``, the flags combined.  Same result as `all_finite`."""
+    ``group_bytes``, the flags combined.  Same result as `all_finite`.
+    TensorFlow's inter-op threads run the ops side by side as their
+    gradients are made; each op under 32 MiB checks on its own thread."""
     return _all_finite(grads, "all_finite_grouped", group_bytes)
 
 
