@@ -280,6 +280,10 @@ def all_finite(grads):
 # for all of them and streams them back from memory (slower than the stock
 # per-tensor check); thousands of tiny tensors still want few ops.
 GROUP_BYTES = 1 << 16
+# A group's op checks on its own thread below this many bytes (many run
+# side by side on TensorFlow's inter-op threads), on the intra-op pool
+# from it; `all_finite`'s one op always splits its pass over the pool.
+SPLIT_GROUP_FROM_BYTES = 32 << 20
 
 
 @tf.autograph.experimental.do_not_convert
@@ -288,7 +292,8 @@ def all_finite_grouped(grads, group_bytes=GROUP_BYTES):
     gradients: one op per large gradient, small neighbours grouped up to
     ``group_bytes``, the flags combined.  Same result as `all_finite`.
     TensorFlow's inter-op threads run the ops side by side as their
-    gradients are made; each op under 32 MiB checks on its own thread."""
+    gradients are made; each op under ``SPLIT_GROUP_FROM_BYTES`` checks on
+    its own thread."""
     return _all_finite(grads, "all_finite_grouped", group_bytes)
 
 
@@ -309,11 +314,12 @@ def _all_finite(grads, caller, group_bytes):
             nbytes = v.shape.num_elements()
             nbytes = None if nbytes is None else nbytes * v.dtype.size
             if group and (nbytes is None or size + nbytes > group_bytes):
-                flags.append(module.loss_scale_all_finite(group))
+                flags.append(module.loss_scale_all_finite(
+                    group, split_from_bytes=SPLIT_GROUP_FROM_BYTES))
                 group, size = [], 0
             group.append(v)
             size += nbytes or 0
-        flags.append(module.loss_scale_all_finite(group))
+        flags.append(module.loss_scale_all_finite(group, split_from_bytes=SPLIT_GROUP_FROM_BYTES))
         return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
 
 

@@ -258,27 +258,33 @@ def test_all_finite_matches_tensorflow(dtype):
         assert bool(ops.all_finite([finite_part, tf.constant(arr)])) is False
 
 
-# The check op runs a list of fewer bytes on its own thread and splits a
-# larger one over the intra-op pool (unscale_and_check_op.cc): the same
-# answer on either side, wherever the non-finite value lies.
-SPLIT_CHECK_FROM_BYTES = 32 << 20
-
-
-@pytest.mark.parametrize("nbytes", [SPLIT_CHECK_FROM_BYTES - 256, SPLIT_CHECK_FROM_BYTES + 256],
+# A grouped check's op runs a list of fewer bytes than
+# ops.SPLIT_GROUP_FROM_BYTES on its own thread and splits a larger one over
+# the intra-op pool (unscale_and_check_op.cc); `all_finite`'s op always
+# splits: the same answer every way, wherever the non-finite value lies.
+@pytest.mark.parametrize("nbytes", [ops.SPLIT_GROUP_FROM_BYTES - 256,
+                                    ops.SPLIT_GROUP_FROM_BYTES + 256],
                          ids=["on_its_thread", "split"])
 def test_all_finite_either_side_of_the_split(nbytes):
     n = nbytes // 4
     values = np.random.default_rng(5).standard_normal(n).astype(np.float32)
-    # One list of three tensors, as a step's group would be.
     cuts = [0, n // 7, n // 2, n]
-    assert bool(ops.all_finite([tf.constant(values[a:b]) for a, b in zip(cuts, cuts[1:])]))
+
+    def checks(arr):
+        grads = [tf.constant(arr[a:b]) for a, b in zip(cuts, cuts[1:])]
+        # One group of the three tensors, as in a step; each in its own
+        # group; one op that splits.
+        return grads, [bool(ops.all_finite_grouped(grads, group_bytes=1 << 40)),
+                       bool(ops.all_finite_grouped(grads, group_bytes=1)),
+                       bool(ops.all_finite(grads))]
+
+    assert checks(values)[1] == [True] * 3
     for where in [0, n // 7 - 1, n // 2 + 12_345, n - 1]:
         for special in [np.inf, np.nan]:
             arr = values.copy()
             arr[where] = special
-            grads = [tf.constant(arr[a:b]) for a, b in zip(cuts, cuts[1:])]
-            assert bool(ops.all_finite(grads)) is reference_finite(grads) is False
-            assert bool(ops.all_finite_grouped(grads)) is False
+            grads, got = checks(arr)
+            assert got == [reference_finite(grads)] * 3 == [False] * 3
 
 
 # -------------------------------------------------------- tf.function

@@ -59,11 +59,18 @@ REGISTER_OP("LossScaleAllFinite")
     .Input("grads: T")
     .Output("all_finite: bool")
     .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .Attr("split_from_bytes: int = 0")
     .SetShapeFn([](InferenceContext* c) {
         c->set_output(0, c->Scalar());
         return tf::OkStatus();
     })
-    .Doc("True when every element of every tensor is finite.");
+    .Doc(R"doc(
+True when every element of every tensor is finite.
+
+split_from_bytes: a list of at least this many bytes is checked on the
+  intra-op pool's threads, a smaller one on the thread that runs the op
+  (for ops that run side by side on the inter-op threads, many at a time).
+)doc");
 
 // out = in / factor or in * factor, factor cast to T: TensorFlow's own
 // RealDiv / Mul expression for a scalar right-hand side.
@@ -253,16 +260,13 @@ class UnscaleAndCheckOp : public tf::OpKernel {
     bool divide_ = false;
 };
 
-// A check of fewer bytes than this runs on the thread that runs the op.
-// A step checks its gradients as they come, in many such ops (lossscale.
-// ops.all_finite_grouped), which TensorFlow's inter-op threads run side by
-// side; each also splitting its pass over the intra-op pool put more
-// threads on the cores than there are cores, and measured on ResNet-50's
-// gradients (105 ops, 2 threads) made the step's check 1.3-1.5 times
-// slower than one thread per op.  Above it (a large embedding table's
-// gradient, one op over a whole list) a pass is worth splitting.
-constexpr size_t kSplitCheckFromBytes = size_t{32} << 20;
-
+// A check of fewer bytes than split_from_bytes runs on the thread that
+// runs the op.  A step checks its gradients as they come, in many such ops
+// (lossscale.ops.all_finite_grouped, which sets it), that TensorFlow's
+// inter-op threads run side by side; each also splitting its pass over
+// the intra-op pool put more threads on the cores than there are cores,
+// and measured on ResNet-50's gradients (105 ops, 2 threads) made the
+// step's check 1.3-1.5 times slower than one thread per op.
 int OnThisThread(void* host, ls_range_fn range, const void* arg, size_t total) {
     (void)host;
     return range(arg, 0, total);
@@ -270,7 +274,11 @@ int OnThisThread(void* host, ls_range_fn range, const void* arg, size_t total) {
 
 class AllFiniteOp : public tf::OpKernel {
   public:
-    explicit AllFiniteOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {}
+    explicit AllFiniteOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {
+        tf::int64 split_from = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("split_from_bytes", &split_from));
+        split_from_bytes_ = split_from < 0 ? 0 : static_cast<size_t>(split_from);
+    }
 
     void Compute(tf::OpKernelContext* ctx) override {
         tf::OpInputList grads;
@@ -280,7 +288,7 @@ class AllFiniteOp : public tf::OpKernel {
         size_t bytes = 0;
         for (int i = 0; i < grads.size(); ++i)
             bytes += grads[i].TotalBytes();
-        const bool split = bytes >= kSplitCheckFromBytes;
+        const bool split = bytes >= split_from_bytes_;
         const int rc = ls_all_finite_with(bufs.data(), bufs.size(), 0,
                                           split ? ParallelForOnPool : OnThisThread, ctx);
         OP_REQUIRES(ctx, rc >= 0, CoreError(rc, "LossScaleAllFinite"));
@@ -288,6 +296,9 @@ class AllFiniteOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &flag));
         flag->scalar<bool>()() = rc == 1;
     }
+
+  private:
+    size_t split_from_bytes_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("LossScaleUnscaleAndCheck").Device(tf::DEVICE_CPU),
