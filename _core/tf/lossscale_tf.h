@@ -116,18 +116,23 @@ class UpdatedVariables {
         Unlock();
         vars_.clear();
         vars_.resize(inputs.size());
-        std::vector<std::pair<const tf::mutex*, int>> order(inputs.size());
+        std::vector<std::pair<tf::mutex*, int>> order(inputs.size());
         for (size_t i = 0; i < inputs.size(); ++i) {
             TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, inputs[i]),
                                                   &vars_[i]));
             order[i] = {vars_[i]->mu(), static_cast<int>(i)};
         }
         // Sorted by mutex, then position: a repeat follows its first sight.
+        // The distinct mutexes in that order are the ones Lock takes.
         std::sort(order.begin(), order.end());
         *twice = -1;
-        for (size_t i = 1; i < order.size(); ++i)
-            if (order[i].first == order[i - 1].first && (*twice < 0 || order[i].second < *twice))
+        mutexes_.clear();
+        for (size_t i = 0; i < order.size(); ++i) {
+            if (i == 0 || order[i].first != order[i - 1].first)
+                mutexes_.push_back(order[i].first);
+            else if (*twice < 0 || order[i].second < *twice)
                 *twice = order[i].second;
+        }
         return tf::OkStatus();
     }
 
@@ -139,13 +144,9 @@ class UpdatedVariables {
     // Takes every variable's lock, exclusively, until this object goes.
     void Lock() {
         Unlock();
-        locked_.reserve(vars_.size());
-        for (const auto& v : vars_)
-            locked_.push_back(v->mu());
-        std::sort(locked_.begin(), locked_.end());
-        locked_.erase(std::unique(locked_.begin(), locked_.end()), locked_.end());
-        for (tf::mutex* mu : locked_)
+        for (tf::mutex* mu : mutexes_)
             mu->lock();
+        locked_ = true;
     }
 
     tf::Var* var(size_t i) const { return vars_[i].get(); }
@@ -175,13 +176,15 @@ class UpdatedVariables {
 
   private:
     void Unlock() {
-        for (auto it = locked_.rbegin(); it != locked_.rend(); ++it)
-            (*it)->unlock();
-        locked_.clear();
+        if (locked_)
+            for (auto it = mutexes_.rbegin(); it != mutexes_.rend(); ++it)
+                (*it)->unlock();
+        locked_ = false;
     }
 
     std::vector<tf::core::RefCountPtr<tf::Var>> vars_;
-    std::vector<tf::mutex*> locked_; // held, in the order taken
+    std::vector<tf::mutex*> mutexes_; // distinct, in address order: the order taken
+    bool locked_ = false;
 };
 
 // A resource variable's float32 buffer, to write (after PrepareToUpdate).
