@@ -65,7 +65,12 @@ the others by the kernels.  Clipped, a sparse
 gradient is what Keras' clip makes of it: dense under ``global_clipnorm``
 (``DENSIFIED_BY_CLIP``, any family: the row sums clipped, or TensorFlow's
 conversion where the family takes no slices), its slices clipped under
-``clipnorm`` and ``clipvalue``.  ``tf_keras``' current optimizers sum a
+``clipnorm`` and ``clipvalue``.  With Keras 3's gradient accumulation a
+sparse gradient is dense too, for every family that accumulates: Keras'
+add to (or of) its accumulator densifies it, on every step
+(``DENSIFIED_BY_ACCUMULATION``, TensorFlow's conversion of the unscaled
+slices, then the accumulating or the update pass as for a dense one).
+``tf_keras``' current optimizers sum a
 sparse gradient's duplicate slices per row before their update, which then
 scatters the sums: where that comes to the dense update of the densified
 gradient bit for bit (SGD without Nesterov), the kernel takes it so
@@ -96,8 +101,8 @@ the same chain, which the optimizer rewrites as it rewrites stock's
 
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
-gradient accumulation, a sparse gradient with accumulation or one its
-family has no form for, variable constraints or
+gradient accumulation, a sparse gradient its family has no form for
+(with accumulation every family densifies it, as Keras' add does), variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
@@ -324,6 +329,15 @@ class SparseForm:
 # slices, as the op clips each slice value.)
 DENSIFIED_BY_CLIP = SparseForm()
 
+# A sparse gradient under Keras 3's gradient_accumulation_steps, for every
+# family that accumulates: Keras adds it to its accumulator on a step that
+# only accumulates (``var.assign(var + grad)``) and its accumulator to it on
+# an update step (``(g + acc_g) / steps``), and either add densifies the
+# slices first (TensorFlow's conversion: ``unsorted_segment_sum``, a row's
+# slices added in order onto 0), unscaled as stock unscales them.  The
+# kernel takes them so, as a dense gradient, in both kinds of step.
+DENSIFIED_BY_ACCUMULATION = SparseForm()
+
 # A sparse gradient that tf_keras' current optimizers sum per row before
 # their update: ``apply_gradients`` adds a row's duplicate slices
 # (``_deduplicate_sparse_grad``: ``unsorted_segment_sum`` onto 0, in their
@@ -503,23 +517,21 @@ class Plan:
         dense = [i for i, form in enumerate(self.forms)
                  if form is None or (form is DENSIFIED_BY_CLIP and native)]
         densified = [i for i, form in enumerate(self.forms)
-                     if (form is DENSIFIED_BY_CLIP and not native) or form is SUMMED_BY_ROW]
+                     if (form is DENSIFIED_BY_CLIP and not native)
+                     or form in (SUMMED_BY_ROW, DENSIFIED_BY_ACCUMULATION)]
         sparse = [i for i, form in enumerate(self.forms)
-                  if form is not None
-                  and form not in (DENSIFIED_BY_CLIP, SUMMED_BY_ROW, BY_OWN_UPDATE)]
-        if accumulation is not None and len(dense) != len(self.forms):
-            # decide() keeps a sparse gradient with accumulation stock.
-            raise ValueError("gradient accumulation takes dense gradients only")
+                  if form is not None and form not in (
+                      DENSIFIED_BY_CLIP, SUMMED_BY_ROW, DENSIFIED_BY_ACCUMULATION, BY_OWN_UPDATE)]
+        if accumulation is not None and len(dense) + len(densified) != len(self.forms):
+            # decide() densifies every sparse gradient with accumulation.
+            raise ValueError("gradient accumulation takes dense or densified gradients only")
         if dense:
             self._launch_dense(library, should_apply, dense, [self.grads[i] for i in dense],
                                scale, unscale, accumulation)
         if densified:
-            dense_grads = []
-            for i in densified:
-                with tf.control_dependencies(self.checks):
-                    dense_grads.append(_densify(_unscaled_slices(
-                        self.grads[i], self.variables[i], scale, unscale)))
-            self._launch_dense(library, should_apply, densified, dense_grads, scale, "none")
+            self._launch_dense(library, should_apply, densified,
+                               self._densified(densified, scale, unscale), scale, "none",
+                               accumulation)
         if sparse:
             form = self.forms[sparse[0]]
             factor = form.slice_factor(self.learning_rate) if form.slice_factor else None
@@ -533,6 +545,14 @@ class Plan:
         # After the family's own state moves, as Keras moves it before any
         # update_step (Nadam's u_product).
         self._run_own_updates(should_apply, own, scale, unscale)
+
+    def _densified(self, which, scale, unscale):
+        """The sparse gradients ``which`` (positions in the plan) dense, after
+        the slices' checks: unscaled as stock unscales them, then densified
+        as TensorFlow converts them (``_densify``)."""
+        with tf.control_dependencies(self.checks):
+            return [_densify(_unscaled_slices(self.grads[i], self.variables[i], scale, unscale))
+                    for i in which]
 
     def _run_own_updates(self, should_apply, which, scale, unscale):
         if which:
@@ -597,12 +617,25 @@ class Plan:
         """A step that only accumulates: each gradient unscaled as stock
         unscales it and added to its accumulator as Keras adds it
         (``var.assign(var + grad)``), in one pass, by the native op's
-        ``accumulate`` family (the accumulators its variables)."""
+        ``accumulate`` family (the accumulators its variables); a sparse
+        one densified first, as Keras' add densifies it
+        (``DENSIFIED_BY_ACCUMULATION``), in an op of its own."""
         zero = tf.constant(0.0, tf.float32)
-        library.loss_scale_apply_optimizer(
-            tf.constant(True), [local_copy(a).handle for a in accumulators], [], self.grads,
-            scale, zero, zero, [], [], [], [], [], [], [], [], family="accumulate", hyper=[],
-            decay=[0] * len(accumulators), unscale=unscale)
+        dense = [i for i, form in enumerate(self.forms) if form is None]
+        densified = [i for i, form in enumerate(self.forms) if form is DENSIFIED_BY_ACCUMULATION]
+        if len(dense) + len(densified) != len(self.forms):
+            raise ValueError("gradient accumulation takes dense or densified gradients only")
+
+        def add(which, grads, unscale):
+            library.loss_scale_apply_optimizer(
+                tf.constant(True), [local_copy(accumulators[i]).handle for i in which], [],
+                grads, scale, zero, zero, [], [], [], [], [], [], [], [], family="accumulate",
+                hyper=[], decay=[0] * len(which), unscale=unscale)
+
+        if dense:
+            add(dense, [self.grads[i] for i in dense], unscale)
+        if densified:
+            add(densified, self._densified(densified, scale, unscale), "none")
 
     def _launch_dense(self, library, should_apply, which, grads, scale, unscale,
                       accumulation=None):
@@ -2008,12 +2041,6 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
               or family.line.variables_reason(inner, variables)
               or _step_reason(family, inner, grads, variables)
               or _clip_reason(clip, grads, unscale))
-    if reason is None and steps and any(isinstance(g, tf.IndexedSlices) for g in grads):
-        # A sparse gradient's terms are made per row from the slices, the
-        # way Keras' update_step densifies them, or, clipped, densified as
-        # Keras' clip densifies them (DENSIFIED_BY_CLIP); Keras' accumulators
-        # of them are not reproduced here.
-        reason = "a sparse (IndexedSlices) gradient with gradient_accumulation_steps"
     if reason is None and tf.distribute.has_strategy():
         reason = _strategy_around_update_reason(inner, grads, variables)
     if reason is not None:
@@ -2021,7 +2048,8 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
-    forms = [(DENSIFIED_BY_CLIP if family.line.densifies(clip) else family.sparse(inner, v))
+    forms = [(DENSIFIED_BY_CLIP if family.line.densifies(clip)
+              else DENSIFIED_BY_ACCUMULATION if steps else family.sparse(inner, v))
              if isinstance(g, tf.IndexedSlices) else None
              for g, v in pairs]
     return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
@@ -2091,7 +2119,8 @@ def _step_reason(family, inner, grads, variables):
         if replicated and not isinstance(_step.tf_variable(v), tf.distribute.DistributedValues):
             return f"{v.name} is not mirrored (made outside the strategy's scope)"
         if (isinstance(g, tf.IndexedSlices)
-                and not family.line.densifies(family.line.clip_of(inner))):
+                and not family.line.densifies(family.line.clip_of(inner))
+                and not _accumulation_steps(inner)):
             form = family.sparse(inner, v) if family.sparse else None
             if not isinstance(form, SparseForm):
                 return form or f"the gradient of {v.name} is sparse (IndexedSlices)"

@@ -740,3 +740,58 @@ def test_embedding_model_with_ema_bit_identical_to_stock(policy, eager, name):
     assert_fused(opts[1])
     averages = opts[1].inner_optimizer._model_variables_moving_average
     assert all(np.any(a.numpy() != 0) for a in averages)
+
+
+# Every accumulating family, with EMA too, and over a count whose 1 / 3 is
+# inexact (Adam's update takes it as it is in a graph too).
+SPARSE_ACCUMULATE = {**ACCUMULATE, "both-rmsprop_momentum": BOTH["rmsprop_momentum"],
+                     "both-nadam": BOTH["nadam"], "three-adam": THREE["adam"][0]}
+
+
+@pytest.mark.parametrize("name", list(SPARSE_ACCUMULATE))
+@pytest.mark.parametrize("policy,eager", RUNS, ids=RUN_IDS)
+def test_embedding_model_with_accumulation_bit_identical_to_stock(policy, eager, name):
+    """An embedding table's sparse gradient with gradient accumulation:
+    Keras' add to its accumulator (and of its accumulator, on an update
+    step) densifies it, so the step densifies it as TensorFlow does and
+    the fused ops take it as a dense gradient; every variable, slot and
+    accumulator as stock's after every step, overflows on steps that would
+    accumulate and on steps that would update."""
+    from test_fused_sparse import embedding_lockstep
+
+    _, opts = embedding_lockstep(None, policy, eager, 40 if eager else 64,
+                                 make_inner=SPARSE_ACCUMULATE[name])
+    assert_fused(opts[1])
+    inner = opts[1].inner_optimizer
+    # An update step ran and steps that accumulate after it (embedding_lockstep
+    # checked that the table's gradient was sparse on every step).
+    assert int(inner.iterations.numpy()) > inner.gradient_accumulation_steps
+
+
+def test_sparse_gradient_with_accumulation_is_densified_for_every_family():
+    """The plan densifies a sparse gradient under accumulation whatever its
+    family's own sparse form (a kernel's slices, the inner optimizer's own
+    update, or none: Adagrad with a negative initial accumulator), and
+    leaves the dense one beside it as it is; without accumulation the same
+    families keep their own forms."""
+    from lossscale import _fused
+
+    table = keras.Variable(np.ones((10, 3), np.float32), name="emb_table")
+    dense = keras.Variable(np.ones((4,), np.float32), name="dense")
+    grads = [tf.IndexedSlices(tf.ones((2, 3)), tf.constant([1, 1]), tf.constant([10, 3])),
+             tf.ones((4,))]
+    makers = {**SPARSE_ACCUMULATE,
+              "adagrad_negative": lambda: opt_.Adagrad(0.05, initial_accumulator_value=-0.5,
+                                                       gradient_accumulation_steps=2)}
+    for name, make in makers.items():
+        inner = make()
+        inner.build([table, dense])
+        plan = _fused.decide(inner, grads=grads, variables=[table, dense]).plan
+        assert plan is not None, name
+        assert plan.forms == [_fused.DENSIFIED_BY_ACCUMULATION, None], (name, plan.forms)
+        alone = type(inner).from_config({**inner.get_config(),
+                                         "gradient_accumulation_steps": None})
+        alone.build([table, dense])
+        decision = _fused.decide(alone, grads=grads, variables=[table, dense])
+        assert decision.plan is None or decision.plan.forms[0] is not \
+            _fused.DENSIFIED_BY_ACCUMULATION, name
