@@ -2006,14 +2006,15 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     steps = _accumulation_steps(inner)
     if (family.line is not KERAS_3 and family.line.weight_decay(inner) is not None
             and not family.line.learning_rate_is_variable(inner)
-            and _grappler_reassociates_products()) or (steps and _decay_follows_schedule(inner)):
+            and _grappler_reassociates_products()):
         # Each variable's decay evaluates the schedule anew, and the graph
         # optimizer merges that product into the decay's chain of multiplies,
         # folding the schedule's constants with weight_decay (ExponentialDecay:
         # var * (pow * (initial_rate * wd))): an order set by the schedule's
         # own ops, which the kernel does not follow.  Keras 3's families run
-        # that decay as Keras' own ops (``Plan.decay_by_ops``), except with
-        # accumulation, whose update steps decay on their own schedule.
+        # that decay as Keras' own ops (``Plan.decay_by_ops``), before the
+        # fused pass of an update step (with accumulation, on update steps
+        # alone, as Keras' update step decays).
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
     if steps and clip is not None:

@@ -52,9 +52,9 @@ def adamw_excluding_biases(**kw):
     return excluding_biases(opt_.AdamW(**kw))
 
 
-# Every fused family with EMA, with accumulation, and with both.  No case
-# pairs a schedule with weight decay: in a graph that takes the stock path
-# (test_fused_step).
+# Every fused family with EMA, with accumulation, and with both.  A
+# schedule with weight decay decays by Keras' own ops in a graph
+# (test_fused_step), on the update steps alone with accumulation.
 EMA = {
     "sgd_momentum": lambda: opt_.SGD(0.02, momentum=0.9, use_ema=True),
     "sgd_nesterov_schedule": lambda: opt_.SGD(schedule(), momentum=0.9, nesterov=True,
@@ -93,9 +93,26 @@ ACCUMULATE = {
     "nadam_decay": lambda: opt_.Nadam(0.003, weight_decay=0.01, gradient_accumulation_steps=2),
     "lion_schedule": lambda: opt_.Lion(schedule(), beta_1=0.8, beta_2=0.95,
                                        gradient_accumulation_steps=4),
+    "adamw_schedule_decay": lambda: adamw_excluding_biases(
+        learning_rate=schedule(), weight_decay=0.01, gradient_accumulation_steps=4),
+    "adamw_bert_polynomial_3": lambda: opt_.AdamW(
+        keras.optimizers.schedules.PolynomialDecay(0.01, 50, end_learning_rate=0.001),
+        weight_decay=0.01, epsilon=1e-6, gradient_accumulation_steps=3),
+    "sgd_nesterov_cosine_decay": lambda: opt_.SGD(
+        keras.optimizers.schedules.CosineDecay(0.02, 40, warmup_target=0.05, warmup_steps=5),
+        momentum=0.9, nesterov=True, weight_decay=0.004, gradient_accumulation_steps=4),
+    "rmsprop_schedule_decay": lambda: opt_.RMSprop(schedule(), momentum=0.9, weight_decay=0.01,
+                                                   gradient_accumulation_steps=2),
+    "lion_polynomial_decay": lambda: opt_.Lion(
+        keras.optimizers.schedules.PolynomialDecay(0.01, 50, end_learning_rate=0.001),
+        weight_decay=0.05, gradient_accumulation_steps=4),
 }
 
 BOTH = {
+    "adam_cosine_decay": lambda: opt_.Adam(
+        keras.optimizers.schedules.CosineDecay(0.02, 40, warmup_target=0.05, warmup_steps=5),
+        weight_decay=0.02, use_ema=True, ema_overwrite_frequency=3,
+        gradient_accumulation_steps=2),
     "adam_schedule": lambda: opt_.Adam(schedule(), use_ema=True, ema_momentum=0.9,
                                        ema_overwrite_frequency=2, gradient_accumulation_steps=2),
     "rmsprop_momentum": lambda: opt_.RMSprop(0.003, momentum=0.9, use_ema=True,
