@@ -101,8 +101,10 @@ the same chain, which the optimizer rewrites as it rewrites stock's
 
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
-gradient accumulation, a sparse gradient its family has no form for
-(with accumulation every family densifies it, as Keras' add does), variable constraints or
+gradient accumulation over a count that is not a power of two in a graph
+(Keras clips each update step's averages: ``_clipped_average_update``), a
+sparse gradient its family has no form for (with accumulation every
+family densifies it, as Keras' add does), variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
 are not float16/bfloat16/float32, subclasses that override ``update_step``,
 a ``tf.distribute`` strategy other than Mirrored and MultiWorkerMirrored
@@ -397,6 +399,9 @@ class Plan:
                              for d, form in zip(self.decay, forms)]
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
+        # With gradient accumulation, the clip of an update step's averages
+        # (``_clipped_average_update``); the step's own gradients unclipped.
+        self.average_clip = None
         self.replicated = _replicas() > 1
         # A rank-0 gradient has nothing to broadcast: the graph optimizer
         # leaves its chain of products alone.
@@ -2017,11 +2022,14 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         # alone, as Keras' update step decays).
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
-    if steps and clip is not None:
-        # Keras clips the average of the accumulated gradients on an update
-        # step; the clip's norms here are taken on the step's own gradients.
-        return stock("clipping with gradient_accumulation_steps (Keras clips the "
-                     "accumulated average)")
+    if steps and clip is not None and steps & (steps - 1) and _grappler_folds_constants():
+        # Keras clips the average (g + acc) / steps of an update step, whose
+        # division the graph optimizer turns into a product by 1 / steps and
+        # then merges with the clip's own product by a constant (clipnorm's
+        # u * c): for a power of two both orders give the same bits.
+        return stock(f"clipping with gradient_accumulation_steps={steps} in a graph "
+                     f"(TensorFlow's graph optimizer merges the average's 1 / {steps} into "
+                     "the clip's products)")
     if (steps and steps & (steps - 1) and family.scales_gradient
             and _grappler_folds_constants() and _grappler_reassociates_products()):
         # The average (g + acc) / steps becomes a product by 1 / steps, which
@@ -2049,12 +2057,16 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if steps and unscale != "divide":
         _check_accumulable(pairs)
-    forms = [(DENSIFIED_BY_CLIP if family.line.densifies(clip)
-              else DENSIFIED_BY_ACCUMULATION if steps else family.sparse(inner, v))
+    forms = [(DENSIFIED_BY_ACCUMULATION if steps
+              else DENSIFIED_BY_CLIP if family.line.densifies(clip) else family.sparse(inner, v))
              if isinstance(g, tf.IndexedSlices) else None
              for g, v in pairs]
-    return Decision(inner, plan=Plan(family, inner, [g for g, _ in pairs],
-                                     [v for _, v in pairs], forms, clip=clip))
+    plan = Plan(family, inner, [g for g, _ in pairs], [v for _, v in pairs], forms,
+                clip=None if steps else clip)
+    if steps:
+        # Keras clips the average of an update step (_clipped_average_update).
+        plan.average_clip = clip
+    return Decision(inner, plan=plan)
 
 
 def _strategy_around_update_reason(inner, grads, variables):
@@ -2644,24 +2656,55 @@ def _accumulate_or_update(plan, library, scale, unscale):
     is_update_step = (_compat.optimizer_iterations(inner) + 1) % steps == 0
 
     def update():
-        # One pass: each gradient unscaled, plus its accumulator (Keras'
-        # order: the new gradient first), averaged as stock averages, the
-        # update, and the accumulator zeroed in its own buffer, so that the
-        # next accumulating step adds in place without copying it first.
-        plan.run(library, tf.constant(True), scale, unscale,
-                 accumulation=Accumulation(accumulators, _average_mode(), steps))
+        if plan.average_clip is None:
+            # One pass: each gradient unscaled, plus its accumulator (Keras'
+            # order: the new gradient first), averaged as stock averages, the
+            # update, and the accumulator zeroed in its own buffer, so that
+            # the next accumulating step adds in place without copying it
+            # first.
+            plan.run(library, tf.constant(True), scale, unscale,
+                     accumulation=Accumulation(accumulators, _average_mode(), steps))
+            zeroed, after = [], []
+        else:
+            zeroed = list(accumulators)
+            after = _clipped_average_update(plan, library, scale, unscale, accumulators, steps)
         # Keras zeroes every accumulator (assign(zeros)): those of variables
         # without a gradient in this step too, by LossScaleZeroVariables.
         taken = {id(a) for a in accumulators}
-        rest = [a for a in _compat.all_gradient_accumulators(inner)
-                if a is not None and id(a) not in taken]
-        if rest:
-            library.loss_scale_zero_variables([local_copy(a).handle for a in rest])
+        zeroed += [a for a in _compat.all_gradient_accumulators(inner)
+                   if a is not None and id(a) not in taken]
+        if zeroed:
+            with tf.control_dependencies(after):
+                library.loss_scale_zero_variables([local_copy(a).handle for a in zeroed])
 
     def accumulate():
         plan.accumulate(library, scale, unscale, accumulators)
 
     _step.cond(is_update_step, update, accumulate)
+
+
+def _clipped_average_update(plan, library, scale, unscale, accumulators, steps):
+    """Keras' update step under gradient accumulation with a clip: the
+    average ``(g + acc) / steps`` of each gradient unscaled as stock
+    unscales it (a sparse one densified, as Keras' add densifies it) made
+    by the same ops as Keras', then clipped by the norms of the averages
+    (Keras clips them, not the step's own gradients) and the update, both
+    by a plan of the averages as unscaled dense gradients: their norms in
+    one read, the update in one pass.  Returns the averages, after which
+    the accumulators may be zeroed."""
+    with tf.control_dependencies(plan.checks):
+        averages = []
+        for g, v, a, form in zip(plan.grads, plan.variables, accumulators, plan.forms):
+            u = (_densify(_unscaled_slices(g, v, scale, unscale)) if form is not None
+                 else _unscaled_like_stock(g, scale, unscale))
+            averages.append((u + local_copy(a).read_value()) / steps)
+    averaged = Plan(plan.family, plan.inner, averages, plan.variables, [None] * len(averages),
+                    clip=plan.average_clip)
+    averaged.prepare_scalars()
+    if averaged.clip[0] in ("norm", "global"):
+        averaged.check_finite(scale, "none")  # the norms, for the clip's scalars
+    averaged.run(library, tf.constant(True), scale, "none")
+    return averages
 
 
 def _moving_average_step(inner, variables, done=(), line=None):

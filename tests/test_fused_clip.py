@@ -22,6 +22,9 @@ fused:
   already unscaled) and the ``loss_scale=`` mode (gradients times
   ``1 / scale``) against TensorFlow's ``DynamicLossScale`` driving the
   stock inner optimizer;
+* with ``gradient_accumulation_steps``, Keras clips each update step's
+  averages: every family that accumulates and each clip, in a graph and
+  eagerly; over 3 steps in a graph the stock path, saying why;
 * a clip that is not a positive finite number raises ``ValueError`` naming
   it, and changes nothing; float16 gradients that the inner optimizer
   would clip in float16 take the stock path, saying so.
@@ -125,6 +128,47 @@ def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
     scales = lockstep(models, opts, batches(steps), policy, eager=eager)
     assert_fused(opts[1])
     assert min(b / a for a, b in zip(scales, scales[1:])) < 1  # overflow steps were skipped
+
+
+# Keras clips an update step's averages under gradient accumulation: every
+# family that accumulates (Adafactor does not fuse accumulation), each clip,
+# over 4 steps in a graph and 3 eagerly (a count that is not a power of two
+# keeps the stock path in a graph: test below).
+ACCUMULATE_RUNS = [("mixed_float16", False, 48, 4), ("mixed_bfloat16", False, 48, 4),
+                   ("mixed_float16", True, 16, 3)]
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("name", [n for n in FAMILY_INNERS if n != "adafactor_decay"])
+@pytest.mark.parametrize("policy,eager,steps,every", ACCUMULATE_RUNS,
+                         ids=[f"{p}-{'eager' if e else 'function'}-{n}"
+                              for p, e, _, n in ACCUMULATE_RUNS])
+def test_accumulated_averages_clipped_as_stock(policy, eager, steps, every, name, clip):
+    """With ``gradient_accumulation_steps`` Keras clips each update step's
+    averages ``(g + acc) / steps``, by their norms, and none of the steps
+    that only accumulate: the fused update step makes the averages with
+    Keras' ops, takes their norms and updates by them, bit for bit."""
+    value = threshold(policy, clip)
+    models, opts = make_pair(functools.partial(FAMILY_INNERS[name], **{clip: value},
+                                               gradient_accumulation_steps=every),
+                             policy, dynamic_growth_steps=10)
+    scales = lockstep(models, opts, batches(steps), policy, eager=eager)
+    assert_fused(opts[1])
+    assert min(b / a for a, b in zip(scales, scales[1:])) < 1  # overflow steps were skipped
+    assert int(opts[1].inner_optimizer.iterations.numpy()) >= 2  # updates were made
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+def test_accumulation_over_three_steps_clipped_in_a_graph_takes_the_stock_path(clip):
+    """In a graph the average's division by 3 becomes a product by 1 / 3
+    that TensorFlow's graph optimizer merges into the clip's products: the
+    stock path, saying so, and still stock's bits."""
+    models, opts = make_pair(functools.partial(FAMILY_INNERS["adam"], **{clip: 0.05},
+                                               gradient_accumulation_steps=3),
+                             "mixed_float16", dynamic_growth_steps=10)
+    lockstep(models, opts, batches(12), "mixed_float16")
+    assert opts[1].step_path.startswith(
+        "stock: clipping with gradient_accumulation_steps=3 in a graph"), opts[1].step_path
 
 
 SGD_GLOBAL = {
