@@ -102,7 +102,7 @@ the same chain, which the optimizer rewrites as it rewrites stock's
 What a family does not support is left to the stock path: an option it
 does not declare (an inner ``loss_scale_factor``), clipping together with
 gradient accumulation over a count that is not a power of two in a graph
-(Keras clips each update step's averages: ``_clipped_average_update``), a
+(Keras clips each update step's averages: ``_update_by_averages``), a
 sparse gradient its family has no form for (with accumulation every
 family densifies it, as Keras' add does), variable constraints or
 ``overwrite_with_gradient``, variables that are not float32, gradients that
@@ -400,7 +400,7 @@ class Plan:
         self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
         self.clip = clip
         # With gradient accumulation, the clip of an update step's averages
-        # (``_clipped_average_update``); the step's own gradients unclipped.
+        # (``_update_by_averages``); the step's own gradients unclipped.
         self.average_clip = None
         self.replicated = _replicas() > 1
         # A rank-0 gradient has nothing to broadcast: the graph optimizer
@@ -1334,7 +1334,8 @@ def _adafactor_scalars(inner, lr):
     stock's)."""
     from keras import ops
 
-    local_step = ops.cast(_compat.optimizer_iterations(inner) + 1, "float32")
+    # ``iterations``: under gradient accumulation, the update steps made.
+    local_step = ops.cast(inner.iterations + 1, "float32")
     lr = ops.cast(lr, "float32")
     if not callable(inner._learning_rate) and inner.relative_step:  # pylint: disable=protected-access
         lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
@@ -1435,7 +1436,7 @@ FAMILIES = (
     Family("adafactor", keras.optimizers.Adafactor,
            slots=lambda inner: ("adafactor_r", "adafactor_c", "adafactor_v"),
            numbers=("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold"),
-           hyper=lambda inner: [], scalars=_adafactor_scalars, supports=("use_ema",),
+           hyper=lambda inner: [], scalars=_adafactor_scalars, supports=_AROUND_UPDATE,
            unsupported=_adafactor_reason, scales_gradient=False,
            sparse=lambda inner, v: _by_own_update(
                "Keras' Adafactor squares a sparse gradient's slices before it densifies "
@@ -2064,7 +2065,7 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
     plan = Plan(family, inner, [g for g, _ in pairs], [v for _, v in pairs], forms,
                 clip=None if steps else clip)
     if steps:
-        # Keras clips the average of an update step (_clipped_average_update).
+        # Keras clips the average of an update step (_update_by_averages).
         plan.average_clip = clip
     return Decision(inner, plan=plan)
 
@@ -2656,7 +2657,7 @@ def _accumulate_or_update(plan, library, scale, unscale):
     is_update_step = (_compat.optimizer_iterations(inner) + 1) % steps == 0
 
     def update():
-        if plan.average_clip is None:
+        if plan.average_clip is None and plan.family.name != "adafactor":
             # One pass: each gradient unscaled, plus its accumulator (Keras'
             # order: the new gradient first), averaged as stock averages, the
             # update, and the accumulator zeroed in its own buffer, so that
@@ -2667,7 +2668,7 @@ def _accumulate_or_update(plan, library, scale, unscale):
             zeroed, after = [], []
         else:
             zeroed = list(accumulators)
-            after = _clipped_average_update(plan, library, scale, unscale, accumulators, steps)
+            after = _update_by_averages(plan, library, scale, unscale, accumulators, steps)
         # Keras zeroes every accumulator (assign(zeros)): those of variables
         # without a gradient in this step too, by LossScaleZeroVariables.
         taken = {id(a) for a in accumulators}
@@ -2683,15 +2684,16 @@ def _accumulate_or_update(plan, library, scale, unscale):
     _step.cond(is_update_step, update, accumulate)
 
 
-def _clipped_average_update(plan, library, scale, unscale, accumulators, steps):
-    """Keras' update step under gradient accumulation with a clip: the
-    average ``(g + acc) / steps`` of each gradient unscaled as stock
-    unscales it (a sparse one densified, as Keras' add densifies it) made
-    by the same ops as Keras', then clipped by the norms of the averages
-    (Keras clips them, not the step's own gradients) and the update, both
-    by a plan of the averages as unscaled dense gradients: their norms in
-    one read, the update in one pass.  Returns the averages, after which
-    the accumulators may be zeroed."""
+def _update_by_averages(plan, library, scale, unscale, accumulators, steps):
+    """Keras' update step under gradient accumulation, by the averages
+    themselves: the average ``(g + acc) / steps`` of each gradient unscaled
+    as stock unscales it (a sparse one densified, as Keras' add densifies
+    it) made by the same ops as Keras', then the update by a plan of the
+    averages as unscaled dense gradients.  For a clip (Keras clips the
+    averages, not the step's own gradients: their norms in one read, the
+    update in one pass) and for Adafactor (whose op takes no
+    accumulators).  Returns the averages, after which the accumulators may
+    be zeroed."""
     with tf.control_dependencies(plan.checks):
         averages = []
         for g, v, a, form in zip(plan.grads, plan.variables, accumulators, plan.forms):
@@ -2701,8 +2703,11 @@ def _clipped_average_update(plan, library, scale, unscale, accumulators, steps):
     averaged = Plan(plan.family, plan.inner, averages, plan.variables, [None] * len(averages),
                     clip=plan.average_clip)
     averaged.prepare_scalars()
-    if averaged.clip[0] in ("norm", "global"):
-        averaged.check_finite(scale, "none")  # the norms, for the clip's scalars
+    if (averaged.clip is not None and averaged.clip[0] in ("norm", "global")
+            and plan.family.name != "adafactor"):
+        # The norms, for the op's clip scalars (Adafactor's clip is Keras'
+        # own ops on the averages, _launch_adafactor).
+        averaged.check_finite(scale, "none")
     averaged.run(library, tf.constant(True), scale, "none")
     return averages
 

@@ -23,7 +23,7 @@ fused:
   ``1 / scale``) against TensorFlow's ``DynamicLossScale`` driving the
   stock inner optimizer;
 * with ``gradient_accumulation_steps``, Keras clips each update step's
-  averages: every family that accumulates and each clip, in a graph and
+  averages: every family and each clip, in a graph and
   eagerly; over 3 steps in a graph the stock path, saying why;
 * a clip that is not a positive finite number raises ``ValueError`` naming
   it, and changes nothing; float16 gradients that the inner optimizer
@@ -131,7 +131,7 @@ def test_bit_identical_to_stock_every_step(policy, eager, steps, name, clip):
 
 
 # Keras clips an update step's averages under gradient accumulation: every
-# family that accumulates (Adafactor does not fuse accumulation), each clip,
+# family, each clip,
 # over 4 steps in a graph and 3 eagerly (a count that is not a power of two
 # keeps the stock path in a graph: test below).
 ACCUMULATE_RUNS = [("mixed_float16", False, 48, 4), ("mixed_bfloat16", False, 48, 4),
@@ -139,7 +139,7 @@ ACCUMULATE_RUNS = [("mixed_float16", False, 48, 4), ("mixed_bfloat16", False, 48
 
 
 @pytest.mark.parametrize("clip", CLIPS)
-@pytest.mark.parametrize("name", [n for n in FAMILY_INNERS if n != "adafactor_decay"])
+@pytest.mark.parametrize("name", list(FAMILY_INNERS))
 @pytest.mark.parametrize("policy,eager,steps,every", ACCUMULATE_RUNS,
                          ids=[f"{p}-{'eager' if e else 'function'}-{n}"
                               for p, e, _, n in ACCUMULATE_RUNS])
