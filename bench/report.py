@@ -332,7 +332,10 @@ def case_label(case):
               "bert_classifier_adam": "KerasHub BERT classifier, Adam",
               "bert_classifier_adamw_clip": "KerasHub BERT classifier, AdamW + "
                                             "global_clipnorm",
-              "bert_classifier_rmsprop": "KerasHub BERT classifier, RMSprop"}.get(name, name)
+              "bert_classifier_rmsprop": "KerasHub BERT classifier, RMSprop",
+              "bert_classifier_adamw_accumulate": "KerasHub BERT classifier, AdamW "
+              "(polynomial decay) + global_clipnorm, gradient accumulation over 4 "
+              "steps"}.get(name, name)
     return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 
@@ -693,7 +696,9 @@ class Report:
                "`keras_hub.models.BertTextClassifier` built from a config (random weights)"
                + (f", {ident['params']:,} parameters, a batch of {ident['batch']} × "
                   f"{ident['tokens']} tokens" if ident else "")
-               + ", mixed_float16: time per `train_on_batch`.  Its word-embedding gradient "
+               + ", mixed_float16: time per `train_on_batch` (under gradient accumulation, "
+               "the mean over a cycle of the steps that accumulate and the one that "
+               "updates).  Its word-embedding gradient "
                "is an `IndexedSlices`.  *forward + backward alone* is the same pass without "
                "the optimizer; the optimizer's share is stock's step less it.", "")
 

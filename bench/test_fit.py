@@ -22,7 +22,10 @@
   is an ``IndexedSlices``, with ``Adam`` and with the fine-tuning recipe's
   ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``, and with the TensorFlow
   mixed-precision guide's ``RMSprop()`` (its embedding table moved by
-  Keras' own update inside the fused step).  Its ``grads_only``
+  Keras' own update inside the fused step), and with the fine-tuning
+  recipe under gradient accumulation (``PolynomialDecay``, 4 steps a
+  update: one sample is 4 ``train_on_batch`` calls, 3 that accumulate and
+  1 that updates, and the report divides by them).  Its ``grads_only``
   peer runs the same forward and backward pass without the optimizer (a
   ``tf.function`` returning the scaled gradients), so that the report can
   say what share of the step the optimizer is.  The weights after a few
@@ -53,7 +56,10 @@ def mlp_peers():
 
 BERT_CASES = {"bert_classifier_adam/mixed_float16": "adam",
               "bert_classifier_adamw_clip/mixed_float16": "adamw_clip",
-              "bert_classifier_rmsprop/mixed_float16": "rmsprop"}
+              "bert_classifier_rmsprop/mixed_float16": "rmsprop",
+              "bert_classifier_adamw_accumulate/mixed_float16": "adamw_accumulate"}
+# The accumulating recipe's gradient_accumulation_steps: the steps of one call.
+BERT_ACCUMULATION = 4
 BERT_CONFIG = dict(vocabulary_size=30522, num_layers=4, num_heads=8, hidden_dim=512,
                    intermediate_dim=2048, max_sequence_length=512, dropout=0.0)
 BERT_BATCH, BERT_TOKENS, BERT_SCALE = 8, 128, 2.0 ** 8
@@ -180,9 +186,17 @@ def bert_model(recipe, peer):
         # its sparse update, so the word embeddings move by Keras' own
         # update_step inside the fused step.
         inner = keras.optimizers.RMSprop()
-    else:
+    elif recipe == "adamw_clip":
         inner = keras.optimizers.AdamW(2e-5, weight_decay=0.01, epsilon=1e-6,
                                        global_clipnorm=1.0)
+        inner.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
+    else:
+        # The fine-tuning recipe as run with accumulation: its linear decay
+        # of the learning rate, weight decay and global_clipnorm.
+        inner = keras.optimizers.AdamW(
+            keras.optimizers.schedules.PolynomialDecay(2e-5, 10_000, end_learning_rate=0.0),
+            weight_decay=0.01, epsilon=1e-6, global_clipnorm=1.0,
+            gradient_accumulation_steps=BERT_ACCUMULATION)
         inner.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
     if peer == "ours":
         from lossscale import LossScaleOptimizer
@@ -207,7 +221,9 @@ class BertData:
                   "segment_ids": np.zeros(shape, np.int32),
                   "padding_mask": np.ones(shape, bool)}
         self.y = rng.integers(0, 2, BERT_BATCH, dtype=np.int32)
-        self.steps = 1
+        # Under accumulation one call is a cycle: the steps that accumulate
+        # and the one that updates.
+        self.steps = BERT_ACCUMULATION if self.recipe == "adamw_accumulate" else 1
         self.methods = {}
         self.models = {}
         self.identity = self.same_steps()
@@ -231,7 +247,8 @@ class BertData:
         weights, applied, paths = {}, {}, {}
         for peer in ("stock", "ours"):
             model = self.models[peer] = bert_model(self.recipe, peer)
-            for _ in range(BERT_CHECKED_STEPS):
+            # ``iterations`` counts the update steps under accumulation.
+            for _ in range(BERT_CHECKED_STEPS * self.steps):
                 model.train_on_batch(x, y)
             weights[peer] = [np.asarray(w) for w in model.get_weights()]
             applied[peer] = int(model.optimizer.iterations.numpy())
@@ -240,7 +257,8 @@ class BertData:
         return {
             "params": int(sum(w.size for w in stock)), "batch": BERT_BATCH,
             "checked_batch": check,
-            "tokens": BERT_TOKENS, "steps": BERT_CHECKED_STEPS, "applied_steps": applied,
+            "tokens": BERT_TOKENS, "steps": BERT_CHECKED_STEPS * self.steps,
+            "applied_steps": applied,
             "step_path": paths["ours"],
             "identical": {"ours": all(np.array_equal(a, b)
                                       for a, b in zip(weights["ours"], stock))},
@@ -249,11 +267,13 @@ class BertData:
     def method(self, peer):
         if peer not in self.methods:
             if peer == "grads_only":
-                self.methods[peer] = self._grads_only()
+                one = self._grads_only()
             else:
                 model = self.models[peer]
                 x, y = self.x, self.y
-                self.methods[peer] = lambda: model.train_on_batch(x, y)
+                one = lambda: model.train_on_batch(x, y)  # noqa: E731
+            steps = self.steps
+            self.methods[peer] = one if steps == 1 else (lambda: [one() for _ in range(steps)])
         return self.methods[peer]
 
     def _grads_only(self):
