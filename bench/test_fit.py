@@ -23,7 +23,7 @@
   ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``, and with the TensorFlow
   mixed-precision guide's ``RMSprop()`` (its embedding table moved by
   Keras' own update inside the fused step), and with the fine-tuning
-  recipe under gradient accumulation (``PolynomialDecay``, 4 steps a
+  recipe under gradient accumulation (``PolynomialDecay``, 4 steps an
   update: one sample is 4 ``train_on_batch`` calls, 3 that accumulate and
   1 that updates, and the report divides by them).  Its ``grads_only``
   peer runs the same forward and backward pass without the optimizer (a

@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import lossscale
 from lossscale import _fused
 from lossscale import ops as native_ops
 from helpers import bits
