@@ -76,6 +76,7 @@ lock: $(DEPS)
 
 # make bench QUICK=1: a small subset into bench/results/quick/ (a few minutes
 # after make test, the peers' install included).
+# Each layer runs in a pytest process of its own (bench/run.py).
 # BENCH_ARGS: extra pytest arguments, e.g. BENCH_ARGS='-k core --threads 1'.
 BENCH_QUICK := $(filter-out 0,$(QUICK))
 BENCH_OUT   := bench/results$(if $(BENCH_QUICK),/quick)
@@ -85,8 +86,7 @@ BENCH_OUT   := bench/results$(if $(BENCH_QUICK),/quick)
 bench: $(DEPS)
 	$(MAKE) --no-print-directory -j2 build $(BENCH_DEPS)
 	mkdir -p $(BENCH_OUT)
-	rc=0; $(PY) -m pytest bench -q -p no:cacheprovider $(if $(BENCH_QUICK),--quick) \
-		--benchmark-disable-gc --benchmark-quiet --benchmark-json=$(BENCH_OUT)/raw.json \
+	rc=0; $(PY) bench/run.py $(BENCH_OUT)/raw.json $(if $(BENCH_QUICK),--quick) \
 		$(BENCH_ARGS) || rc=$$?; \
 	$(PY) bench/report.py $(BENCH_OUT)/raw.json || rc=1; exit $$rc
 

@@ -255,6 +255,16 @@ def facts_lines(facts):
     ]
 
 
+# The order in which layers run: in one ``pytest bench`` (``conftest.py``
+# sorts the items by it) and one process a layer (``run.py``).
+LAYER_ORDER = ("core", "tf_op", "loss_scale", "check", "optimizer", "step", "tf_keras_step",
+               "fit", "recipes", "alone", "memory", "training", "distributed")
+
+
+def layer_rank(layer):
+    return LAYER_ORDER.index(layer) if layer in LAYER_ORDER else len(LAYER_ORDER)
+
+
 # ------------------------------------------------------------ shared state
 
 RECORDS = {}

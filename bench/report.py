@@ -1234,11 +1234,24 @@ class Report:
                    f"- load average {f.get('loadavg_start')} at the start, "
                    f"{f.get('loadavg_end')} at the end; the run took "
                    f"{f.get('wall_s', 0) / 60:.1f} min",
+                   *self.layer_processes(),
                    f"- raw results: `{os.path.basename(self.path)}` (pytest-benchmark JSON, every "
                    "sample kept; `extra_info` says what each one is)", "")
         skipped = self.records.get("skipped", [])
         if skipped:
             self.w("Skipped in this run:", "", *[f"- {s}" for s in skipped], "")
+
+    def layer_processes(self):
+        """A line on the processes the layers ran in (``bench/run.py``), for
+        runs that say."""
+        runs = self.facts.get("layer_processes")
+        if not runs:
+            return []
+        return ["- each layer ran in a pytest process of its own (`bench/run.py`); their "
+                "minutes and peak resident size (of the process and its children): "
+                + ", ".join(f"{layer} {r['wall_s'] / 60:.1f} min {r['peak_rss_gib']:.1f} GiB"
+                            + ("" if r.get("exit") in (0, 5) else f" (exit {r['exit']})")
+                            for layer, r in runs.items())]
 
     def headline(self):
         t = self.threads
@@ -1700,7 +1713,9 @@ class Report:
                "```", "",
                "`make bench` creates `.venv`, installs the requirements (and the optional "
                "peers in `requirements-bench.txt`: torch CPU, matplotlib), builds in place, "
-               "runs `pytest bench` with pytest-benchmark, then `python bench/report.py`.  "
+               "runs each layer's `pytest bench/test_<layer>.py` with pytest-benchmark in a "
+               "process of its own (`bench/run.py`, which joins their JSON), then "
+               "`python bench/report.py`.  "
                "Extra pytest arguments go in `BENCH_ARGS`, e.g. "
                "`make bench BENCH_ARGS='-k core --threads 1'`.", "")
 

@@ -1,0 +1,63 @@
+"""``bench/run.py``, which runs the benchmark suite a layer per process and
+joins the layers' raw JSON: every layer module is in the suite's order, and
+the joined JSON holds every layer's benchmarks and records, as one process
+running the whole suite wrote them."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+
+
+@pytest.fixture(scope="module")
+def run():
+    sys.path.insert(0, BENCH)   # run.py imports its neighbour harness.py
+    try:
+        spec = importlib.util.spec_from_file_location("bench_run", os.path.join(BENCH, "run.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
+    return module
+
+
+def test_every_layer_module_has_a_place_in_the_order(run):
+    modules = sorted(n for n in os.listdir(BENCH) if n.startswith("test_") and n.endswith(".py"))
+    layers = [run.layer_of(os.path.join(BENCH, n)) for n in modules]
+    assert len(set(layers)) == len(layers), layers
+    order = run.harness.LAYER_ORDER
+    for layer in layers:
+        assert layer in order, f"{layer} is not in harness.LAYER_ORDER"
+    # The tf_keras step's LAYER is its child module's: read there as here.
+    assert "tf_keras_step" in layers
+
+
+def _part(layer, benchmarks, records, loadavg_start, loadavg_end):
+    facts = {"cpu": "x", "loadavg_start": loadavg_start, "loadavg_end": loadavg_end,
+             "wall_s": 1.0}
+    return {"machine_info": {"layer": layer}, "version": "5",
+            "benchmarks": [{"name": f"{layer}-{b}"} for b in benchmarks],
+            "lossscale": {"facts": facts, "records": records}}
+
+
+def test_join_keeps_every_layer_in_order(run):
+    parts = [_part("core", ["a", "b"], {"skipped": ["no torch"]}, 0.1, 0.5),
+             _part("fit", ["c"], {"fit_mlp": {"ours": True}, "skipped": ["no torch", "no hub"]},
+                   0.5, 0.9),
+             _part("memory", [], {"memory": [1, 2]}, 0.9, 1.3)]
+    runs = {"core": {"wall_s": 1.0, "peak_rss_gib": 1.0, "exit": 0}}
+    joined = run.join(parts, 12.34, runs)
+    assert [b["name"] for b in joined["benchmarks"]] == ["core-a", "core-b", "fit-c"]
+    assert joined["lossscale"]["records"] == {"skipped": ["no torch", "no hub"],
+                                              "fit_mlp": {"ours": True}, "memory": [1, 2]}
+    facts = joined["lossscale"]["facts"]
+    assert (facts["loadavg_start"], facts["loadavg_end"]) == (0.1, 1.3)
+    assert facts["wall_s"] == 12.3 and facts["layer_processes"] == runs
+    assert joined["machine_info"] == {"layer": "core"}
+    # The parts themselves are left as they were.
+    assert [b["name"] for b in parts[0]["benchmarks"]] == ["core-a", "core-b"]
+    assert parts[0]["lossscale"]["facts"]["loadavg_end"] == 0.5
