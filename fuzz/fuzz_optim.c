@@ -26,9 +26,10 @@
  *     Lion as the scalar set's dense step on that densified gradient (and
  *     its summed term, or under the global clip the sums clipped); Adagrad
  *     as Keras scatters it; legacy SGD, Adagrad and RMSprop without
- *     momentum (in the kernel's order) as the dense step on each named
- *     row's sums, their other rows as their forms say; legacy Adam and
- *     RMSprop's other forms element by element; the EMA moved after;
+ *     momentum (in the kernel's order) and accumulate as the dense step on
+ *     each named row's sums, their other rows as their forms say (as they
+ *     are for SGD, Adagrad and accumulate); legacy Adam and RMSprop's other
+ *     forms element by element; the EMA moved after;
  *   - ls_optim_validate takes accumulators exactly when lossscale.h's
  *     rules for them hold (a known accumulation mode, steps >= 1 under
  *     one, an accumulator only under one, on a dense gradient without a
@@ -277,12 +278,15 @@ static int legacy_family(int family)
  * family takes one, a finite slice factor, 1 under LS_CLIP_GLOBAL;
  * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form; a
  * legacy family's is 1, clipped by value or not at all, and legacy
- * RMSprop's with momentum (TensorFlow's Rsqrt of a row) on x86 only. */
+ * RMSprop's with momentum (TensorFlow's Rsqrt of a row) on x86 only;
+ * accumulate's is 1, unclipped. */
 static int sparse_config_ok(const ls_optim_config *c)
 {
     if (!ls_optim_takes_sparse(c->family) || !isfinite(c->slice_factor) ||
         (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f))
         return 0;
+    if (c->family == ls_optim_family("accumulate"))
+        return c->slice_factor == 1.0f && c->clip == LS_CLIP_NONE;
     if (legacy_family(c->family)) {
         if (c->slice_factor != 1.0f || (c->clip != LS_CLIP_NONE && c->clip != LS_CLIP_VALUE))
             return 0;
@@ -300,7 +304,8 @@ static int sparse_config_ok(const ls_optim_config *c)
 
 /* The rules for every sparse gradient of a call, apart from the core's
  * check_sparse: the configuration's, no term, whole rows, 8-byte aligned
- * indices, every index a row. */
+ * indices, every index a row; accumulate's with no weight decay and no
+ * average. */
 static int sparse_rules_hold(const arena *a, const ls_optim_config *c)
 {
     for (size_t i = 0; i < a->count; i++) {
@@ -309,6 +314,9 @@ static int sparse_rules_hold(const arena *a, const ls_optim_config *c)
             continue;
         if (!sparse_config_ok(c) || p->grad_term != NULL || p->row_length == 0 ||
             p->length % p->row_length != 0 || (uintptr_t)p->indices % 8 != 0)
+            return 0;
+        if (c->family == ls_optim_family("accumulate") &&
+            (p->decay != LS_DECAY_NONE || p->average != NULL))
             return 0;
         for (size_t k = 0; k < p->slices; k++) {
             int64_t index;
@@ -492,7 +500,8 @@ static void legacy_element(const ls_param *p, size_t i, float g, int named, size
 {
     const float *h = c->hyper, lr = c->learning_rate;
     const char *name = ls_optim_family_name(c->family);
-    if (strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0)
+    if (strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0 ||
+        strcmp(name, "accumulate") == 0)
         return; /* a row no slice names stays as it is (the named: densified) */
     if (strcmp(name, "tf_keras_sgd") == 0) {
         /* tf_keras' current SGD: m times mu on every row; the named rows'
@@ -664,10 +673,10 @@ static void adagrad_rows(const ls_param *p, const ls_optim_config *c)
 /* Every sparse gradient's update (`want`, filled as `before`) restated
  * from its form, each variable alone, then held to the scalar set's
  * (`ref`): Keras 3's densified families as the same gradient densified
- * (with its term), Adagrad as its scatter, the legacy families' named
- * rows as their sums densified (SGD, Adagrad, RMSprop without momentum in
- * the kernel's order) or their restated sparse form, the others as that
- * form says; the EMA moved after. */
+ * (with its term), Adagrad as its scatter, the legacy families' and
+ * accumulate's named rows as their sums densified (SGD, Adagrad, RMSprop
+ * without momentum in the kernel's order, accumulate) or their restated
+ * sparse form, the others as that form says; the EMA moved after. */
 static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_config *c,
                                unsigned flags)
 {
@@ -687,13 +696,14 @@ static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_con
         ls_fpenv env;
         ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
         const size_t n = p->row_length;
-        if (!legacy_family(c->family) && strcmp(name, "adagrad") != 0) {
+        const int added = strcmp(name, "accumulate") == 0;
+        if (!legacy_family(c->family) && strcmp(name, "adagrad") != 0 && !added) {
             densify(p, c, c->slice_factor, g, term ? t : NULL, named);
             ls_fpenv_leave(&env);
             dense_run(p, 0, p->length, g, term ? t : NULL, &dc, flags);
         } else {
             const int plain =
-                strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0 ||
+                added || strcmp(name, "legacy_sgd") == 0 || strcmp(name, "legacy_adagrad") == 0 ||
                 (strcmp(name, "legacy_rmsprop") == 0 &&
                  c->hyper[LS_LEGACY_RMSPROP_HAS_MOMENTUM] == 0.0f &&
                  c->hyper[LS_LEGACY_RMSPROP_SCALAR_FIRST] == 0.0f);

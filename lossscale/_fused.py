@@ -68,8 +68,10 @@ conversion where the family takes no slices), its slices clipped under
 ``clipnorm`` and ``clipvalue``.  With Keras 3's gradient accumulation a
 sparse gradient is dense too, for every family that accumulates: Keras'
 add to (or of) its accumulator densifies it, on every step
-(``DENSIFIED_BY_ACCUMULATION``, TensorFlow's conversion of the unscaled
-slices, then the accumulating or the update pass as for a dense one).
+(``DENSIFIED_BY_ACCUMULATION``: on a step that only accumulates, the
+kernel adds each row's slices, summed as TensorFlow's conversion sums them,
+to the rows named alone, with no dense copy; on an update step, TensorFlow's
+conversion of the unscaled slices, then the update pass as for a dense one).
 ``tf_keras``' current optimizers sum a
 sparse gradient's duplicate slices per row before their update, which then
 scatters the sums: where that comes to the dense update of the densified
@@ -336,8 +338,11 @@ DENSIFIED_BY_CLIP = SparseForm()
 # only accumulates (``var.assign(var + grad)``) and its accumulator to it on
 # an update step (``(g + acc_g) / steps``), and either add densifies the
 # slices first (TensorFlow's conversion: ``unsorted_segment_sum``, a row's
-# slices added in order onto 0), unscaled as stock unscales them.  The
-# kernel takes them so, as a dense gradient, in both kinds of step.
+# slices added in order onto 0), unscaled as stock unscales them.  On a
+# step that only accumulates the kernel's accumulate family takes the slices
+# (lossscale.h, ls_param.indices: each named row's sum added to it, the other
+# rows left as Keras' +0 leaves them); on an update step they are densified
+# so (``Plan._densified``) and the update pass takes them as a dense gradient.
 DENSIFIED_BY_ACCUMULATION = SparseForm()
 
 # A sparse gradient that tf_keras' current optimizers sum per row before
@@ -622,25 +627,31 @@ class Plan:
         """A step that only accumulates: each gradient unscaled as stock
         unscales it and added to its accumulator as Keras adds it
         (``var.assign(var + grad)``), in one pass, by the native op's
-        ``accumulate`` family (the accumulators its variables); a sparse
-        one densified first, as Keras' add densifies it
-        (``DENSIFIED_BY_ACCUMULATION``), in an op of its own."""
+        ``accumulate`` family (the accumulators its variables); a sparse one
+        (``DENSIFIED_BY_ACCUMULATION``), which Keras' add densifies, as its
+        slices, after their checks, in an op of its own: the kernel sums
+        each named row's slices as TensorFlow's conversion does and adds
+        them to that row alone."""
         zero = tf.constant(0.0, tf.float32)
         dense = [i for i, form in enumerate(self.forms) if form is None]
-        densified = [i for i, form in enumerate(self.forms) if form is DENSIFIED_BY_ACCUMULATION]
-        if len(dense) + len(densified) != len(self.forms):
+        sparse = [i for i, form in enumerate(self.forms) if form is DENSIFIED_BY_ACCUMULATION]
+        if len(dense) + len(sparse) != len(self.forms):
             raise ValueError("gradient accumulation takes dense or densified gradients only")
 
-        def add(which, grads, unscale):
+        def add(which, grads, indices=(), slice_factor=()):
             library.loss_scale_apply_optimizer(
                 tf.constant(True), [local_copy(accumulators[i]).handle for i in which], [],
-                grads, scale, zero, zero, [], [], [], [], [], [], [], [], family="accumulate",
-                hyper=[], decay=[0] * len(which), unscale=unscale)
+                grads, scale, zero, zero, [], [], [], [], [], list(indices), list(slice_factor),
+                [], family="accumulate", hyper=[], decay=[0] * len(which), unscale=unscale,
+                sparse=list(range(len(indices))))
 
         if dense:
-            add(dense, [self.grads[i] for i in dense], unscale)
-        if densified:
-            add(densified, self._densified(densified, scale, unscale), "none")
+            add(dense, [self.grads[i] for i in dense])
+        if sparse:
+            with tf.control_dependencies(self.checks):
+                indices = [tf.cast(self.grads[i].indices, tf.int64) for i in sparse]
+                values = [tf.identity(self.grads[i].values) for i in sparse]
+            add(sparse, values, indices, [tf.constant(1.0, tf.float32)])
 
     def _launch_dense(self, library, should_apply, which, grads, scale, unscale,
                       accumulation=None):

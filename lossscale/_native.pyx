@@ -779,7 +779,10 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
     (but under ``"global"``) clipped, times ``slice_factor`` (default 1),
     a row's slices added in order onto 0, the family's term summed alike;
     Adagrad's as Keras' update scatters them (each slice's squares onto
-    its row of the accumulator, then each slice's step, in order).
+    its row of the accumulator, then each slice's step, in order);
+    ``"accumulate"``'s each named row's sum added to that row alone (the
+    others are not read: Keras' add of +0 leaves every value its
+    accumulators hold).
     ``accumulators`` (with ``accumulation_steps``; dense gradients, no
     ``terms``): per variable, its float32 gradient accumulator, on the
     update step of Keras' ``gradient_accumulation_steps``: the update takes
@@ -841,6 +844,11 @@ def optimizer_step_(family, variables, grads, slots, *, hyper, learning_rate,
         problem = ls_optim_sparse_problem(&c)
         if problem != NULL:
             raise ValueError(f"{what}: sparse gradients: {problem.decode()}")
+        if family == "accumulate" and (averages is not None or any(
+                decay[i] for i in range(len(indices)) if indices[i] is not None)):
+            raise ValueError(f"{what}: sparse gradients: accumulate adds a sparse gradient "
+                             f"as Keras' accumulating step adds it: no weight decay and no "
+                             f"average")
     c.accumulation = LS_ACCUMULATION_NONE
     c.accumulation_steps = 0
     if (accumulators is None) != (accumulation_steps is None):

@@ -1146,18 +1146,18 @@ def legacy_rows_step(cfg, variables, grads, slots, *, indices, lr, t, hyper, sca
 
 
 def sparse_simd_runs():
-    """Each sparse configuration (plain, clipped, Adagrad's scattered rows)
-    under each grad dtype and
-    unscale, flushing or not, as ``(key, cfg, flush_denormals, variables,
-    slots, steps)``; ``steps`` yields ``(t, grads, kwargs)`` for
+    """Each sparse configuration (plain, clipped, Adagrad's scattered rows,
+    the legacy families' sums, accumulate's added rows) under each grad
+    dtype and unscale, flushing or not, as ``(key, cfg, flush_denormals,
+    variables, slots, steps)``; ``steps`` yields ``(t, grads, kwargs)`` for
     ``SIMD_STEPS`` steps, ``kwargs`` the learning rate, unscale, indices and
     slice factor (``sparse_forms``).  Slices of subnormal and huge values
     among them."""
     seed = 20_000
+    rows = {**SPARSE_ROW_CONFIGS, **SPARSE_LEGACY_CONFIGS, **SPARSE_ACCUMULATE_CONFIGS}
     for name, cfg in (list(SPARSE_CONFIGS.items()) + list(SPARSE_CLIP_CONFIGS.items())
-                      + list(SPARSE_ROW_CONFIGS.items()) + list(SPARSE_LEGACY_CONFIGS.items())):
-        forms = ({"rows": (cfg, F32(cfg["lr"]), None)}
-                 if name in SPARSE_ROW_CONFIGS or name in SPARSE_LEGACY_CONFIGS
+                      + list(rows.items())):
+        forms = ({"rows": (cfg, F32(cfg["lr"]), None)} if name in rows
                  else sparse_forms(cfg, cfg["lr"]))
         for form, (run_cfg, lr, factor) in forms.items():
             for dtype in GRAD_DTYPES:
@@ -1201,6 +1201,11 @@ def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor, cfg):
 # then each slice's (lr * u) / sqrt(accumulator + epsilon), with the
 # accumulator's new rows, subtracted from the variable's one by one
 # (ResourceScatterSub); rows no slice names are left as they are.
+# Keras' accumulating step on a sparse gradient: densified, added to the
+# accumulator (the core adds each named row's sum to that row alone; the
+# model adds the whole densified gradient, +0 on the other rows).
+SPARSE_ACCUMULATE_CONFIGS = {"accumulate": CONFIGS["accumulate"]}
+
 SPARSE_ROW_CONFIGS = {
     "adagrad": CONFIGS["adagrad"],
     "adagrad_decay_odd": CONFIGS["adagrad_decay_odd"],

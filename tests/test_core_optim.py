@@ -31,7 +31,7 @@ from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS,
                          make_slices, make_terms, make_state, simd_runs, sparse_forms,
                          sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
                          adagrad_rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
-                         legacy_sparse_hyper, summed)
+                         legacy_sparse_hyper, summed, SPARSE_ACCUMULATE_CONFIGS)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
 
@@ -1233,7 +1233,7 @@ def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
     even all-dense ``indices``."""
     assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
     assert set(core.optimizer_families(sparse=True)) == {
-        "sgd", "adam", "adamax", "lion", "adagrad", "legacy_sgd", "legacy_adam",
+        "sgd", "adam", "adamax", "lion", "adagrad", "accumulate", "legacy_sgd", "legacy_adam",
         "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam", "tf_keras_sgd",
         "tf_keras_rmsprop"}
     cfg, variables, grads, slots, indices = sparse_setup(name)
@@ -1291,6 +1291,82 @@ def test_adagrad_scatters_sparse_gradients_as_keras(split_threads, name, dtype, 
         assert core_step(core, cfg, variables, grads, slots, lr=lr, t=step, scale=scale,
                          mode=mode, indices=indices) is True
         assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+# ------------------------------------------ sparse: accumulate's rows
+# Keras' accumulating step adds a sparse gradient densified (the slices
+# unscaled, a row's added in their order onto 0) to the accumulator; the
+# core adds each named row's sum to that row and reads no other.
+
+ACCUMULATE = SPARSE_ACCUMULATE_CONFIGS["accumulate"]
+
+
+@pytest.mark.parametrize("scale,mode", SPARSE_UNSCALES,
+                         ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+def test_accumulate_adds_sparse_gradients_as_keras(split_threads, dtype, scale, mode):
+    """Accumulators of every value Keras' adds make (from +0, flushed or
+    not: never -0) take sparse gradients as Keras adds them, densified, over
+    several steps, dense gradients alongside; several blocks and threads,
+    rows cut between them."""
+    rng = np.random.default_rng(zlib.crc32(f"sparse-accumulate/{dtype}/{scale}".encode()))
+    accumulators, _ = make_state(rng, ACCUMULATE, [s for s, _ in SPARSE_LAYOUT])
+    assert not any(np.signbit(a[a == 0]).any() for a in accumulators)
+    want = snapshot(accumulators)
+    for step in range(1, STEPS + 1):
+        grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES[dtype], scale)
+        assert_sparse_cases_cover(indices, SPARSE_LAYOUT)
+        want, _ = sparse_keras_step(ACCUMULATE, want, grads, {}, indices=indices, lr=F32(0),
+                                    t=step, scale=scale, mode=mode)
+        assert core_step(core, ACCUMULATE, accumulators, grads, {}, lr=F32(0), t=step,
+                         scale=scale, mode=mode, indices=indices) is True
+        assert_states_equal(accumulators, {}, want, {}, f"step {step}")
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_accumulate_reads_no_row_a_slice_does_not_name(flush):
+    """The rows no slice names keep their bits, even a -0 or (flushing) a
+    subnormal, which Keras' add of +0 would make +0 and no accumulator of
+    Keras' holds; the named rows are the densified sum added."""
+    rng = np.random.default_rng(7)
+    acc = rng.standard_normal((6, 5)).astype(F32)
+    acc[1] = -0.0
+    acc[4] = np.float32(np.finfo(F32).tiny) / 8
+    index = np.array([3, 0, 3, 2], np.int64)
+    slices = rng.standard_normal((4, 5)).astype(F32)
+    want = acc.copy()
+    sums = densify(slices, index, 6)
+    for row in np.unique(index):
+        want[row] = acc[row] + sums[row]
+    got = [acc.copy()]
+    assert core.optimizer_step_("accumulate", got, [slices], [], hyper=[], learning_rate=0.0,
+                                scale=None, indices=[index], flush_denormals=flush) is True
+    assert_same_bits(got[0], want, "accumulator")
+    assert np.signbit(got[0][1]).all() and (got[0][4] != 0).all()
+
+
+ACCUMULATE_BAD_CASES = [
+    ("clipvalue", dict(clip="value", clip_value=0.5), r"unclipped"),
+    ("clipnorm", dict(clip="norm", clip_value=0.5, clip_scalars=[1.0, 1.0]), r"unclipped"),
+    ("slice_factor", dict(slice_factor=0.5), r"slice factor of 1"),
+    ("weight_decay", dict(weight_decay=0.1, decay=[1, 0]), r"no weight decay"),
+    ("average", dict(averages=[np.zeros((6, 4), F32), np.zeros((5,), F32)], ema_momentum=0.9),
+     r"no average"),
+]
+
+
+@pytest.mark.parametrize("case", ACCUMULATE_BAD_CASES, ids=[c[0] for c in ACCUMULATE_BAD_CASES])
+def test_accumulate_refuses_what_keras_accumulating_step_never_does(case):
+    """A clip, a slice factor, weight decay or an average with a sparse
+    gradient: Keras' accumulating step sets none of them, and the rows it
+    leaves unread would need them; refused, nothing written."""
+    _, _, grads, _, indices = sparse_setup()
+    accumulators = [np.ones((6, 4), F32), np.ones((5,), F32)]
+    before = snapshot(accumulators, grads, given(indices))
+    with pytest.raises(ValueError, match=case[2]):
+        core.optimizer_step_("accumulate", accumulators, grads, [], hyper=[],
+                             learning_rate=0.0, scale=1000.0, indices=indices, **case[1])
+    assert_unchanged(before, accumulators, grads, given(indices))
 
 
 # ------------------------------------------ sparse: the legacy families

@@ -327,6 +327,32 @@ def test_update_step_is_one_fused_op():
     assert zeroed == [1]
 
 
+def test_accumulating_step_takes_a_sparse_gradient_by_rows():
+    """A step that only accumulates hands an embedding table's slices to the
+    native op (one op of its own, its indices beside them) and makes no
+    dense copy of them: its branch has no UnsortedSegmentSum; the update
+    step densifies them, as Keras' average does."""
+    table = keras.Variable(np.ones((50, 8), np.float32), name="emb_table")
+    dense = keras.Variable(np.ones((4,), np.float32), name="dense")
+    opt = lossscale.LossScaleOptimizer(opt_.Adam(0.01, gradient_accumulation_steps=4))
+    opt.build([table, dense])
+    grads = [tf.IndexedSlices(tf.ones((3, 8), tf.float16), tf.constant([7, 1, 7]),
+                              tf.constant([50, 8])), tf.ones((4,), tf.float16)]
+    graph = tf.function(lambda: opt.apply(grads, [table, dense])).get_concrete_function().graph
+    assert_fused(opt)
+    gd = graph.as_graph_def()
+    bodies = [list(gd.node)] + [list(f.node_def) for f in gd.library.function]
+    accumulating = [body for body in bodies if any(
+        n.op == "LossScaleApplyOptimizer" and n.attr["family"].s == b"accumulate"
+        for n in body)]
+    assert len(accumulating) == 1
+    adds = sorted((n.attr["num_sparse"].i, list(n.attr["sparse"].list.i))
+                  for n in accumulating[0] if n.op == "LossScaleApplyOptimizer")
+    assert adds == [(0, []), (1, [0])], adds
+    assert not any(n.op == "UnsortedSegmentSum" for n in accumulating[0])
+    assert any(n.op == "UnsortedSegmentSum" for body in bodies for n in body)
+
+
 def test_accumulators_stay_in_their_own_buffers():
     """Over two cycles of accumulating and updating steps every accumulator
     is written in place, never copied first: each keeps its buffer (the
@@ -785,10 +811,12 @@ SPARSE_ACCUMULATE = {
 def test_embedding_model_with_accumulation_bit_identical_to_stock(policy, eager, name):
     """An embedding table's sparse gradient with gradient accumulation:
     Keras' add to its accumulator (and of its accumulator, on an update
-    step) densifies it, so the step densifies it as TensorFlow does and
-    the fused ops take it as a dense gradient; every variable, slot and
-    accumulator as stock's after every step, overflows on steps that would
-    accumulate and on steps that would update."""
+    step) densifies it, so a step that only accumulates adds each named
+    row's sum (made as TensorFlow's conversion makes it) to that row, and
+    an update step densifies it as TensorFlow does for the fused update;
+    every variable, slot and accumulator as stock's after every step,
+    overflows on steps that would accumulate and on steps that would
+    update."""
     from test_fused_sparse import embedding_lockstep
 
     _, opts = embedding_lockstep(None, policy, eager, 40 if eager else 64,

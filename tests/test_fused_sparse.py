@@ -443,7 +443,10 @@ BAD_INNERS = {"adam": lambda: keras.optimizers.Adam(0.01),
               "adagrad": lambda: keras.optimizers.Adagrad(0.01),
               # The sparse variable by the inner optimizer's own update.
               "sgd": lambda: keras.optimizers.SGD(0.01),
-              "rmsprop": lambda: keras.optimizers.RMSprop(0.01, clipnorm=1.0)}
+              "rmsprop": lambda: keras.optimizers.RMSprop(0.01, clipnorm=1.0),
+              # Steps that only accumulate: the slices to the accumulate op.
+              "adam_accumulate": lambda: keras.optimizers.Adam(0.01,
+                                                               gradient_accumulation_steps=4)}
 
 
 def bad_setup(inner="adam"):

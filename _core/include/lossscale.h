@@ -388,7 +388,15 @@ typedef struct ls_param {
      * and clipped by value or not at all) summed in their order onto 0,
      * then the family's sparse form of every element (family_legacy_*.h:
      * TensorFlow's ResourceSparseApply* on the rows named, or tf_keras'
-     * own ops, which decay every row's slots), with a slice_factor of 1. */
+     * own ops, which decay every row's slots), with a slice_factor of 1.
+     * The accumulate family (Keras' accumulating step) takes one as Keras
+     * adds it, densified, to the accumulator: each named row's slices
+     * (each unscaled) summed in their order onto 0, then added to the
+     * row; other rows are not read (Keras adds them +0, which leaves
+     * every value but -0 and, with LS_FLUSH_DENORMALS, a subnormal; an
+     * accumulator that starts at +0 holds neither: no sum onto +0 is -0,
+     * and a flushed sum is never subnormal).  Unclipped, with a
+     * slice_factor of 1, no weight decay and no average. */
     const int64_t *indices;
     size_t slices;
     size_t row_length;

@@ -59,6 +59,18 @@ static int row_family(int family)
     return 0;
 }
 
+/* 1 when `family` adds a sparse gradient's row sums to the rows named
+ * (LS_OPTIM_ADDED_ROW_FAMILIES). */
+static int added_row_family(int family)
+{
+#define LS_ADDED_ROW_FAMILY(f)                                                          \
+    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+        return 1;
+    LS_OPTIM_ADDED_ROW_FAMILIES(LS_ADDED_ROW_FAMILY)
+#undef LS_ADDED_ROW_FAMILY
+    return 0;
+}
+
 /* A summed family's sparse reference (LS_OPTIM_SUMMED_FAMILIES), or NULL. */
 typedef void (*sparse1_fn)(const ls_param *p, size_t i, float g, int indexed, size_t c,
                            size_t n, size_t at, size_t gathered, const ls_optim_args *a);
@@ -80,7 +92,7 @@ int ls_optim_takes_sparse(int family)
         return 1;
     LS_OPTIM_SPARSE_FAMILIES(LS_TAKES_SPARSE)
 #undef LS_TAKES_SPARSE
-    return row_family(family) || summed_family(family) != NULL;
+    return row_family(family) || added_row_family(family) || summed_family(family) != NULL;
 }
 
 const char *ls_optim_family_name(int family)
@@ -152,8 +164,8 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
     if (problem != NULL)
         return problem;
     if (!ls_optim_takes_sparse(c->family))
-        return "the family takes no sparse gradient (sgd, adam, adamax, lion, adagrad and the "
-               "legacy families do)";
+        return "the family takes no sparse gradient (sgd, adam, adamax, lion, adagrad, "
+               "accumulate and the legacy families do)";
     if (!ls_optim_finite(c->slice_factor))
         return "the slice factor must be finite";
     if (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f)
@@ -163,6 +175,9 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
         return "adagrad takes a sparse gradient as Keras scatters it: divided by a true "
                "square root (no Rsqrt form), clipped slice by slice (not the global clip), "
                "with a slice factor of 1";
+    if (added_row_family(c->family) && (c->clip != LS_CLIP_NONE || c->slice_factor != 1.0f))
+        return "accumulate adds a sparse gradient as Keras' accumulating step adds it: "
+               "unclipped, with a slice factor of 1";
     if (summed_family(c->family) != NULL) {
         if (c->slice_factor != 1.0f || (c->clip != LS_CLIP_NONE && c->clip != LS_CLIP_VALUE))
             return "a legacy family takes a sparse gradient's slices as tf_keras sums them: "
@@ -179,6 +194,8 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
 static int check_sparse(const ls_param *p, const ls_optim_config *c)
 {
     if (ls_optim_sparse_problem(c) != NULL || p->grad_term != NULL)
+        return LS_ERR_ARG;
+    if (added_row_family(c->family) && (p->decay != LS_DECAY_NONE || p->average != NULL))
         return LS_ERR_ARG;
     if (p->row_length == 0 || p->length % p->row_length != 0 ||
         p->slices > SIZE_MAX / 8 / p->row_length || (uintptr_t)p->indices % 8 != 0)
@@ -611,6 +628,38 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
         move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
 }
 
+/* Elements [lo, hi) of an accumulator (LS_OPTIM_ADDED_ROW_FAMILIES) whose
+ * gradient is sparse, as Keras' accumulating step adds it: for each row a
+ * slice names, its slices, every value unscaled by `a`, added in their
+ * order onto 0 (UnsortedSegmentSum's row), a piece of a row at a time,
+ * then the row plus them, as the dense kernel adds; a row no slice names
+ * is not read (lossscale.h: ls_param.indices says why that is Keras'). */
+static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                           size_t lo, size_t hi, const ls_optim_args *a)
+{
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    enum { PIECE = 1024 };
+    float g[PIECE];
+    for (size_t row = lo / n; row * n < hi; row++) {
+        if (r->start[row] == r->start[row + 1])
+            continue;
+        const size_t first = row * n < lo ? lo - row * n : 0;
+        const size_t last = hi - row * n < n ? hi - row * n : n;
+        for (size_t c0 = first; c0 < last; c0 += PIECE) {
+            const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
+            float *const w = p->var + row * n + c0;
+            memset(g, 0, m * sizeof(float));
+            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, g,
+                                      NULL);
+            }
+            for (size_t c = 0; c < m; c++)
+                w[c] = w[c] + g[c];
+        }
+    }
+}
+
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
 {
@@ -627,9 +676,10 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         a.decay = p->decay;
         a.clip_scalar = p->clip_scalar;
         if (p->indices != NULL) {
-            (j->sparse1 != NULL      ? run_summed_rows
-             : row_family(j->family) ? run_rows
-                                     : run_sparse)(j, p, &j->rows[i], lo, hi, &a);
+            (j->sparse1 != NULL            ? run_summed_rows
+             : row_family(j->family)       ? run_rows
+             : added_row_family(j->family) ? run_added_rows
+                                           : run_sparse)(j, p, &j->rows[i], lo, hi, &a);
             continue;
         }
         const ls_optim_fn fn = j->kernels->fn[j->family][p->grad_dtype];

@@ -138,7 +138,8 @@ The legacy families take them as tf_keras hands them to TensorFlow: a row's
 slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam,
 tf_keras_sgd and tf_keras_rmsprop, tf_keras' current Adam, Nesterov SGD and
 RMSprop, alike (family_tf_keras_*.h; RMSprop's TensorFlow Rsqrt of the named
-rows gathered in the order of their first slice).
+rows gathered in the order of their first slice).  accumulate (Keras'
+accumulating step) adds each named row's sum, made so, to that row alone.
 
 `accumulators`, none or one per variable (then with `accumulation` 'divide'
 or 'multiply' and `accumulation_steps` >= 1; no sparse gradient, no terms):
