@@ -59,16 +59,13 @@ static int row_family(int family)
     return 0;
 }
 
-/* 1 when `family` adds a sparse gradient's row sums to the rows named
- * (LS_OPTIM_ADDED_ROW_FAMILIES). */
+/* 1 when `family` adds a sparse gradient's row sums (a row's slices added
+ * in their order onto 0, as TensorFlow densifies them) to the rows its
+ * slices name and leaves the others as they are (run_added_rows): Keras'
+ * accumulating step. */
 static int added_row_family(int family)
 {
-#define LS_ADDED_ROW_FAMILY(f)                                                          \
-    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
-        return 1;
-    LS_OPTIM_ADDED_ROW_FAMILIES(LS_ADDED_ROW_FAMILY)
-#undef LS_ADDED_ROW_FAMILY
-    return 0;
+    return known_family(family) && strcmp(families[family].name, "accumulate") == 0;
 }
 
 /* A summed family's sparse reference (LS_OPTIM_SUMMED_FAMILIES), or NULL. */
@@ -593,6 +590,20 @@ static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r
         move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
 }
 
+/* Columns [c0, c0 + m) of row `row` of a sparse gradient's dense form,
+ * into g: the row's slices, every value unscaled and clipped by `a`, added
+ * in their order onto 0 (UnsortedSegmentSum). */
+static void row_sum(const optim_job *j, const ls_param *p, const sparse_rows *r, size_t row,
+                    size_t c0, size_t m, const ls_optim_args *a, float *g)
+{
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    memset(g, 0, m * sizeof(float));
+    for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+        const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+        j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, g, NULL);
+    }
+}
+
 /* Elements [lo, hi) of a legacy variable (LS_OPTIM_SUMMED_FAMILIES) whose
  * gradient is sparse, as tf_keras hands it to TensorFlow: each row's
  * slices, every value unscaled and clipped by `a`, added in their order
@@ -603,7 +614,7 @@ static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r
 static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
                             size_t lo, size_t hi, const ls_optim_args *a)
 {
-    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    const size_t n = p->row_length;
     enum { PIECE = 1024 };
     float g[PIECE];
     for (size_t row = lo / n; row * n < hi; row++) {
@@ -613,12 +624,7 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
         const size_t base = indexed ? r->rank[row] * n : 0;
         for (size_t c0 = first; c0 < last; c0 += PIECE) {
             const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
-            memset(g, 0, m * sizeof(float));
-            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
-                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, g,
-                                      NULL);
-            }
+            row_sum(j, p, r, row, c0, m, a, g);
             for (size_t c = 0; c < m; c++)
                 j->sparse1(p, row * n + c0 + c, g[c], indexed, c0 + c, n, base + c0 + c,
                            r->named * n, a);
@@ -628,7 +634,7 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
         move_average(p, lo, hi, j->ema_momentum, j->ema_rest);
 }
 
-/* Elements [lo, hi) of an accumulator (LS_OPTIM_ADDED_ROW_FAMILIES) whose
+/* Elements [lo, hi) of an accumulator (added_row_family) whose
  * gradient is sparse, as Keras' accumulating step adds it: for each row a
  * slice names, its slices, every value unscaled by `a`, added in their
  * order onto 0 (UnsortedSegmentSum's row), a piece of a row at a time,
@@ -637,7 +643,7 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
 static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
                            size_t lo, size_t hi, const ls_optim_args *a)
 {
-    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    const size_t n = p->row_length;
     enum { PIECE = 1024 };
     float g[PIECE];
     for (size_t row = lo / n; row * n < hi; row++) {
@@ -648,12 +654,7 @@ static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_r
         for (size_t c0 = first; c0 < last; c0 += PIECE) {
             const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
             float *const w = p->var + row * n + c0;
-            memset(g, 0, m * sizeof(float));
-            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
-                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, g,
-                                      NULL);
-            }
+            row_sum(j, p, r, row, c0, m, a, g);
             for (size_t c = 0; c < m; c++)
                 w[c] = w[c] + g[c];
         }

@@ -50,11 +50,5 @@
  * core sums them so, then runs each element through the family's sparse
  * reference, ls_<family>_sparse1 (optim.c's run_summed_rows), which says
  * what a row no slice names does. */
-/* The families that add a sparse gradient's row sums (a row's slices
- * added in their order onto 0, as TensorFlow densifies them) to the rows
- * its slices name, and leave the others as they are (optim.c's
- * run_added_rows): Keras' accumulating step. */
-#define LS_OPTIM_ADDED_ROW_FAMILIES(X) X(accumulate)
-
 #define LS_OPTIM_SUMMED_FAMILIES(X) X(legacy_sgd) X(legacy_adam) X(legacy_rmsprop) \
     X(legacy_adagrad) X(tf_keras_adam) X(tf_keras_sgd) X(tf_keras_rmsprop)
