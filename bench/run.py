@@ -13,8 +13,7 @@ written again, so a run that is stopped keeps every layer that finished.
 Each layer's own JSON is kept beside ``OUT.json`` in ``layers/``.  The
 ``pytest`` arguments go to every layer (``-k core --threads 1``); a layer
 that they leave without items is passed over (one collection of the whole
-suite, first, says which).  The exit status is 0 when
-every layer passed.
+suite, first, says which).  The exit status is 0 when every layer passed.
 """
 
 import ast

@@ -1305,10 +1305,10 @@ ACCUMULATE = SPARSE_ACCUMULATE_CONFIGS["accumulate"]
                          ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
 @pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
 def test_accumulate_adds_sparse_gradients_as_keras(split_threads, dtype, scale, mode):
-    """Accumulators of every value Keras' adds make (from +0, flushed or
-    not: never -0) take sparse gradients as Keras adds them, densified, over
-    several steps, dense gradients alongside; several blocks and threads,
-    rows cut between them."""
+    """Accumulators holding what Keras' adds make (any finite value but -0)
+    take sparse gradients as Keras adds them, densified, over several
+    steps, dense gradients alongside; several blocks and threads, rows cut
+    between them."""
     rng = np.random.default_rng(zlib.crc32(f"sparse-accumulate/{dtype}/{scale}".encode()))
     accumulators, _ = make_state(rng, ACCUMULATE, [s for s, _ in SPARSE_LAYOUT])
     assert not any(np.signbit(a[a == 0]).any() for a in accumulators)
