@@ -64,7 +64,9 @@ _PEER_NAMES = {
                 stock="mixed, stock Keras", grads_only="forward + backward alone",
                 float32="float32, no loss scaling"),
     "step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock Keras",
-                 torch_fused="torch fused", torch_foreach="torch foreach"),
+                 torch_fused="torch fused", torch_foreach="torch foreach",
+                 core="lossscale.core on numpy buffers",
+                 ours_fixed="ours, 4-value variables"),
     "tf_keras_step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock tf_keras",
                           torch_fused="torch fused", torch_foreach="torch foreach"),
     "check": dict(composite="stock composite", ours_per_tensor="ours per tensor",
@@ -116,6 +118,8 @@ def percent(band):
 STEP_BYTES_PER_PARAM = {"sgdm": 4 + 20, "adam": 4 + 28}
 OPTIMIZER_LABELS = {"sgdm": "SGD-momentum", "adam": "Adam"}
 
+# The step's peers that split ours: its kernels alone, its fixed cost.
+STEP_SPLIT = ("core", "ours_fixed")
 # The speed goals set for the step.  Step, per optimizer: the most ours ÷ roofline,
 # the least stock ÷ ours, the torch peers ours must not be slower than
 # (ours ÷ the faster of them at most NOT_SLOWER).
@@ -585,11 +589,38 @@ class Report:
             self.w(f"| {case_label(case)} | " + " | ".join(cells) + " |")
         self.w("")
 
+    def step_split(self, cases):
+        """Where the step's time goes: ours beside what it costs whatever the
+        sizes (``ours_fixed``) and beside its kernels with no TensorFlow
+        around them (``core``), with the roofline."""
+        cases = [c for c in cases if self.step_get(c, "core") and self.step_get(c, "ours_fixed")]
+        if not cases:
+            return
+        self.w("**Where the step's time goes.**  *" + PEER_LABELS[("step", "ours_fixed")]
+               + "*: the same optimizer on as many variables of 4 values each, what a step "
+               "costs whatever the sizes (calling the function, TensorFlow's executor, the "
+               "small ops).  *" + PEER_LABELS[("step", "core")] + "*: the same fused step "
+               "(check, unscale, update) through `lossscale.core` over numpy buffers of the "
+               "same shapes at the same thread count, the kernels with no TensorFlow around "
+               "them.  So *core ÷ roofline* is how close the kernels come to the machine, and "
+               "*ours ÷ core* what running them inside TensorFlow adds: the fixed part, the "
+               "finite check in ops of its own beside the producer, and TensorFlow's "
+               "buffers (4 KiB pages, where numpy's large arrays lie on huge pages).", "")
+        self.times_table(
+            "step", cases, ["ours", "ours_fixed", "core", "roofline"],
+            [("fixed ÷ ours", "ours_fixed", "ours"), ("core ÷ roofline", "core", "roofline"),
+             ("ours ÷ core", "ours", "core")], self.step_get, losses=False)
+
+    def step_peers(self):
+        """The step's peers for its main tables: not the producer, not the
+        two that split ours (``step_split``)."""
+        return [p for p in self.peers("step") if p != "producer" and p not in STEP_SPLIT]
+
     def user_step(self):
         """Table 1 and its companions: what a user of the optimizer times."""
         cases = self.cases("step")
         if cases:
-            peers = [p for p in self.peers("step") if p != "producer"]
+            peers = self.step_peers()
             paths = {case: "; ".join(
                 f"{PEER_LABELS[('step', p)]}: {e['step_path']}" for p in ("ours", "ours_unfused")
                 for e in [self.info.get(("step", case, self.threads, p))]
@@ -633,6 +664,7 @@ class Report:
             if speedups:
                 self.w("stock ÷ ours (how many times faster ours is): "
                        + "; ".join(speedups) + ".", "")
+            self.step_split(cases)
         mlp = [c for c in self.cases("fit") if c.startswith("mlp_")]
         if mlp:
             ident = self.records.get("fit_mlp", {})
@@ -654,7 +686,7 @@ class Report:
         self.bert_fit()
         tiny = [c for c in cases if c.startswith(TRACING_GOAL_WORKLOAD + "/")]
         if tiny:
-            peers = [p for p in self.peers("step") if p != "producer"]
+            peers = self.step_peers()
             self.w("### 3. Tracing: the first call of the step", "",
                    "The first call of each method before any timing: for Keras, tracing "
                    "`apply` and optimizing the graph (the gradients' producer included alike).",
@@ -1896,7 +1928,7 @@ def plot_steps(rep, plt, path):
     markers = "oDs^vxP*"
     for ax, layer in zip(axes, layers):
         cases = rep.cases(layer)
-        peers = rep.peers(layer)
+        peers = [p for p in rep.peers(layer) if not (layer == "step" and p in STEP_SPLIT)]
         for j, peer in enumerate(peers):
             ys, xs, lo, hi = [], [], [], []
             for i, case in enumerate(cases):

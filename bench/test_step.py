@@ -19,7 +19,18 @@ workload's shapes:
 * ``torch_foreach`` -- the same optimizers with ``foreach=True``:
                        GradScaler unscales in place with
                        ``torch._amp_foreach_non_finite_check_and_unscale_``
-                       and then steps.
+                       and then steps;
+* ``core``          -- the same fused step through ``lossscale.core``
+                       (``sgd_step_`` / ``adam_step_``, check, unscale and
+                       update) over numpy buffers of the workload's shapes:
+                       our kernels with no TensorFlow around them;
+* ``ours_fixed``    -- ``ours`` on as many variables of 4 values each:
+                       what a step costs whatever the sizes (calling the
+                       function, TensorFlow's executor, the small ops).
+
+``core`` and ``ours_fixed`` split ``ours`` in two: the kernels' own time
+and what TensorFlow adds around them (the report's "where the step's time
+goes").
 
 TensorFlow's gradients are made inside the graph (``tfgraph.py``) and
 torch's are copied into ``.grad`` from the same values; making them alone
@@ -39,7 +50,7 @@ import pytest
 
 import harness
 import workloads
-from tfgraph import GraphCase, Method, keras_apply_method, timed_method
+from tfgraph import GraphCase, GraphGradients, Method, keras_apply_method, timed_method
 
 LAYER = "step"
 OPTIMIZERS = ("sgdm", "adam")
@@ -47,7 +58,11 @@ LEARNING_RATE = 1e-3
 MOMENTUM = 0.9
 SCALE = 2.0 ** 8
 PERIOD = 10 ** 9
-PEERS = ["ours", "ours_unfused", "stock", "torch_fused", "torch_foreach"]
+PEERS = ["ours", "ours_unfused", "stock", "torch_fused", "torch_foreach", "core", "ours_fixed"]
+# The peers that split ``ours`` (not run on the 2,000-tensor tracing case).
+SPLIT_PEERS = ("core", "ours_fixed")
+# Values in each variable of ``ours_fixed``.
+FIXED_VALUES = 4
 # tf_keras' RMSprop defaults, for torch's RMSprop beside it in the tf_keras
 # step (tf_keras_step_child.py), which shares these torch peers.
 RMSPROP_RHO = 0.9
@@ -72,7 +87,8 @@ def cases(settings):
 
 
 def items(settings):
-    return [(c, p) for c in cases(settings) for p in peers()]
+    return [(c, p) for c in cases(settings) for p in peers()
+            if not (c.startswith("tiny_") and p in SPLIT_PEERS)]
 
 
 def keras_inner(optimizer):
@@ -103,13 +119,19 @@ class Data(GraphCase):
     def _make(self, peer):
         if peer.startswith("torch"):
             return self._torch(peer)
+        if peer == "core":
+            return self._core()
         return self._keras(peer)
 
     def _keras(self, peer):
         import keras
 
+        arrays, graph = self.arrays, self.graph
+        if peer == "ours_fixed":
+            arrays = [np.ones(FIXED_VALUES, np.float32) for _ in self.arrays]
+            graph = GraphGradients(arrays)
         variables = [keras.Variable(np.zeros_like(a), name=f"w{i}")
-                     for i, a in enumerate(self.arrays)]
+                     for i, a in enumerate(arrays)]
         inner = keras_inner(self.optimizer)
         if peer == "stock":
             opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=SCALE,
@@ -121,7 +143,31 @@ class Data(GraphCase):
             opt = LossScaleOptimizer(inner, initial_scale=SCALE, dynamic_growth_steps=PERIOD,
                                      **extra)
         opt.build(variables)
-        return keras_apply_method(self.graph, opt, variables, peer)
+        return keras_apply_method(graph, opt, variables, peer)
+
+    def _core(self):
+        from lossscale import core
+
+        grads = [a.copy() for a in self.arrays]
+        variables = [np.zeros_like(a) for a in self.arrays]
+        slots = [[np.zeros_like(a) for a in self.arrays]
+                 for _ in range(1 if self.optimizer == "sgdm" else 2)]
+        steps = [0]
+        # A step's scalars as the fused op gets them; their values do not
+        # change the work (nothing short-circuits on a value).
+        common = dict(learning_rate=LEARNING_RATE, scale=SCALE, flush_denormals=True)
+        if self.optimizer == "sgdm":
+            def run():
+                return core.sgd_step_(variables, grads, slots[0], momentum=MOMENTUM, **common)
+        else:
+            def run():
+                return core.adam_step_(variables, grads, slots[0], slots[1],
+                                       alpha=LEARNING_RATE, **common)
+
+        def step():
+            steps[0] += run()
+
+        return Method(step, None, lambda: "lossscale.core", lambda: steps[0])
 
     def _torch(self, peer):
         torch = harness.torch_or_skip()
@@ -153,8 +199,9 @@ class Data(GraphCase):
 
     def info(self, peer, rnd):
         return super().info(peer, rnd, optimizer=self.optimizer,
-                            gradients="made in the graph" if not peer.startswith("torch")
-                            else "copied into .grad")
+                            gradients=("copied into .grad" if peer.startswith("torch")
+                                       else "numpy buffers" if peer == "core"
+                                       else "made in the graph"))
 
 
 def test_step(benchmark, case, peer, rnd):

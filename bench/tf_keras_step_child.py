@@ -62,7 +62,8 @@ def cases(settings):
 
 
 def peers(case):
-    return [p for p in test_step.PEERS if not (p == "torch_fused" and case.endswith("rmsprop"))]
+    return [p for p in test_step.PEERS if p not in test_step.SPLIT_PEERS
+            and not (p == "torch_fused" and case.endswith("rmsprop"))]
 
 
 def items(settings):
