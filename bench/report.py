@@ -66,6 +66,7 @@ _PEER_NAMES = {
     "step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock Keras",
                  torch_fused="torch fused", torch_foreach="torch foreach",
                  core="lossscale.core on numpy buffers",
+                 core_cached="lossscale.core in cache, scaled",
                  ours_fixed="ours, 4-value variables"),
     "tf_keras_step": dict(ours="ours", ours_unfused="ours, fused=False", stock="stock tf_keras",
                           torch_fused="torch fused", torch_foreach="torch foreach"),
@@ -118,8 +119,9 @@ def percent(band):
 STEP_BYTES_PER_PARAM = {"sgdm": 4 + 20, "adam": 4 + 28}
 OPTIMIZER_LABELS = {"sgdm": "SGD-momentum", "adam": "Adam"}
 
-# The step's peers that split ours: its kernels alone, its fixed cost.
-STEP_SPLIT = ("core", "ours_fixed")
+# The step's peers that split ours: its kernels alone, their arithmetic,
+# its fixed cost.
+STEP_SPLIT = ("core", "core_cached", "ours_fixed")
 # The speed goals set for the step.  Step, per optimizer: the most ours ÷ roofline,
 # the least stock ÷ ours, the torch peers ours must not be slower than
 # (ours ÷ the faster of them at most NOT_SLOWER).
@@ -193,7 +195,9 @@ def load(path):
         e = b["extra_info"]
         if "peer" not in e:
             continue
-        per = e.get("calls_per_sample", 1) * e.get("steps_per_call", 1)
+        # workload_share: one call covers that share of the workload's step.
+        per = (e.get("calls_per_sample", 1) * e.get("steps_per_call", 1)
+               * e.get("workload_share", 1))
         key = (e["layer"], e["case"], e["threads"], e["peer"])
         xs = [x / per for x in b["stats"]["data"]]
         rnd = e.get("rnd", 0)
@@ -593,7 +597,7 @@ class Report:
         """Where the step's time goes: ours beside what it costs whatever the
         sizes (``ours_fixed``) and beside its kernels with no TensorFlow
         around them (``core``), with the roofline."""
-        cases = [c for c in cases if self.step_get(c, "core") and self.step_get(c, "ours_fixed")]
+        cases = [c for c in cases if all(self.step_get(c, p) for p in STEP_SPLIT)]
         if not cases:
             return
         self.w("**Where the step's time goes.**  *" + PEER_LABELS[("step", "ours_fixed")]
@@ -602,13 +606,22 @@ class Report:
                "small ops).  *" + PEER_LABELS[("step", "core")] + "*: the same fused step "
                "(check, unscale, update) through `lossscale.core` over numpy buffers of the "
                "same shapes at the same thread count, the kernels with no TensorFlow around "
-               "them.  So *core ÷ roofline* is how close the kernels come to the machine, and "
-               "*ours ÷ core* what running them inside TensorFlow adds: the fixed part, the "
-               "finite check in ops of its own beside the producer, and TensorFlow's "
-               "buffers (4 KiB pages, where numpy's large arrays lie on huge pages).", "")
+               "them.  *" + PEER_LABELS[("step", "core_cached")] + "*: the same through "
+               "`lossscale.core` over a cut of 2^20 values in 16 tensors, whose variables, "
+               "gradients and slots (12 MiB for SGD-momentum, 16 MiB for Adam) stay in the "
+               "last-level cache, times the workload's values over the cut's: what the "
+               "kernels' arithmetic costs where memory is no limit (Adam's exact division and "
+               "square root among it).  A step cannot be faster than the roofline or than "
+               "that.  So *core ÷ roofline* is how close the kernels come to memory's bound, "
+               "*cached ÷ roofline* how near their arithmetic alone comes to it (near 1 or "
+               "above: the kernels compute as long as they wait), and *ours ÷ core* what "
+               "running them inside TensorFlow adds: the fixed part, the finite check in ops "
+               "of its own beside the producer, and TensorFlow's buffers (4 KiB pages, where "
+               "numpy's large arrays lie on huge pages).", "")
         self.times_table(
-            "step", cases, ["ours", "ours_fixed", "core", "roofline"],
+            "step", cases, ["ours", "ours_fixed", "core", "core_cached", "roofline"],
             [("fixed ÷ ours", "ours_fixed", "ours"), ("core ÷ roofline", "core", "roofline"),
+             ("cached ÷ roofline", "core_cached", "roofline"),
              ("ours ÷ core", "ours", "core")], self.step_get, losses=False)
 
     def step_peers(self):

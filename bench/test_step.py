@@ -24,13 +24,19 @@ workload's shapes:
                        (``sgd_step_`` / ``adam_step_``, check, unscale and
                        update) over numpy buffers of the workload's shapes:
                        our kernels with no TensorFlow around them;
+* ``core_cached``   -- ``core`` over a cut of the workload that stays in
+                       the last-level cache (``CACHED_VALUES`` values in 16
+                       tensors: 12 MiB of variables, gradients and slots for
+                       SGD-momentum, 16 MiB for Adam), its time scaled up to
+                       the whole workload (``workload_share``): what the
+                       kernels' arithmetic costs where memory is no limit;
 * ``ours_fixed``    -- ``ours`` on as many variables of 4 values each:
                        what a step costs whatever the sizes (calling the
                        function, TensorFlow's executor, the small ops).
 
-``core`` and ``ours_fixed`` split ``ours`` in two: the kernels' own time
-and what TensorFlow adds around them (the report's "where the step's time
-goes").
+``core``, ``core_cached`` and ``ours_fixed`` split ``ours``: the kernels'
+own time, the part of it that is arithmetic, and what TensorFlow adds
+around them (the report's "where the step's time goes").
 
 TensorFlow's gradients are made inside the graph (``tfgraph.py``) and
 torch's are copied into ``.grad`` from the same values; making them alone
@@ -58,9 +64,13 @@ LEARNING_RATE = 1e-3
 MOMENTUM = 0.9
 SCALE = 2.0 ** 8
 PERIOD = 10 ** 9
-PEERS = ["ours", "ours_unfused", "stock", "torch_fused", "torch_foreach", "core", "ours_fixed"]
+PEERS = ["ours", "ours_unfused", "stock", "torch_fused", "torch_foreach", "core", "core_cached",
+         "ours_fixed"]
 # The peers that split ``ours`` (not run on the 2,000-tensor tracing case).
-SPLIT_PEERS = ("core", "ours_fixed")
+SPLIT_PEERS = ("core", "core_cached", "ours_fixed")
+# Values of ``core_cached``'s cut, in CACHED_TENSORS tensors.
+CACHED_VALUES = 1 << 20
+CACHED_TENSORS = 16
 # Values in each variable of ``ours_fixed``.
 FIXED_VALUES = 4
 # tf_keras' RMSprop defaults, for torch's RMSprop beside it in the tf_keras
@@ -119,8 +129,8 @@ class Data(GraphCase):
     def _make(self, peer):
         if peer.startswith("torch"):
             return self._torch(peer)
-        if peer == "core":
-            return self._core()
+        if peer in ("core", "core_cached"):
+            return self._core(cached=peer == "core_cached")
         return self._keras(peer)
 
     def _keras(self, peer):
@@ -145,12 +155,15 @@ class Data(GraphCase):
         opt.build(variables)
         return keras_apply_method(graph, opt, variables, peer)
 
-    def _core(self):
+    def _core(self, cached):
         from lossscale import core
 
         grads = [a.copy() for a in self.arrays]
-        variables = [np.zeros_like(a) for a in self.arrays]
-        slots = [[np.zeros_like(a) for a in self.arrays]
+        if cached:
+            flat = np.concatenate([a.ravel() for a in self.arrays])[:CACHED_VALUES]
+            grads = np.split(flat.copy(), CACHED_TENSORS)
+        variables = [np.zeros_like(a) for a in grads]
+        slots = [[np.zeros_like(a) for a in grads]
                  for _ in range(1 if self.optimizer == "sgdm" else 2)]
         steps = [0]
         # A step's scalars as the fused op gets them; their values do not
@@ -198,9 +211,13 @@ class Data(GraphCase):
         return Method(step, produce, lambda: peer, applied)
 
     def info(self, peer, rnd):
-        return super().info(peer, rnd, optimizer=self.optimizer,
+        extra = {}
+        if peer == "core_cached":
+            # One call covers this share of the workload; the report scales.
+            extra["workload_share"] = CACHED_VALUES / sum(a.size for a in self.arrays)
+        return super().info(peer, rnd, optimizer=self.optimizer, **extra,
                             gradients=("copied into .grad" if peer.startswith("torch")
-                                       else "numpy buffers" if peer == "core"
+                                       else "numpy buffers" if peer.startswith("core")
                                        else "made in the graph"))
 
 

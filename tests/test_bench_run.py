@@ -1,9 +1,11 @@
 """``bench/run.py``, which runs the benchmark suite a layer per process and
 joins the layers' raw JSON: every layer module is in the suite's order, and
 the joined JSON holds every layer's benchmarks and records, as one process
-running the whole suite wrote them."""
+running the whole suite wrote them.  And ``bench/report.py``'s reading of
+that JSON: a call timed over a share of a workload stands for the whole."""
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -61,3 +63,37 @@ def test_join_keeps_every_layer_in_order(run):
     # The parts themselves are left as they were.
     assert [b["name"] for b in parts[0]["benchmarks"]] == ["core-a", "core-b"]
     assert parts[0]["lossscale"]["facts"]["loadavg_end"] == 0.5
+
+
+@pytest.fixture(scope="module")
+def report():
+    sys.path.insert(0, BENCH)   # report.py imports its neighbour workloads.py
+    try:
+        spec = importlib.util.spec_from_file_location("bench_report",
+                                                      os.path.join(BENCH, "report.py"))
+        module = importlib.util.module_from_spec(spec)
+        # Its dataclasses look their module up while the class is made.
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
+    return module
+
+
+def test_a_call_over_a_share_of_the_workload_is_scaled_to_the_whole(report, tmp_path):
+    # core_cached times a cut of the workload: a call over a quarter of it,
+    # 4 calls a sample, stands for 4 times its time per call.
+    def bench(peer, data, **extra):
+        info = {"layer": "step", "case": "w/float32/adam", "threads": 2, "peer": peer,
+                "rnd": 0, "calls_per_sample": 4, **extra}
+        return {"extra_info": info, "stats": {"data": data}}
+
+    raw = {"benchmarks": [bench("core_cached", [2.0, 4.0, 6.0], workload_share=0.25),
+                          bench("core", [2.0, 4.0, 6.0])]}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    _raw, stats, *_ = report.load(str(path))
+    cached = stats[("step", "w/float32/adam", 2, "core_cached")]
+    plain = stats[("step", "w/float32/adam", 2, "core")]
+    assert cached.samples == [2.0, 4.0, 6.0] and cached.median == 4.0
+    assert plain.samples == [0.5, 1.0, 1.5] and plain.median == 1.0
