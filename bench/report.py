@@ -624,6 +624,22 @@ class Report:
              ("cached ÷ roofline", "core_cached", "roofline"),
              ("ours ÷ core", "ours", "core")], self.step_get, losses=False)
 
+    def split_ranges(self):
+        """The split of the step (``step_split``) over the goals' cases, each
+        ratio as its range across them: ``core`` ÷ roofline, ``cached`` ÷
+        roofline, ``ours`` ÷ core; None where a case lacks a part."""
+        cases = [f"{w}/float32/{o}" for o in STEP_GOALS for w in STEP_GOAL_WORKLOADS]
+        pairs = {"core": ("core", "roofline"), "cached": ("core_cached", "roofline"),
+                 "ours": ("ours", "core")}
+        out = {}
+        for name, (a, b) in pairs.items():
+            rs = [ratio(self.step_get(c, a), self.step_get(c, b)) for c in cases]
+            if not rs or any(r is None for r in rs):
+                return None
+            lo, hi = min(r.value for r in rs), max(r.value for r in rs)
+            out[name] = _r(lo) if _r(lo) == _r(hi) else f"{_r(lo)}–{_r(hi)}"
+        return out
+
     def step_peers(self):
         """The step's peers for its main tables: not the producer, not the
         two that split ours (``step_split``)."""
@@ -1085,6 +1101,12 @@ class Report:
                    + (f"; `lossscale.core` at {t} threads streams the same 1 GiB in "
                       f"{_r(bw.value)} of its time, hence ratios below 1." if bw and t > 1
                       else "."))]
+        split = self.split_ranges()
+        if split:
+            out[-1] += (" Where the time goes (REPORT.md): the same fused step through "
+                        "`lossscale.core` over numpy buffers takes " + split["core"]
+                        + " of the roofline, its arithmetic alone (in cache) " + split["cached"]
+                        + ", and ours inside TensorFlow " + split["ours"] + " of `lossscale.core`.")
         rows = []
 
         def row(what, *rs):

@@ -13,19 +13,39 @@ scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
 (``keras3_train_step``, ``tf24_train_step``, both on ``scaled_gradients``)
 are that model and loop; ``child_env`` and ``two_cpu_replicas`` set up
 the child processes some tests start, and ``child_pytest`` runs a file of
-checks in one (``case_names`` lists them).  TensorFlow and Keras are imported
+checks in one (``case_names`` lists them).  ``bench_module`` loads a module
+of ``bench/`` (the report, the run driver) as the benchmark suite does.  TensorFlow and Keras are imported
 only by the functions that need them, so that the tests of the C core can
 use this module without them, and the child processes that configure
 TensorFlow before importing it can too.
 """
 
+import importlib.util
 import os
+import sys
 
 import numpy as np
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bench_module(name):
+    """``bench/<name>.py`` as a module, with ``bench/`` on the path while it
+    loads (its modules import their neighbours) and the module in
+    ``sys.modules`` (its dataclasses look their module up)."""
+    bench = os.path.join(ROOT, "bench")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                      os.path.join(bench, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
+    return module
 
 
 def bits(x):

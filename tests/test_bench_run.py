@@ -4,12 +4,12 @@ the joined JSON holds every layer's benchmarks and records, as one process
 running the whole suite wrote them.  And ``bench/report.py``'s reading of
 that JSON: a call timed over a share of a workload stands for the whole."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+
+from helpers import bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -17,14 +17,7 @@ BENCH = os.path.join(ROOT, "bench")
 
 @pytest.fixture(scope="module")
 def run():
-    sys.path.insert(0, BENCH)   # run.py imports its neighbour harness.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_run", os.path.join(BENCH, "run.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(BENCH)
-    return module
+    return bench_module("run")
 
 
 def test_every_layer_module_has_a_place_in_the_order(run):
@@ -67,17 +60,7 @@ def test_join_keeps_every_layer_in_order(run):
 
 @pytest.fixture(scope="module")
 def report():
-    sys.path.insert(0, BENCH)   # report.py imports its neighbour workloads.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_report",
-                                                      os.path.join(BENCH, "report.py"))
-        module = importlib.util.module_from_spec(spec)
-        # Its dataclasses look their module up while the class is made.
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(BENCH)
-    return module
+    return bench_module("report")
 
 
 def test_a_call_over_a_share_of_the_workload_is_scaled_to_the_whole(report, tmp_path):

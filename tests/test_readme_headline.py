@@ -9,12 +9,12 @@ README's, character for character.  After a new full ``make bench``, commit
 the README with the results.
 """
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+
+from helpers import bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -24,16 +24,7 @@ README = os.path.join(ROOT, "README.md")
 
 @pytest.fixture(scope="module")
 def report():
-    sys.path.insert(0, BENCH)   # report.py imports its neighbour workloads.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_report",
-                                                      os.path.join(BENCH, "report.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module   # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(BENCH)
-    return module
+    return bench_module("report")
 
 
 def readme():
