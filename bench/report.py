@@ -609,15 +609,15 @@ class Report:
                "them.  *" + PEER_LABELS[("step", "core_cached")] + "*: the same through "
                "`lossscale.core` over a cut of 2^20 values in 16 tensors, whose variables, "
                "gradients and slots (12 MiB for SGD-momentum, 16 MiB for Adam) stay in the "
-               "last-level cache, times the workload's values over the cut's: what the "
-               "kernels' arithmetic costs where memory is no limit (Adam's exact division and "
-               "square root among it).  A step cannot be faster than the roofline or than "
-               "that.  So *core ÷ roofline* is how close the kernels come to memory's bound, "
-               "*cached ÷ roofline* how near their arithmetic alone comes to it (near 1 or "
-               "above: the kernels compute as long as they wait), and *ours ÷ core* what "
-               "running them inside TensorFlow adds: the fixed part, the finite check in ops "
-               "of its own beside the producer, and TensorFlow's buffers (4 KiB pages, where "
-               "numpy's large arrays lie on huge pages).", "")
+               "last-level cache, times the workload's values over the cut's: the kernels fed "
+               "from the cache instead of memory, their arithmetic (Adam's exact division and "
+               "square root among it) and the cache's own bandwidth, the Python call's few "
+               "microseconds included.  So *core ÷ roofline* is how close the kernels come to "
+               "memory's bound, *cached ÷ roofline* how near they come to it with memory out "
+               "of the way (near 1 or above: the cores, not memory, set the pace), and "
+               "*ours ÷ core* what running them inside TensorFlow adds: the fixed part, the "
+               "finite check in ops of its own beside the producer, and TensorFlow's buffers "
+               "(4 KiB pages, where numpy's large arrays lie on huge pages).", "")
         self.times_table(
             "step", cases, ["ours", "ours_fixed", "core", "core_cached", "roofline"],
             [("fixed ÷ ours", "ours_fixed", "ours"), ("core ÷ roofline", "core", "roofline"),
@@ -626,8 +626,9 @@ class Report:
 
     def split_ranges(self):
         """The split of the step (``step_split``) over the goals' cases, each
-        ratio as its range across them: ``core`` ÷ roofline, ``cached`` ÷
-        roofline, ``ours`` ÷ core; None where a case lacks a part."""
+        ratio as its range across them: ``core`` ÷ roofline, ``cached``
+        (core_cached) ÷ roofline, ``ours`` ÷ core; None where a case lacks
+        a part."""
         cases = [f"{w}/float32/{o}" for o in STEP_GOALS for w in STEP_GOAL_WORKLOADS]
         pairs = {"core": ("core", "roofline"), "cached": ("core_cached", "roofline"),
                  "ours": ("ours", "core")}
@@ -1105,7 +1106,7 @@ class Report:
         if split:
             out[-1] += (" Where the time goes (REPORT.md): the same fused step through "
                         "`lossscale.core` over numpy buffers takes " + split["core"]
-                        + " of the roofline, its arithmetic alone (in cache) " + split["cached"]
+                        + " of the roofline, fed from the cache instead " + split["cached"]
                         + ", and ours inside TensorFlow " + split["ours"] + " of `lossscale.core`.")
         rows = []
 

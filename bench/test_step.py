@@ -28,15 +28,16 @@ workload's shapes:
                        the last-level cache (``CACHED_VALUES`` values in 16
                        tensors: 12 MiB of variables, gradients and slots for
                        SGD-momentum, 16 MiB for Adam), its time scaled up to
-                       the whole workload (``workload_share``): what the
-                       kernels' arithmetic costs where memory is no limit;
+                       the whole workload (``workload_share``): the
+                       kernels fed from the cache instead of memory (their
+                       arithmetic and the cache's bandwidth);
 * ``ours_fixed``    -- ``ours`` on as many variables of 4 values each:
                        what a step costs whatever the sizes (calling the
                        function, TensorFlow's executor, the small ops).
 
 ``core``, ``core_cached`` and ``ours_fixed`` split ``ours``: the kernels'
-own time, the part of it that is arithmetic, and what TensorFlow adds
-around them (the report's "where the step's time goes").
+own time, what they take with memory out of the way, and what TensorFlow
+adds around them (the report's "where the step's time goes").
 
 TensorFlow's gradients are made inside the graph (``tfgraph.py``) and
 torch's are copied into ``.grad`` from the same values; making them alone
