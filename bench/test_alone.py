@@ -29,7 +29,7 @@ import tf_keras_step_child
 LAYER = "alone"
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The peers a user compares: stock Keras and torch's nearest equivalent;
-# for the step, also the two that split ours (test_step.SPLIT_PEERS).
+# for the step, also the peers that split ours (test_step.SPLIT_PEERS).
 # (``case`` of an item is the layer; its child runs all of the layer's cases.)
 STEP_PEERS = ("ours", "stock", "torch_fused", "torch_foreach") + test_step.SPLIT_PEERS
 RECIPE_PEERS = ("ours", "stock", "torch")

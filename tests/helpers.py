@@ -14,10 +14,10 @@ scale.  ``mixed_mlp``, ``mse_loss`` and the two custom-loop steps
 are that model and loop; ``child_env`` and ``two_cpu_replicas`` set up
 the child processes some tests start, and ``child_pytest`` runs a file of
 checks in one (``case_names`` lists them).  ``bench_module`` loads a module
-of ``bench/`` (the report, the run driver) as the benchmark suite does.  TensorFlow and Keras are imported
-only by the functions that need them, so that the tests of the C core can
-use this module without them, and the child processes that configure
-TensorFlow before importing it can too.
+of ``bench/`` (the report, the run driver) as the benchmark suite does.
+TensorFlow and Keras are imported only by the functions that need them, so
+that the tests of the C core can use this module without them, and the
+child processes that configure TensorFlow before importing it can too.
 """
 
 import importlib.util
