@@ -119,8 +119,8 @@ def percent(band):
 STEP_BYTES_PER_PARAM = {"sgdm": 4 + 20, "adam": 4 + 28}
 OPTIMIZER_LABELS = {"sgdm": "SGD-momentum", "adam": "Adam"}
 
-# The step's peers that split ours: its kernels alone, their arithmetic,
-# its fixed cost.
+# The step's peers that split ours: its kernels alone, the same fed from the
+# cache, its fixed cost.
 STEP_SPLIT = ("core", "core_cached", "ours_fixed")
 # The speed goals set for the step.  Step, per optimizer: the most ours ÷ roofline,
 # the least stock ÷ ours, the torch peers ours must not be slower than
@@ -595,8 +595,9 @@ class Report:
 
     def step_split(self, cases):
         """Where the step's time goes: ours beside what it costs whatever the
-        sizes (``ours_fixed``) and beside its kernels with no TensorFlow
-        around them (``core``), with the roofline."""
+        sizes (``ours_fixed``), beside its kernels with no TensorFlow around
+        them (``core``) and the same fed from the cache (``core_cached``),
+        with the roofline."""
         cases = [c for c in cases if all(self.step_get(c, p) for p in STEP_SPLIT)]
         if not cases:
             return
@@ -643,7 +644,7 @@ class Report:
 
     def step_peers(self):
         """The step's peers for its main tables: not the producer, not the
-        two that split ours (``step_split``)."""
+        peers that split ours (``step_split``)."""
         return [p for p in self.peers("step") if p != "producer" and p not in STEP_SPLIT]
 
     def user_step(self):
@@ -1107,7 +1108,8 @@ class Report:
             out[-1] += (" Where the time goes (REPORT.md): the same fused step through "
                         "`lossscale.core` over numpy buffers takes " + split["core"]
                         + " of the roofline, fed from the cache instead " + split["cached"]
-                        + ", and ours inside TensorFlow " + split["ours"] + " of `lossscale.core`.")
+                        + ", and ours inside TensorFlow " + split["ours"]
+                        + " of `lossscale.core`.")
         rows = []
 
         def row(what, *rs):
