@@ -159,10 +159,11 @@ class Data(GraphCase):
     def _core(self, cached):
         from lossscale import core
 
-        grads = [a.copy() for a in self.arrays]
         if cached:
             flat = np.concatenate([a.ravel() for a in self.arrays])[:CACHED_VALUES]
             grads = np.split(flat.copy(), CACHED_TENSORS)
+        else:
+            grads = [a.copy() for a in self.arrays]
         variables = [np.zeros_like(a) for a in grads]
         slots = [[np.zeros_like(a) for a in grads]
                  for _ in range(1 if self.optimizer == "sgdm" else 2)]
