@@ -72,7 +72,7 @@
  *          under LS_UNSCALE_NONE; bit 3: the variable has an average,
  *          which inputs written before it was added may set too; bit 4:
  *          the gradient is sparse, which they may set too; bits 5-7: the
- *          row length less 1), decay (byte % 4; 3 is refused; bits 2-6:
+ *          row length less 1), decay (byte % 4: ls_decay; bits 2-6:
  *          the slices; bit 7: the length is not rounded down to a multiple
  *          of the row length, or with a row length of 1, which every
  *          length is a multiple of, the indices start 4 bytes off their
@@ -428,7 +428,7 @@ static void densify(const ls_param *p, const ls_optim_config *c, float factor, f
     }
 }
 
-/* Keras' weight decay of one weight (lossscale.h's two orders). */
+/* Keras' weight decay of one weight (lossscale.h's three forms). */
 /* `x` as it is, hidden from the optimizer.  The restatements run under the
  * step's flush-to-zero mode, and a compiler that assumes the default
  * environment may rewrite `named ? w + d : w` as `w + (named ? d : -0.0f)`,
@@ -447,6 +447,8 @@ static float decayed(float w, int decay, const ls_optim_config *c)
         const float wd_lr = c->weight_decay * c->learning_rate;
         return w - w * wd_lr;
     }
+    if (decay == LS_DECAY_FACTOR)
+        return w - w * c->weight_decay;
     return w;
 }
 

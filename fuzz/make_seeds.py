@@ -420,6 +420,11 @@ def optim_seeds():
         hyper = [0.9, 0.1, 1e-6, 0.5, 1.0, centered, form, 1.0]
         yield (f"rmsprop-{name}",
                encode_optim(OPTIM_RMSPROP, DIVIDE, 1024.0, 0.003, 0.004, hyper, variables, data))
+    # Weight decay by a whole factor (ls_decay 3), beside the other forms.
+    adam, adam_hyper = OPTIM_FAMILIES["adam"]
+    yield ("decay-factor",
+           encode_optim(adam, DIVIDE, 1024.0, 0.003, 0.0137, adam_hyper,
+                        [(2, 3, 9), (0, 3, 37), (2, 2, 17), (1, 1, 5), (2, 0, 3)], data))
     yield from accumulation_seeds(data)
     yield from sparse_seeds()
 

@@ -395,14 +395,21 @@ class Plan:
         self.decay = [_decay_form(inner, v, _grappler_reassociates_products())
                       for v in variables]
         # Where the graph optimizer folds a schedule's own products into the
-        # decay's chain, the decay runs as Keras' own ops (so rewritten as
-        # stock's are) before the fused pass, which then decays nothing.
-        # Adafactor's op decays nothing: its decay is always Keras' own ops.
-        self.decay_by_ops = [bool(d) and (_decay_follows_schedule(inner)
-                                          or family.name == "adafactor"
-                                          or form is BY_OWN_UPDATE)
-                             for d, form in zip(self.decay, forms)]
-        self.decay = [0 if by_ops else d for d, by_ops in zip(self.decay, self.decay_by_ops)]
+        # decay's chain, the fused pass decays by the one factor that chain
+        # becomes (_DECAY_FACTOR, the factor from ``decay_factor_probe``);
+        # a variable of one element, whose chain the graph optimizer orders
+        # by names, and Adafactor's (its op decays nothing) decay by Keras'
+        # own ops (so rewritten as stock's are) before the fused pass, which
+        # then decays nothing.
+        scheduled = _decay_follows_schedule(inner)
+        self.decay_by_ops = [bool(d) and (family.name == "adafactor" or form is BY_OWN_UPDATE
+                                          or (scheduled and not _more_than_one(v)))
+                             for d, form, v in zip(self.decay, forms, variables)]
+        self.decay = [0 if by_ops else _DECAY_FACTOR if d and scheduled else d
+                      for d, by_ops in zip(self.decay, self.decay_by_ops)]
+        # Set by ``prepare_scalars`` where a variable decays by the factor:
+        # the factor, and whether the probe found the chain to be one.
+        self.decay_factor = self.decay_factor_taken = None
         self.clip = clip
         # With gradient accumulation, the clip of an update step's averages
         # (``_update_by_averages``); the step's own gradients unclipped.
@@ -745,14 +752,32 @@ class Plan:
                                accumulation_steps=accumulation.steps)
 
         step_scalars = self.scalars if scalars is None else scalars
+        decay = [self.decay[i] for i in which]
 
-        def run(numbers):
+        def launch(numbers, decay, weight_decay):
             library.loss_scale_apply_optimizer(
                 should_apply, handles(variables), slots, grads, scale, learning_rate,
-                self.weight_decay, step_scalars, clip_scalars, [], averages, ema, indices,
+                weight_decay, step_scalars, clip_scalars, [], averages, ema, indices,
                 slice_factor, accumulators, family=family or self.family.name, hyper=numbers,
-                decay=[self.decay[i] for i in which], unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
+                decay=decay, unscale=unscale, clip=mode, clip_value=float(np.float32(value)) if mode in ("norm", "value")
                 else 0.0, sparse=sparse, **accumulated)
+
+        def run(numbers):
+            if _DECAY_FACTOR not in decay:
+                launch(numbers, decay, self.weight_decay)
+                return
+            # Were the probe's chain not one factor, these variables decay
+            # by Keras' own ops first, the op decaying nothing.
+            factored = [v for v, d in zip(variables, decay) if d == _DECAY_FACTOR]
+
+            def by_ops():
+                _step.cond(should_apply, lambda: [
+                    _decay_like_stock(self.inner, local_copy(v)) for v in factored], lambda: None)
+                launch(numbers, [0 if d == _DECAY_FACTOR else d for d in decay],
+                       self.weight_decay)
+
+            _step.cond(self.decay_factor_taken,
+                       lambda: launch(numbers, decay, self.decay_factor), by_ops)
 
         # Forms of the stock step's graph that only its run tells: the
         # probes made here, outside any cond, where stock's step is made;
@@ -781,6 +806,8 @@ class Plan:
         wd = line.weight_decay(inner)
         self.learning_rate = lr
         self.weight_decay = tf.constant(0.0 if wd is None else float(wd), tf.float32)
+        if _DECAY_FACTOR in self.decay:
+            self.decay_factor, self.decay_factor_taken = decay_factor_probe(inner)
         state = list(self.family.state(inner))
         self.scalars = list(self.family.scalars(inner, lr, *[v for _, v in state]))
         sparse = [form for form in self.forms
@@ -1150,6 +1177,44 @@ def _decay_like_stock(inner, variable):
     lr = tf.cast(inner.learning_rate, variable.dtype)
     wd = tf.cast(inner.weight_decay, variable.dtype)
     variable.assign_sub(variable * wd * lr)
+
+
+# ls_decay's LS_DECAY_FACTOR: var - var * weight_decay, the op's weight
+# decay the whole factor.
+_DECAY_FACTOR = 3
+
+
+def decay_factor_probe(inner):
+    """The factor the graph optimizer makes of Keras 3's weight decay
+    ``var * wd * lr`` with a learning-rate schedule, and whether the chain
+    is that one product (two float32 tensors: the factor, a bool).
+
+    The graph optimizer merges the schedule's own products into the chain
+    and folds its constants with ``wd`` (ExponentialDecay: ``var * (pow *
+    (initial_rate * wd))``), in an order the schedule's ops set.  The probe
+    is the same chain, made as ``_decay_like_stock`` makes it, on a
+    variable-sized tensor the optimizer cannot fold: rewritten as stock's
+    chains are, its value at 1 is the factor, and its other lanes say
+    whether every value is multiplied by that factor alone (a chain left
+    as written rounds differently on them, unless both orders agree on
+    every value)."""
+    # 1, whose product is the factor itself, then lanes on which the chain
+    # as written and the factor's product round differently.
+    lanes = tf.constant(np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32))
+    # + 0 that only the run knows: the iterations are never negative.
+    zero = tf.minimum(tf.cast(inner.iterations, tf.float32), 0.0)
+    probe = lanes + zero
+    lr = tf.cast(inner.learning_rate, tf.float32)
+    wd = tf.cast(inner.weight_decay, tf.float32)
+    product = probe * wd * lr
+    factor = product[0]
+    return factor, tf.reduce_all(tf.equal(product, lanes * factor))
+
+
+def _more_than_one(variable):
+    """Whether ``variable`` has a known shape of more than one element."""
+    n = variable.shape.num_elements()
+    return n is not None and n > 1
 
 
 _ADAM = dict(slots=_adam_slots, numbers=("beta_1", "beta_2", "epsilon"), hyper=_adam_hyper,
@@ -2028,10 +2093,11 @@ def _decide_alone(inner, enabled, rule_reason, grads, variables, unscale):
         # optimizer merges that product into the decay's chain of multiplies,
         # folding the schedule's constants with weight_decay (ExponentialDecay:
         # var * (pow * (initial_rate * wd))): an order set by the schedule's
-        # own ops, which the kernel does not follow.  Keras 3's families run
-        # that decay as Keras' own ops (``Plan.decay_by_ops``), before the
+        # own ops.  Keras 3's families decay by the factor those ops make
+        # (``decay_factor_probe``, a probe of Keras 3's own chain), in the
         # fused pass of an update step (with accumulation, on update steps
-        # alone, as Keras' update step decays).
+        # alone, as Keras' update step decays); tf_keras' take the stock
+        # path.
         return stock("weight decay with a learning-rate schedule in a graph "
                      "(TensorFlow's graph optimizer reorders its products)")
     if steps and clip is not None and steps & (steps - 1) and _grappler_folds_constants():
@@ -2591,7 +2657,8 @@ def _graph_reorders_clip(factor, learning_rate, gradients):
 
 def _decay_follows_schedule(inner):
     """Whether Keras 3's weight decay of ``inner`` multiplies by a schedule's
-    value in a graph the graph optimizer rewrites (``Plan.decay_by_ops``)."""
+    value in a graph the graph optimizer rewrites (then the fused pass decays
+    by ``decay_factor_probe``'s factor)."""
     return (not _which_keras.is_tf_keras_object(inner)
             and getattr(inner, "weight_decay", None) is not None
             and not KERAS_3.learning_rate_is_variable(inner)

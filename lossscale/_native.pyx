@@ -637,11 +637,12 @@ cdef _prepare(str what, bytes family, variables, grads, learning_rate, weight_de
             raise ValueError(f"{what}: decay must be a list of {n} entries, one per variable")
     forms = []
     for i, d in enumerate(decay):
-        if d is True or d is False or d in (0, 1, 2):
+        if d is True or d is False or d in (0, 1, 2, 3):
             forms.append(int(d))
         else:
             raise ValueError(f"{what}: decay[{i}] must be False/0 (none), True/1 "
-                             f"(var - (var * wd) * lr) or 2 (var - var * (wd * lr)), got {d!r}")
+                             f"(var - (var * wd) * lr), 2 (var - var * (wd * lr)) or 3 "
+                             f"(var - var * wd, wd the whole factor), got {d!r}")
     clip_scalars = _prepare_clip(what, n, clip, clip_value, clip_scalars, c)
     _set_family(c, family)
     c.learning_rate = _float32(_real(learning_rate, what, "learning_rate", nonnegative=True),

@@ -588,14 +588,18 @@ FAMILIES = {
 
 def core_step(core, cfg, variables, grads, slots, *, lr, t, scale=None, mode="divide",
               flush_denormals=False, terms=None, indices=None, slice_factor=None,
-              accumulators=None, accumulation_steps=None, accumulation="divide", hyper=None):
+              accumulators=None, accumulation_steps=None, accumulation="divide", hyper=None,
+              decay=None):
     """The same step through the core, in place: ``core.sgd_step_`` /
     ``core.adam_step_`` for those two, ``core.optimizer_step_`` for every
     other family and for ``terms``, sparse gradients (``indices``, with
     ``slice_factor``) or an accumulation's update step (``accumulators``,
-    with ``accumulation_steps`` and ``accumulation``, zeroed by it)."""
+    with ``accumulation_steps`` and ``accumulation``, zeroed by it);
+    ``decay``, each variable's ls_decay, in place of the configuration's
+    mask."""
     common = dict(learning_rate=float(F32(lr)), weight_decay=cfg.get("weight_decay"),
-                  decay=decay_mask(cfg, len(variables)), scale=scale, unscale=mode,
+                  decay=decay_mask(cfg, len(variables)) if decay is None else decay,
+                  scale=scale, unscale=mode,
                   flush_denormals=flush_denormals)
     if cfg.get("clip") is not None:
         clip, value = cfg["clip"]

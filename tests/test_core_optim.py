@@ -27,9 +27,9 @@ from lossscale import core
 from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS, F32,
                          FAMILIES, GRAD_DTYPES, SPARSE_CLIP_CONFIGS, SPARSE_CONFIGS,
                          TERM_CONFIGS, accumulated, core_step, decay_mask, densify, flat_bits,
-                         slot_names, keras_step, make_accumulators, make_grads, make_indices,
-                         make_slices, make_terms, make_state, simd_runs, sparse_forms,
-                         sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
+                         slot_names, keras_sparse_form, keras_step, make_accumulators,
+                         make_grads, make_indices, make_slices, make_terms, make_state,
+                         simd_runs, sparse_forms, sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
                          adagrad_rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
                          legacy_sparse_hyper, summed, SPARSE_ACCUMULATE_CONFIGS)
 from test_core_simd import built_levels, levels_here
@@ -1441,3 +1441,64 @@ def test_adagrad_sparse_forms_it_cannot_take_are_refused(case):
     with pytest.raises(ValueError):
         core.optimizer_step_("adagrad", variables, grads, [slots["accumulator"]], **kw)
     assert_unchanged(before, variables, slots, grads, index)
+
+
+# ------------------------------------------- weight decay by a whole factor
+
+FACTOR_CONFIGS = ["adamw", "sgd_momentum_decay", "rmsprop_centered_momentum_decay",
+                  "adagrad_decay_odd", "adamax_decay_odd", "nadam_decay_odd", "lion_decay_odd"]
+FACTOR_SPARSE_CONFIGS = ["sgd_momentum", "adam_amsgrad", "adamax_decay_odd", "lion_decay_odd"]
+# The factor a graph makes of a schedule's `var * wd * lr` (an inexact one).
+DECAY_FACTOR = F32(0.0137) * F32(0.93)
+
+
+def decayed_by_factor(variables, mask):
+    return [(w - w * DECAY_FACTOR).astype(np.float32) if m else w
+            for w, m in zip(variables, mask)]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("name", sorted(set(FACTOR_CONFIGS + FACTOR_SPARSE_CONFIGS)))
+def test_decay_by_a_whole_factor_is_that_decay_then_the_step(split_threads, name, sparse):
+    """ls_decay 3 (the one factor the graph optimizer makes of a schedule's
+    decay chain, given as the weight decay): the variables decay as numpy's
+    float32 `w - w * factor`, every row of a sparse one, then the family
+    steps as Keras' model without decay; the masked-out ones do not decay."""
+    if name not in (FACTOR_SPARSE_CONFIGS if sparse else FACTOR_CONFIGS):
+        pytest.skip("not a case of this layout")
+    cfg = (SPARSE_CONFIGS if sparse else CONFIGS)[name]
+    plain = {k: v for k, v in cfg.items() if k not in ("weight_decay", "mask")}
+    factored = dict(plain, weight_decay=float(DECAY_FACTOR))
+    rng = np.random.default_rng(zlib.crc32(f"factor/{name}/{sparse}".encode()))
+    if sparse:
+        run_cfg, lr, slice_factor = keras_sparse_form(plain, plain["lr"])
+        factored = dict(run_cfg, weight_decay=float(DECAY_FACTOR))
+        shapes = [s for s, _ in SPARSE_LAYOUT]
+    else:
+        run_cfg, lr, slice_factor, shapes = plain, plain["lr"], None, SHAPES
+    mask = decay_mask(dict(cfg, mask=True), len(shapes))
+    variables, slots = make_state(rng, run_cfg, shapes)
+    want_vars, want_slots = snapshot(variables), {k: snapshot(v) for k, v in slots.items()}
+    for step in range(1, STEPS + 1):
+        if sparse:
+            grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES["float16"], 1000.0)
+            kw = dict(lr=lr, t=step, scale=1000.0, mode="divide", indices=indices,
+                      slice_factor=slice_factor)
+            want_vars, want_slots = sparse_keras_step(
+                run_cfg, decayed_by_factor(want_vars, mask), grads, want_slots, **kw)
+        else:
+            grads = make_grads(rng, shapes, GRAD_DTYPES["float16"], 1000.0)
+            kw = dict(lr=lr_at(plain, step), t=step, scale=1000.0, mode="divide")
+            want_vars, want_slots = keras_step(run_cfg, decayed_by_factor(want_vars, mask),
+                                               grads, want_slots, **kw)
+        assert core_step(core, factored, variables, grads, slots,
+                         decay=[3 if m else 0 for m in mask], **kw) is True
+        assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
+
+
+def test_decay_forms_past_the_factor_are_refused():
+    variables, grads, slots = adam_setup()
+    before = snapshot(variables, slots)
+    with pytest.raises(ValueError, match=r"decay\[0\]"):
+        call_adam(variables, grads, slots, weight_decay=0.01, decay=[4, 0])
+    assert_unchanged(before, variables, slots)

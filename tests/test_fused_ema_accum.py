@@ -54,7 +54,7 @@ def adamw_excluding_biases(**kw):
 
 
 # Every fused family with EMA, with accumulation, and with both.  A
-# schedule with weight decay decays by Keras' own ops in a graph
+# schedule with weight decay decays by the graph's own factor
 # (test_fused_step), on the update steps alone with accumulation.
 EMA = {
     "sgd_momentum": lambda: opt_.SGD(0.02, momentum=0.9, use_ema=True),

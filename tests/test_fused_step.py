@@ -447,19 +447,61 @@ def test_stock_path_when_fusing_is_off_or_unsupported(why, make_inner, ours_kw):
     assert_stock(opts[1], why)
 
 
-@pytest.mark.parametrize("make_inner", [
-    lambda: keras.optimizers.SGD(schedule(), weight_decay=0.01),
-    lambda: keras.optimizers.Lion(schedule(), weight_decay=0.01),
-    lambda: excluding_biases(keras.optimizers.AdamW(
+class WarmUpSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """The Transformer's warm-up: rsqrt(d) * min(rsqrt(step), step * w ** -1.5)."""
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32) + 1.0
+        return tf.math.rsqrt(256.0) * tf.minimum(tf.math.rsqrt(step), step * 10.0 ** -1.5)
+
+    def get_config(self):
+        return {}
+
+
+# Every schedule Keras ships and one of a user's, each with a family that decays.
+SCHEDULE_DECAYS = {
+    "sgd_exponential": lambda: keras.optimizers.SGD(schedule(), weight_decay=0.01),
+    "lion_exponential": lambda: keras.optimizers.Lion(schedule(), weight_decay=0.01),
+    "adamw_polynomial_exclude": lambda: excluding_biases(keras.optimizers.AdamW(
         keras.optimizers.schedules.PolynomialDecay(0.003, 100, end_learning_rate=0.0),
         weight_decay=0.01, epsilon=1e-6)),
-    lambda: keras.optimizers.Adagrad(
+    "adagrad_cosine": lambda: keras.optimizers.Adagrad(
         keras.optimizers.schedules.CosineDecay(0.05, 50), weight_decay=0.02),
-], ids=["sgd", "lion", "adamw_polynomial_exclude", "adagrad_cosine"])
-def test_schedule_with_weight_decay_fused_in_a_graph_and_eagerly(make_inner):
-    """In a graph the decay's product takes the schedule's constants (see
-    ``_fused.Plan.decay_by_ops``): the decay runs as Keras' own ops there,
-    the rest fused; eagerly the kernel decays.  The same bits both ways."""
+    "adamw_cosine_warmup": lambda: keras.optimizers.AdamW(
+        keras.optimizers.schedules.CosineDecay(0.01, 40, warmup_target=0.05, warmup_steps=5),
+        weight_decay=0.05),
+    "rmsprop_piecewise": lambda: keras.optimizers.RMSprop(
+        keras.optimizers.schedules.PiecewiseConstantDecay([5, 15], [0.003, 0.002, 0.001]),
+        momentum=0.5, centered=True, weight_decay=0.3),
+    "nadam_inverse_time": lambda: keras.optimizers.Nadam(
+        keras.optimizers.schedules.InverseTimeDecay(0.004, 5, 0.7), weight_decay=0.02),
+    "adamax_restarts": lambda: keras.optimizers.Adamax(
+        keras.optimizers.schedules.CosineDecayRestarts(0.003, 7), weight_decay=0.05),
+    "adam_warm_up": lambda: keras.optimizers.Adam(WarmUpSchedule(), weight_decay=0.004),
+}
+
+
+def decay_probe(make_inner):
+    """``_fused.decay_factor_probe`` of a built ``make_inner()`` in a
+    ``tf.function``: ``(factor, taken)`` as numpy values."""
+    from lossscale import _fused
+
+    inner = make_inner()
+    inner.build([keras.Variable(np.ones((3, 4), np.float32))])
+    inner.iterations.assign(6)
+    factor, taken = tf.function(lambda: _fused.decay_factor_probe(inner))()
+    return factor.numpy(), bool(taken.numpy())
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_DECAYS))
+def test_schedule_with_weight_decay_fused_in_a_graph_and_eagerly(name):
+    """In a graph the decay's product takes the schedule's constants: the
+    fused pass decays by the one factor the graph optimizer makes of it
+    (``_fused.decay_factor_probe``), which its probe finds for every
+    schedule here; eagerly the kernel decays as written.  The same bits as
+    stock both ways."""
+    make_inner = SCHEDULE_DECAYS[name]
+    assert decay_probe(make_inner)[1], "the probe found no single factor"
     for eager, steps in ((False, 40), (True, 16)):
         models = twin_models("mixed_float16")
         opts = [Stock(make_inner(), dynamic_growth_steps=10),
@@ -468,8 +510,62 @@ def test_schedule_with_weight_decay_fused_in_a_graph_and_eagerly(make_inner):
         assert_fused(opts[1])
 
 
+def test_decay_probe_tells_a_chain_left_as_written():
+    """The probe's lanes tell the chain's two orders apart: with the graph
+    optimizer's arithmetic pass off, `var * wd * lr` runs as written and the
+    probe says it is no single factor (the factor a numpy product of the
+    same numbers would give is then wrong for some lanes)."""
+    make_inner = SCHEDULE_DECAYS["adamw_cosine_warmup"]
+    assert decay_probe(make_inner)[1]
+    previous = tf.config.optimizer.get_experimental_options().get("arithmetic_optimization")
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    try:
+        assert not decay_probe(make_inner)[1]
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"arithmetic_optimization": True if previous is None else previous})
+
+
+def test_schedule_with_weight_decay_where_the_probe_finds_no_factor(monkeypatch):
+    """Were the graph optimizer to leave the decay's chain some other way,
+    the fused pass decays nothing and Keras' own ops decay first: still the
+    same bits as stock."""
+    from lossscale import _fused
+
+    probe = _fused.decay_factor_probe
+    monkeypatch.setattr(_fused, "decay_factor_probe",
+                        lambda inner: (probe(inner)[0], tf.constant(False)))
+    make_inner = SCHEDULE_DECAYS["adamw_polynomial_exclude"]
+    models = twin_models("mixed_float16")
+    opts = [Stock(make_inner(), dynamic_growth_steps=10),
+            Ours(make_inner(), dynamic_growth_steps=10)]
+    lockstep(models, opts, batches(24, seed=9), "mixed_float16")
+    assert_fused(opts[1])
+
+
+@pytest.mark.parametrize("name", ["sgd_exponential", "adamw_cosine_warmup", "lion_exponential"])
+def test_schedule_decay_of_one_element_variables_in_a_graph_as_stock(name):
+    """With a schedule, a one-element variable's decay (its factors tie in
+    size, and names order them) runs as Keras' own ops, the others' by the
+    factor: 30 variables of each of the shapes (), (1,), (1, 1) and (3,),
+    bit-identical to stock over three steps."""
+    shapes, start, steps = tied_size_decay_case()
+    finals = []
+    for cls in (Stock, Ours):
+        variables = [keras.Variable(a) for a in start]
+        opt = cls(SCHEDULE_DECAYS[name](), initial_scale=1.0)
+        opt.build(variables)
+        apply = compiled_apply(opt, variables)
+        for grads in steps:
+            apply(grads)
+        finals.append([(f"variable {i} of shape {s}", bits(v.numpy()))
+                       for i, (s, v) in enumerate(zip(shapes, variables))])
+    assert_fused(opt)
+    assert_same_state(finals[0], finals[1], "after three steps")
+
+
 def test_schedule_with_weight_decay_and_accumulation_fused_in_a_graph():
-    """With accumulation too the decay runs as Keras' own ops, on the update
+    """With accumulation too the decay is the probe's factor, on the update
     steps alone, where Keras' update step decays (test_fused_ema_accum
     steps every family so)."""
     models = twin_models("mixed_float16")

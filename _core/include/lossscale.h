@@ -267,6 +267,7 @@ int ls_scale_update(const ls_scale_config *config, ls_scale_state *state,
  *   g  = clip(g)                           (see ls_clip_mode)
  *   w  = var;  decay 1: w = w - (w * weight_decay) * learning_rate
  *              decay 2: w = w - w * (weight_decay * learning_rate)
+ *              decay 3: w = w - w * weight_decay
  *   then the family's update of w and its slots.
  *
  * A family is one Keras optimizer's update_step (ls_optim_family names
@@ -295,11 +296,16 @@ int ls_optim_takes_sparse(int family);
  * that is (var * wd) * lr; in a tf.function, TensorFlow's graph optimizer
  * (Grappler's arithmetic optimizer, which reorders chains of multiplies to
  * minimise broadcasts) turns it into var * (wd * lr) for any variable of
- * more than one element.  The caller says which one the stock step computes. */
+ * more than one element.  With a learning-rate schedule it goes further and
+ * merges the schedule's own products into the chain (var * (pow * (initial
+ * * wd)), say): the caller then computes that factor as the graph does and
+ * passes it as the weight decay, LS_DECAY_FACTOR.  The caller says which one
+ * the stock step computes. */
 typedef enum ls_decay {
     LS_DECAY_NONE = 0,
-    LS_DECAY_OP_BY_OP = 1,   /* var - (var * wd) * lr */
-    LS_DECAY_REASSOCIATED = 2 /* var - var * (wd * lr) */
+    LS_DECAY_OP_BY_OP = 1,     /* var - (var * wd) * lr */
+    LS_DECAY_REASSOCIATED = 2, /* var - var * (wd * lr) */
+    LS_DECAY_FACTOR = 3        /* var - var * wd: wd is the whole factor */
 } ls_decay;
 
 typedef enum ls_unscale_mode {

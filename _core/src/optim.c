@@ -217,7 +217,7 @@ static int check_param(const ls_param *p, int nslots, int terms, int accumulates
     if (p->grad_dtype != LS_FLOAT16 && p->grad_dtype != LS_BFLOAT16 &&
         p->grad_dtype != LS_FLOAT32)
         return LS_ERR_DTYPE;
-    if (p->decay < LS_DECAY_NONE || p->decay > LS_DECAY_REASSOCIATED)
+    if (p->decay < LS_DECAY_NONE || p->decay > LS_DECAY_FACTOR)
         return LS_ERR_ARG;
     if (p->grad_term != NULL && !terms)
         return LS_ERR_ARG;
@@ -514,6 +514,7 @@ static void run_sparse(const optim_job *j, const ls_param *p, const sparse_rows 
         sa.clip = LS_CLIP_NONE;
     ls_optim_args ka = j->args[LS_FLOAT32]; /* the kernel's, on the sums */
     ka.decay = a->decay;
+    ka.wd_lr = a->wd_lr;
     ka.clip_scalar = a->clip_scalar;
     ka.grad_mode = LS_GRAD_AS_IS;
     ka.factor = 1.0f;
@@ -661,6 +662,18 @@ static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_r
     }
 }
 
+/* A variable's decay in a's terms: LS_DECAY_FACTOR is the reassociated
+ * form with the weight decay as its whole factor (the kernels know the
+ * first two forms only). */
+static void decay_args(ls_optim_args *a, int decay)
+{
+    a->decay = decay;
+    if (decay == LS_DECAY_FACTOR) {
+        a->decay = LS_DECAY_REASSOCIATED;
+        a->wd_lr = a->wd;
+    }
+}
+
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
 {
@@ -674,7 +687,7 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         if (lo >= hi)
             continue;
         ls_optim_args a = j->args[p->grad_dtype];
-        a.decay = p->decay;
+        decay_args(&a, p->decay);
         a.clip_scalar = p->clip_scalar;
         if (p->indices != NULL) {
             (j->sparse1 != NULL            ? run_summed_rows
