@@ -361,18 +361,15 @@ def compiled_apply(opt, variables):
     return tf.function(lambda grads: opt.apply(grads, variables))
 
 
-@pytest.mark.parametrize("name", list(DECAYING))
-def test_weight_decay_of_one_element_variables_in_a_graph_as_stock(name):
-    """In a graph the graph optimizer regroups the decay's `var * wd * lr`
-    by the factors' sizes, and, where they tie (a one-element variable), by
-    their tensors' names: 30 variables of each of the shapes (), (1,),
-    (1, 1) and (3,), each name its own, bit-identical to stock over three
-    steps."""
+def assert_tied_size_decay_as_stock(make_inner):
+    """30 variables of each of the shapes (), (1,), (1, 1) and (3,), each
+    name its own, stepped in a graph by ours (fused) and stock: the same
+    bits after three steps."""
     shapes, start, steps = tied_size_decay_case()
     finals = []
     for cls in (Stock, Ours):
         variables = [keras.Variable(a) for a in start]
-        opt = cls(DECAYING[name](), initial_scale=1.0)
+        opt = cls(make_inner(), initial_scale=1.0)
         opt.build(variables)
         apply = compiled_apply(opt, variables)
         for grads in steps:
@@ -381,6 +378,14 @@ def test_weight_decay_of_one_element_variables_in_a_graph_as_stock(name):
                        for i, (s, v) in enumerate(zip(shapes, variables))])
     assert_fused(opt)
     assert_same_state(finals[0], finals[1], "after three steps")
+
+
+@pytest.mark.parametrize("name", list(DECAYING))
+def test_weight_decay_of_one_element_variables_in_a_graph_as_stock(name):
+    """In a graph the graph optimizer regroups the decay's `var * wd * lr`
+    by the factors' sizes, and, where they tie (a one-element variable), by
+    their tensors' names."""
+    assert_tied_size_decay_as_stock(DECAYING[name])
 
 
 # ------------------------------------- TensorFlow 2.4's loop, experimental
@@ -547,21 +552,8 @@ def test_schedule_with_weight_decay_where_the_probe_finds_no_factor(monkeypatch)
 def test_schedule_decay_of_one_element_variables_in_a_graph_as_stock(name):
     """With a schedule, a one-element variable's decay (its factors tie in
     size, and names order them) runs as Keras' own ops, the others' by the
-    factor: 30 variables of each of the shapes (), (1,), (1, 1) and (3,),
-    bit-identical to stock over three steps."""
-    shapes, start, steps = tied_size_decay_case()
-    finals = []
-    for cls in (Stock, Ours):
-        variables = [keras.Variable(a) for a in start]
-        opt = cls(SCHEDULE_DECAYS[name](), initial_scale=1.0)
-        opt.build(variables)
-        apply = compiled_apply(opt, variables)
-        for grads in steps:
-            apply(grads)
-        finals.append([(f"variable {i} of shape {s}", bits(v.numpy()))
-                       for i, (s, v) in enumerate(zip(shapes, variables))])
-    assert_fused(opt)
-    assert_same_state(finals[0], finals[1], "after three steps")
+    factor."""
+    assert_tied_size_decay_as_stock(SCHEDULE_DECAYS[name])
 
 
 def test_schedule_with_weight_decay_and_accumulation_fused_in_a_graph():
