@@ -107,7 +107,8 @@ divided by `scale` ('divide', Keras 3), times 1/scale in the gradient's dtype
 slot by slot (slot s of variable i at s * num_variables + i); the family's
 numbers are `hyper` followed by `scalars` (the ones Keras derives from its
 step counter), in the family's order; weight decay as `decay` says for each
-variable (0 none, 1 var - (var * wd) * lr, 2 var - var * (wd * lr)).
+variable (0 none, 1 var - (var * wd) * lr, 2 var - var * (wd * lr), 3
+var - var * wd: `weight_decay` the whole factor).
 Each unscaled gradient is clipped first as `clip` says (Keras' clipvalue,
 clipnorm, global_clipnorm): 'value' to [-clip_value, clip_value]; 'norm'
 (g * clip_value) / its variable's `clip_scalars` entry (max(l2norm,
