@@ -1174,9 +1174,15 @@ def _adagrad_sparse(inner, variable):
 def _decay_like_stock(inner, variable):
     """Keras' ``_apply_weight_decay`` of one variable (its TensorFlow
     backend's), its own ops: in a graph, rewritten as stock's are."""
-    lr = tf.cast(inner.learning_rate, variable.dtype)
-    wd = tf.cast(inner.weight_decay, variable.dtype)
-    variable.assign_sub(variable * wd * lr)
+    variable.assign_sub(_decay_product(inner, variable))
+
+
+def _decay_product(inner, x):
+    """Keras' weight-decay product `x * wd * lr`, its ops as Keras makes
+    them (the schedule evaluated anew)."""
+    lr = tf.cast(inner.learning_rate, x.dtype)
+    wd = tf.cast(inner.weight_decay, x.dtype)
+    return x * wd * lr
 
 
 # ls_decay's LS_DECAY_FACTOR: var - var * weight_decay, the op's weight
@@ -1192,7 +1198,7 @@ def decay_factor_probe(inner):
     The graph optimizer merges the schedule's own products into the chain
     and folds its constants with ``wd`` (ExponentialDecay: ``var * (pow *
     (initial_rate * wd))``), in an order the schedule's ops set.  The probe
-    is the same chain, made as ``_decay_like_stock`` makes it, on a
+    is the same chain, made by ``_decay_product`` as stock's decay is, on a
     variable-sized tensor the optimizer cannot fold: rewritten as stock's
     chains are, its value at 1 is the factor, and its other lanes say
     whether every value is multiplied by that factor alone (a chain left
@@ -1203,10 +1209,7 @@ def decay_factor_probe(inner):
     lanes = tf.constant(np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32))
     # + 0 that only the run knows: the iterations are never negative.
     zero = tf.minimum(tf.cast(inner.iterations, tf.float32), 0.0)
-    probe = lanes + zero
-    lr = tf.cast(inner.learning_rate, tf.float32)
-    wd = tf.cast(inner.weight_decay, tf.float32)
-    product = probe * wd * lr
+    product = _decay_product(inner, lanes + zero)
     factor = product[0]
     return factor, tf.reduce_all(tf.equal(product, lanes * factor))
 

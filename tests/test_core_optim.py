@@ -1445,9 +1445,12 @@ def test_adagrad_sparse_forms_it_cannot_take_are_refused(case):
 
 # ------------------------------------------- weight decay by a whole factor
 
-FACTOR_CONFIGS = ["adamw", "sgd_momentum_decay", "rmsprop_centered_momentum_decay",
-                  "adagrad_decay_odd", "adamax_decay_odd", "nadam_decay_odd", "lion_decay_odd"]
-FACTOR_SPARSE_CONFIGS = ["sgd_momentum", "adam_amsgrad", "adamax_decay_odd", "lion_decay_odd"]
+# (configuration, sparse): CONFIGS' for dense gradients, SPARSE_CONFIGS' for sparse.
+FACTOR_CASES = [(name, False) for name in
+                ["adamw", "sgd_momentum_decay", "rmsprop_centered_momentum_decay",
+                 "adagrad_decay_odd", "adamax_decay_odd", "nadam_decay_odd", "lion_decay_odd"]]
+FACTOR_CASES += [(name, True) for name in
+                 ["sgd_momentum", "adam_amsgrad", "adamax_decay_odd", "lion_decay_odd"]]
 # The factor a graph makes of a schedule's `var * wd * lr` (an inexact one).
 DECAY_FACTOR = F32(0.0137) * F32(0.93)
 
@@ -1457,15 +1460,13 @@ def decayed_by_factor(variables, mask):
             for w, m in zip(variables, mask)]
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-@pytest.mark.parametrize("name", sorted(set(FACTOR_CONFIGS + FACTOR_SPARSE_CONFIGS)))
+@pytest.mark.parametrize("name,sparse", FACTOR_CASES,
+                         ids=[f"{n}-{'sparse' if s else 'dense'}" for n, s in FACTOR_CASES])
 def test_decay_by_a_whole_factor_is_that_decay_then_the_step(split_threads, name, sparse):
     """ls_decay 3 (the one factor the graph optimizer makes of a schedule's
     decay chain, given as the weight decay): the variables decay as numpy's
     float32 `w - w * factor`, every row of a sparse one, then the family
     steps as Keras' model without decay; the masked-out ones do not decay."""
-    if name not in (FACTOR_SPARSE_CONFIGS if sparse else FACTOR_CONFIGS):
-        pytest.skip("not a case of this layout")
     cfg = (SPARSE_CONFIGS if sparse else CONFIGS)[name]
     plain = {k: v for k, v in cfg.items() if k not in ("weight_decay", "mask")}
     factored = dict(plain, weight_decay=float(DECAY_FACTOR))
