@@ -36,12 +36,16 @@ def pytest_addoption(parser):
                     help="threads for every implementation (default: the cores available)")
     group.addoption("--rounds", type=int, default=0,
                     help="interleaved rounds per workload (default: 5; 2 with --quick)")
+    group.addoption("--cases", default="",
+                    help="comma-separated parts of case names: the step, recipe and tf_keras "
+                         "step layers, and their own-process children, run only the cases "
+                         "whose names contain one (--cases bert_finetune,resnet50/float32/adam)")
 
 
 def pytest_configure(config):
     threads = config.getoption("--threads") or harness.machine_threads()
     harness.Settings.configure(config.getoption("--quick"), threads,
-                               config.getoption("--rounds"))
+                               config.getoption("--rounds"), config.getoption("--cases"))
     # TensorFlow's pools are sized once, before its first op.
     harness.tensorflow()
     harness.pin_threads(threads)

@@ -47,16 +47,23 @@ class Settings:
     rounds = 5             # interleaved rounds per workload
     samples = 3            # timed samples per method per round
     min_sample_s = 2e-3
+    cases = ()             # parts of case names to keep (--cases); () keeps all
 
     @classmethod
-    def configure(cls, quick, threads, rounds=0):
+    def configure(cls, quick, threads, rounds=0, cases=""):
         cls.quick = quick
+        cls.cases = tuple(c for c in cases.split(",") if c)
         cls.threads = threads
         cls.core_threads = (threads,) if quick or threads == 1 else (1, threads)
         cls.rounds = rounds or (2 if quick else 5)
         # The quick run still interleaves two rounds; one sample in each.
         cls.samples = 1 if quick else 3
         cls.min_sample_s = 1e-3 if quick else 2e-3
+
+
+def wanted(cases, settings):
+    """The names in ``cases`` that ``settings.cases`` keeps (all without it)."""
+    return [c for c in cases if not settings.cases or any(k in c for k in settings.cases)]
 
 
 def machine_threads():
@@ -291,6 +298,7 @@ def child_benchmarks(what, nodes, settings, rounds, env=None):
         cmd = [sys.executable, "-m", "pytest", *nodes, "-q",
                "-p", "no:cacheprovider", f"--threads={settings.threads}",
                f"--rounds={rounds}", *(["--quick"] if settings.quick else []),
+               *([f"--cases={','.join(settings.cases)}"] if settings.cases else []),
                "--benchmark-disable-gc", f"--benchmark-json={out}"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,

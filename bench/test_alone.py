@@ -66,7 +66,8 @@ def items(settings):
     pairs = [("step", p) for p in STEP_PEERS if p in test_step.peers()]
     pairs += [("recipes", p) for p in RECIPE_PEERS]
     pairs += [("tf_keras_step", p) for p in TF_KERAS_STEP_PEERS]
-    return pairs
+    # A layer whose cases --cases leaves out has no child to start.
+    return [(layer, p) for layer, p in pairs if node_ids(layer, p, settings)]
 
 
 def child_rounds(settings):

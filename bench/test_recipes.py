@@ -232,7 +232,9 @@ QUICK = ("resnet", "t5", "bert_finetune", "recommender")
 
 
 def recipes(settings):
-    return [BY_NAME[n] for n in QUICK] if settings.quick else RECIPES
+    chosen = [BY_NAME[n] for n in QUICK] if settings.quick else RECIPES
+    names = harness.wanted([r.name for r in chosen], settings)
+    return [r for r in chosen if r.name in names]
 
 
 def items(settings):

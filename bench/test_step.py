@@ -93,8 +93,9 @@ def peers():
 def cases(settings):
     if settings.quick:
         # Tracing 2,000 variables takes tens of seconds per Keras peer: full run only.
-        return ["resnet50/float32/adam"]
-    return [f"{w}/float32/{o}" for w in workloads.LISTS for o in OPTIMIZERS]
+        return harness.wanted(["resnet50/float32/adam"], settings)
+    return harness.wanted([f"{w}/float32/{o}" for w in workloads.LISTS for o in OPTIMIZERS],
+                          settings)
 
 
 def items(settings):

@@ -58,7 +58,7 @@ LOCKSTEP_SEEDS = (1.0, 1.0, math.inf, 1.0)
 def cases(settings):
     if settings.quick:
         return []
-    return [f"{w}/float32/{o}" for w in WORKLOADS for o in OPTIMIZERS]
+    return harness.wanted([f"{w}/float32/{o}" for w in WORKLOADS for o in OPTIMIZERS], settings)
 
 
 def peers(case):
