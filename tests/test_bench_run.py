@@ -80,3 +80,22 @@ def test_a_call_over_a_share_of_the_workload_is_scaled_to_the_whole(report, tmp_
     plain = stats[("step", "w/float32/adam", 2, "core")]
     assert cached.samples == [2.0, 4.0, 6.0] and cached.median == 4.0
     assert plain.samples == [0.5, 1.0, 1.5] and plain.median == 1.0
+
+
+def test_cases_keeps_the_names_that_contain_a_part(run):
+    settings = run.harness.Settings
+    saved = dict(quick=settings.quick, threads=settings.threads, rounds=settings.rounds,
+                 cases=settings.cases)
+    names = ["resnet50/float32/adam", "bert_base/float32/adam", "bert_finetune/mixed_float16",
+             "lstm/mixed_float16"]
+    try:
+        settings.configure(False, 2, 0, "bert,lstm")
+        assert settings.cases == ("bert", "lstm")
+        assert run.harness.wanted(names, settings) == names[1:]
+        settings.configure(False, 2, 0, "resnet50/float32/adam,")
+        assert run.harness.wanted(names, settings) == names[:1]
+        settings.configure(False, 2, 0, "")
+        assert settings.cases == () and run.harness.wanted(names, settings) == names
+    finally:
+        settings.configure(saved["quick"], saved["threads"], saved["rounds"],
+                           ",".join(saved["cases"]))
