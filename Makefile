@@ -61,7 +61,7 @@ test: build
 LATEST := build/latest
 test-latest:
 	rm -rf $(LATEST) && mkdir -p $(LATEST)
-	git ls-files -z | xargs -0 tar -cf - | tar -xf - -C $(LATEST)
+	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(LATEST)
 	$(MAKE) -C $(LATEST) test LOCK=0 PYTHON=$(PYTHON)
 	$(LATEST)/.venv/bin/python -m pip freeze > $(LATEST)/versions.txt
 	@echo "make test-latest: the versions tested are in $(LATEST)/versions.txt"
