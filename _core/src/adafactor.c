@@ -20,7 +20,8 @@
  *            summed alone, row by row onto 0.
  *
  * Each addition is one float32 rounding whatever unit makes it, so the
- * sums are plain C in the orders above.
+ * sums are plain C in the orders above (a leaf of u's squares: the kernel
+ * set's lanes, adafactor_body.h).
  *
  * Per variable (the variables split over the threads), after the RMS of
  * the variable: one pass makes s a row at a time, each row's mean and the
@@ -123,11 +124,12 @@ static void store_streaming(float *dst, const float *src, size_t count)
         dst[k] = src[k];
 }
 
-/* v (factored: made from r and c, as Keras' outer product; stored when
- * `store`) and u of elements [e, e + count), which lie in one row of a
- * factored variable; u into out. */
-static void u_span(const adafactor_var *a, size_t e, size_t count, int store, float *vbuf,
-                   float *out)
+/* The span of elements [e, e + count), which lie in one row of a
+ * factored variable: a plain variable's v, or the factored one's made from
+ * r and c, as Keras' outer product, into `vbuf` when it is not NULL; its u
+ * into `out`. */
+static ls_adafactor_span span_of(const adafactor_var *a, size_t e, size_t count, float *vbuf,
+                                 float *out)
 {
     const ls_adafactor_param *p = a->p;
     ls_adafactor_span s = {p->grad + e, a->how, a->k, p->v + e, 0.0f, NULL, NULL, out, e,
@@ -139,31 +141,37 @@ static void u_span(const adafactor_var *a, size_t e, size_t count, int store, fl
         s.c = p->c + slice * p->cols + j;
         s.v_out = vbuf;
     }
-    a->loops->u(&s);
-    if (p->rows > 0 && store)
-        store_streaming(p->v + e, vbuf, count);
+    return s;
 }
 
-/* u of elements [e, e + count) (any rows), into out. */
-static void u_range(const adafactor_var *a, size_t e, size_t count, float *vbuf, float *out)
+/* The sum of the squares of u over elements [e, e + count) (an Eigen
+ * leaf, any rows), u made a row's part at a time into ubuf. */
+static float u_leaf_sumsq(const adafactor_var *a, size_t e, size_t count, float *ubuf)
 {
-    if (a->p->rows == 0) {
-        u_span(a, e, count, 0, vbuf, out);
-        return;
-    }
     const size_t cols = a->p->cols;
-    while (count > 0) {
-        size_t take = cols - e % cols;
-        if (take > count)
-            take = count;
-        u_span(a, e, take, 0, vbuf, out);
+    float *out = ubuf;
+    for (size_t left = count; left > 0;) {
+        size_t take = a->p->rows > 0 ? cols - e % cols : left;
+        if (take > left)
+            take = left;
+        const ls_adafactor_span s = span_of(a, e, take, NULL, out);
+        a->loops->u(&s);
         e += take;
         out += take;
-        count -= take;
+        left -= take;
     }
+    return a->loops->sumsq(ubuf, count);
 }
 
 /* --------------------------------------------------------- the passes */
+
+/* dst[j] = dst[j] + src[j] for j < n, the two apart (vectors of any
+ * width make the same sums). */
+static void add_into(float *restrict dst, const float *restrict src, size_t n)
+{
+    for (size_t j = 0; j < n; j++)
+        dst[j] = dst[j] + src[j];
+}
 
 /* The factored moments: s = g * g + epsilon_1 row by row (never whole),
  * each row's mean (its tree), each column's sum in the middle axis' order
@@ -197,20 +205,15 @@ static void factored_means(const adafactor_var *a, float *acc, float *row, float
                 : outer * rows == 1 ? ls_eigen_full_sum(row, cols, 0, a->c->eigen_threads) / count
                                  : ls_eigen_tree_sum(row, e, cols, 0) / count;
             if (r < unrolled) {
-                float *lane = acc + (r % 4) * cols;
-                for (size_t j = 0; j < v0; j++)
-                    acc[j] = acc[j] + row[j];
-                for (size_t j = v0; j < v1; j++)
-                    lane[j] = lane[j] + row[j];
-                for (size_t j = v1; j < cols; j++)
-                    acc[j] = acc[j] + row[j];
+                add_into(acc, row, v0);
+                add_into(acc + (r % 4) * cols + v0, row + v0, v1 - v0);
+                add_into(acc + v1, row + v1, cols - v1);
                 continue;
             }
             if (r == unrolled && unrolled > 0)
                 for (size_t j = v0; j < v1; j++)
                     acc[j] = ((acc[j] + acc[cols + j]) + acc[2 * cols + j]) + acc[3 * cols + j];
-            for (size_t j = 0; j < cols; j++)
-                acc[j] = acc[j] + row[j];
+            add_into(acc, row, cols);
         }
         if (rows == unrolled) /* every row unrolled (a multiple of 4) */
             for (size_t j = v0; j < v1; j++)
@@ -280,10 +283,8 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c,
         }
     }
     /* rms(u): u made a leaf at a time, never whole. */
-    for (size_t l = 0; l < leaves; l++) {
-        u_range(&a, firsts[l], lengths[l], vbuf, ubuf);
-        sums[l] = ls_eigen_leaf_sum(ubuf, lengths[l], 1);
-    }
+    for (size_t l = 0; l < leaves; l++)
+        sums[l] = u_leaf_sumsq(&a, firsts[l], lengths[l], ubuf);
     const float rms_u = sqrtf(ls_eigen_full_combine(n, threads, sums) / (float)n);
     const float m = tf_maximum(1.0f, rms_u / c->clip_threshold);
     /* v stored, u made again, the variable moved: row by row.  u / m is
@@ -297,8 +298,10 @@ static int step_one(const ls_adafactor_param *p, const ls_adafactor_config *c,
     for (size_t e = 0; e < n; e += span)
         for (size_t k = 0; k < span; k += leaf) {
             const size_t take = span - k < leaf ? span - k : leaf;
-            u_span(&a, e + k, take, 1, vbuf, ubuf);
-            loops->update(p->var + e + k, ubuf, take, alpha, by, by_k);
+            const ls_adafactor_span s = span_of(&a, e + k, take, vbuf, NULL);
+            loops->update(&s, p->var + e + k, alpha, by, by_k);
+            if (rows > 0)
+                store_streaming(p->v + e + k, vbuf, take);
         }
 #ifdef LS_ADAFACTOR_SSE
     _mm_sfence(); /* the streaming stores, ordered before the op returns */

@@ -77,15 +77,15 @@ void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *st
  *                       the tensor's start): an inner-most reduction's row;
  *   ls_eigen_full_sum   Eigen's full reduction of values[0 .. n) on a
  *                       device of `eigen_threads` threads;
- *   ls_eigen_full_leaves, ls_eigen_full_combine, ls_eigen_leaf_sum  the
- *                       same reduction in parts: its leaves (their first
- *                       element and length, written where not NULL; the
- *                       count returned), each leaf's sum, and the total
- *                       from the leaves' sums in that order. */
+ *   ls_eigen_full_leaves, ls_eigen_full_combine  the same reduction in
+ *                       parts: its leaves (their first element and length,
+ *                       written where not NULL; the count returned), and
+ *                       the total from the leaves' sums in that order (a
+ *                       leaf's sum: norms.c's leaf_sum, or a kernel set's
+ *                       adafactor sumsq for squares). */
 float ls_eigen_tree_sum(const float *range, size_t first, size_t n, int square);
 float ls_eigen_full_sum(const float *values, size_t n, int square, int eigen_threads);
 size_t ls_eigen_full_leaves(size_t n, int eigen_threads, size_t *first, size_t *length);
 float ls_eigen_full_combine(size_t n, int eigen_threads, const float *leaf_sums);
-float ls_eigen_leaf_sum(const float *values, size_t n, int square);
 
 #endif /* LOSSSCALE_INTERNAL_H */

@@ -266,11 +266,6 @@ float ls_eigen_full_combine(size_t n, int eigen_threads, const float *leaf_sums)
     return all_combine(n, eigen_threads, leaf_sums);
 }
 
-float ls_eigen_leaf_sum(const float *values, size_t n, int square)
-{
-    return leaf_of(values, n, square ? SQUARE_NONE : PLAIN, 0.0f);
-}
-
 /* ------------------------------------------------------------- the job */
 
 typedef struct norm_job {

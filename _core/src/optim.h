@@ -321,7 +321,7 @@ typedef struct ls_adafactor_span {
     const float *grad; /* the span's gradient */
     int how;           /* its unscale, by k */
     float k;
-    const float *v;    /* its v, or NULL: f * c, written to v_out */
+    const float *v;    /* its v, or NULL: f * c, written to v_out (unless NULL) */
     float f;
     const float *c;
     float *v_out;
@@ -340,8 +340,13 @@ static inline float ls_adafactor_by1(float x, int how, float k)
 
 typedef struct ls_adafactor_loops {
     void (*grad)(const float *g, float *out, size_t n, int how, float k, int square, float e1);
+    /* the span's u into span->u */
     void (*u)(const ls_adafactor_span *span);
-    void (*update)(float *w, const float *u, size_t n, float alpha, int how, float k);
+    /* the span's u made, w (the span's elements of the variable) moved by
+     * it: w = w - alpha * (u / m), u / m as ls_adafactor_by1(u, how, k) */
+    void (*update)(const ls_adafactor_span *span, float *w, float alpha, int how, float k);
+    /* the sum of squares of n <= 8,192 values in the order of Eigen's leaf */
+    float (*sumsq)(const float *x, size_t n);
 } ls_adafactor_loops;
 
 typedef struct ls_optim_kernels {
