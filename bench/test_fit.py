@@ -21,8 +21,8 @@
   128 tokens, ``train_on_batch``: a real model whose word-embedding gradient
   is an ``IndexedSlices``, with ``Adam`` and with the fine-tuning recipe's
   ``AdamW(weight_decay=0.01, global_clipnorm=1.0)``, and with the TensorFlow
-  mixed-precision guide's ``RMSprop()`` (its embedding table moved by
-  Keras' own update inside the fused step), and with the fine-tuning
+  mixed-precision guide's ``RMSprop()`` (its embedding table moved by the
+  kernel's scatter, as Keras' update scatters it), and with the fine-tuning
   recipe under gradient accumulation (``PolynomialDecay``, 4 steps an
   update: one sample is 4 ``train_on_batch`` calls, 3 that accumulate and
   1 that updates, and the report divides by them).  Its ``grads_only``
@@ -182,9 +182,8 @@ def bert_model(recipe, peer):
     if recipe == "adam":
         inner = keras.optimizers.Adam(2e-5)
     elif recipe == "rmsprop":
-        # The TensorFlow mixed-precision guide's RMSprop(): no kernel takes
-        # its sparse update, so the word embeddings move by Keras' own
-        # update_step inside the fused step.
+        # The TensorFlow mixed-precision guide's RMSprop(): the kernel
+        # scatters the word embeddings' slices as its update does.
         inner = keras.optimizers.RMSprop()
     elif recipe == "adamw_clip":
         inner = keras.optimizers.AdamW(2e-5, weight_decay=0.01, epsilon=1e-6,

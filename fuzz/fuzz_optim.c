@@ -276,7 +276,8 @@ static int legacy_family(int family)
 /* lossscale.h's rules for a configuration that takes sparse gradients
  * (ls_param.indices), apart from the core's ls_optim_sparse_problem: the
  * family takes one, a finite slice factor, 1 under LS_CLIP_GLOBAL;
- * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form; a
+ * Adagrad's is 1, never under LS_CLIP_GLOBAL nor in its Rsqrt form;
+ * RMSprop's too, and without momentum, not centered; a
  * legacy family's is 1, clipped by value or not at all, and legacy
  * RMSprop's with momentum (TensorFlow's Rsqrt of a row) on x86 only;
  * accumulate's is 1, unclipped. */
@@ -297,6 +298,10 @@ static int sparse_config_ok(const ls_optim_config *c)
 #endif
         return 1;
     }
+    if (c->family == ls_optim_family("rmsprop"))
+        return c->clip != LS_CLIP_GLOBAL && c->slice_factor == 1.0f &&
+               c->hyper[LS_RMSPROP_RSQRT] == 0.0f && c->hyper[LS_RMSPROP_HAS_MOMENTUM] == 0.0f &&
+               c->hyper[LS_RMSPROP_CENTERED] == 0.0f;
     return c->family != ls_optim_family("adagrad") ||
            (c->clip != LS_CLIP_GLOBAL && c->slice_factor == 1.0f &&
             c->hyper[LS_ADAGRAD_RSQRT] == 0.0f);
@@ -672,10 +677,41 @@ static void adagrad_rows(const ls_param *p, const ls_optim_config *c)
         }
 }
 
+/* Keras 3's RMSprop (no momentum, not centered) on a sparse gradient,
+ * restated from lossscale.h: every weight decayed; every velocity
+ * rho * v + t, t the densified (1 - rho) * (u * u) of the slices (each
+ * row's added in their order onto 0); then the weight minus each slice's
+ * (lr * u) / sqrt(v + epsilon) in their order. */
+static void rmsprop_rows(const ls_param *p, const ls_optim_config *c)
+{
+    const size_t n = p->row_length;
+    const float lr = c->learning_rate, rho = c->hyper[LS_RMSPROP_RHO],
+                rest = c->hyper[LS_RMSPROP_C], eps = c->hyper[LS_RMSPROP_EPSILON];
+    float *t = calloc(p->length, sizeof(float));
+    if (t == NULL)
+        fail("out of memory");
+    for (size_t k = 0; k < p->length; k++)
+        p->var[k] = decayed(p->var[k], p->decay, c);
+    for (size_t s = 0; s < p->slices; s++)
+        for (size_t col = 0; col < n; col++) {
+            const float u = slice_value(p, s * n + col, c);
+            t[(size_t)p->indices[s] * n + col] += rest * (u * u);
+        }
+    for (size_t k = 0; k < p->length; k++)
+        p->slot[0][k] = rho * p->slot[0][k] + t[k];
+    for (size_t s = 0; s < p->slices; s++)
+        for (size_t col = 0; col < n; col++) {
+            const size_t i = (size_t)p->indices[s] * n + col;
+            const float u = slice_value(p, s * n + col, c);
+            p->var[i] -= (lr * u) / sqrtf(p->slot[0][i] + eps);
+        }
+    free(t);
+}
+
 /* Every sparse gradient's update (`want`, filled as `before`) restated
  * from its form, each variable alone, then held to the scalar set's
  * (`ref`): Keras 3's densified families as the same gradient densified
- * (with its term), Adagrad as its scatter, the legacy families' and
+ * (with its term), Adagrad and RMSprop as their scatters, the legacy families' and
  * accumulate's named rows as their sums densified (SGD, Adagrad, RMSprop
  * without momentum in the kernel's order, accumulate) or their restated
  * sparse form, the others as that form says; the EMA moved after. */
@@ -699,7 +735,8 @@ static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_con
         ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
         const size_t n = p->row_length;
         const int added = strcmp(name, "accumulate") == 0;
-        if (!legacy_family(c->family) && strcmp(name, "adagrad") != 0 && !added) {
+        const int rows_form = strcmp(name, "adagrad") == 0 || strcmp(name, "rmsprop") == 0;
+        if (!legacy_family(c->family) && !rows_form && !added) {
             densify(p, c, c->slice_factor, g, term ? t : NULL, named);
             ls_fpenv_leave(&env);
             dense_run(p, 0, p->length, g, term ? t : NULL, &dc, flags);
@@ -711,6 +748,8 @@ static void check_sparse_forms(arena *want, const arena *ref, const ls_optim_con
                  c->hyper[LS_LEGACY_RMSPROP_SCALAR_FIRST] == 0.0f);
             if (strcmp(name, "adagrad") == 0) {
                 adagrad_rows(p, c);
+            } else if (strcmp(name, "rmsprop") == 0) {
+                rmsprop_rows(p, c);
             } else {
                 densify(p, c, 1.0f, g, NULL, named);
                 /* each named row's place among them by its first slice */

@@ -523,6 +523,13 @@ SPARSE_FORMS = [
      (CLIP_NONE, CLIP_VALUE), 1.0),
     ("tf_keras_rmsprop-centered-momentum", [0.9, 0.1, 1e-7, 0.5, 1.0, 1.0, 3.0, 0.0],
      (CLIP_NONE,), 1.0),
+    # Keras 3's RMSprop scatters a sparse gradient without momentum, not
+    # centered, dividing by a true square root; the other forms are refused.
+    ("rmsprop", [0.9, 0.1, 1e-7, 0.0, 0.0, 0.0, 0.0, 0.0], (CLIP_NONE, CLIP_VALUE, CLIP_NORM),
+     1.0),
+    ("rmsprop-refused-momentum", [0.9, 0.1, 1e-7, 0.9, 1.0, 0.0, 0.0, 0.0], (CLIP_NONE,), 1.0),
+    ("rmsprop-refused-centered", [0.9, 0.1, 1e-7, 0.0, 0.0, 1.0, 0.0, 0.0], (CLIP_NONE,), 1.0),
+    ("rmsprop-refused-rsqrt", [0.9, 0.1, 1e-7, 0.0, 0.0, 0.0, 1.0, 0.0], (CLIP_NONE,), 1.0),
 ]
 
 

@@ -1176,6 +1176,41 @@ def _adagrad_sparse(inner, variable):
     return SparseForm(hyper=lambda inner: [inner.epsilon, 0.0])
 
 
+def _rmsprop_sparse(inner, variable):
+    # Keras' RMSprop.update_step on an IndexedSlices, without momentum, not
+    # centered: ops.square and the product by 1 - rho map the slices,
+    # ops.add(rho * v, ...) densifies them (a row's slices added in their
+    # order onto 0: TensorFlow's conversion), then ops.divide(lr * g,
+    # sqrt(v + eps)) -- the divisor dense, over the whole table, and
+    # checked whole for zeros and NaNs -- is scatter-subtracted from the
+    # variable.  With rho and 1 - rho positive finite float32 numbers and
+    # epsilon a positive normal one, a velocity that starts at 0 only
+    # ever takes non-negative sums (never 0 * inf), so no row of the
+    # divisor is 0 or NaN: stock takes its slices' own rows
+    # (func_for_x1_indices), whose divisors are the same elementwise sqrt
+    # of those rows alone.  The core's row family takes them so, dividing
+    # by the square root itself (never TensorFlow's Rsqrt: stock divides
+    # by a Gather of its Sqrt, which the graph optimizer leaves).
+    # Momentum adds the step densified into a dense slot, and the
+    # centered form subtracts a densified average: those run Keras' own.
+    if float(inner.momentum) > 0 or inner.centered:
+        return _by_own_update(
+            f"Keras' RMSprop with {'momentum' if float(inner.momentum) > 0 else 'centered'} "
+            f"densifies each step of a sparse gradient ({variable.name}) into its slots, a "
+            "form the fused kernel does not take")
+    rho, rest = np.float32(inner.rho), np.float32(1 - inner.rho)
+    if not (0.0 < rho < np.inf and 0.0 < rest < np.inf):
+        return _by_own_update(
+            f"Keras' RMSprop with a sparse gradient ({variable.name}) and rho = {inner.rho} "
+            "(rho and 1 - rho must be positive for its velocity never to be 0 or NaN)")
+    if not float(np.float32(inner.epsilon)) >= float(np.finfo(np.float32).tiny):
+        return _by_own_update(
+            f"Keras' RMSprop with a sparse gradient ({variable.name}) and an epsilon that is "
+            "not a positive normal float32 number")
+    # The core's row family: no momentum, not centered, a true division.
+    return SparseForm(hyper=lambda inner: _rmsprop_hyper(inner)[:_RMSPROP_RSQRT] + [0.0, 0.0])
+
+
 def _decay_like_stock(inner, variable):
     """Keras' ``_apply_weight_decay`` of one variable (its TensorFlow
     backend's), its own ops: in a graph, rewritten as stock's are."""
@@ -1495,10 +1530,7 @@ FAMILIES = (
     Family("rmsprop", keras.optimizers.RMSprop, slots=_rmsprop_slots,
            numbers=("rho", "momentum", "epsilon"), hyper=_rmsprop_hyper,
            unsupported=_rsqrt_reason, supports=_AROUND_UPDATE,
-           run_time_forms=_rmsprop_run_time_forms,
-           sparse=lambda inner, v: _by_own_update(
-               "Keras' RMSprop divides each slice of a sparse gradient by its row's "
-               "denominator (taking in the rows where that is 0 or NaN)")),
+           run_time_forms=_rmsprop_run_time_forms, sparse=_rmsprop_sparse),
     Family("adagrad", keras.optimizers.Adagrad, slots=lambda inner: ("accumulator",),
            numbers=("epsilon",), hyper=_adagrad_hyper, unsupported=_rsqrt_reason,
            supports=_AROUND_UPDATE, sparse=_adagrad_sparse),

@@ -1210,12 +1210,64 @@ def _sparse_simd_steps(rng, dtype, scale, mode, lr, factor, cfg):
 # model adds the whole densified gradient, +0 on the other rows).
 SPARSE_ACCUMULATE_CONFIGS = {"accumulate": CONFIGS["accumulate"]}
 
+# RMSprop without momentum, not centered, alike: every velocity decayed,
+# rho * v plus the densified (1 - rho) * (u * u) (a row's slices added in
+# their order onto 0: Keras adds the squares densified), then each slice's
+# (lr * u) / sqrt(v + epsilon) subtracted from the variable's rows one by
+# one (ResourceScatterSub).
 SPARSE_ROW_CONFIGS = {
     "adagrad": CONFIGS["adagrad"],
     "adagrad_decay_odd": CONFIGS["adagrad_decay_odd"],
     "adagrad_clipvalue": dict(CONFIGS["adagrad"], clip=("value", 0.03)),
     "adagrad_clipnorm": dict(CONFIGS["adagrad_decay_odd"], clip=("norm", 0.05)),
+    "rmsprop": CONFIGS["rmsprop"],
+    "rmsprop_decay_odd": dict(CONFIGS["rmsprop"], lr=0.003, rho=0.8, epsilon=1e-3,
+                              weight_decay=0.01, mask=True),
+    "rmsprop_clipvalue": dict(CONFIGS["rmsprop"], clip=("value", 0.03)),
+    "rmsprop_clipnorm": dict(CONFIGS["rmsprop"], rho=0.95, clip=("norm", 0.05)),
 }
+
+
+def rows_step(cfg, *args, **kwargs):
+    """The step of a row family's configuration (SPARSE_ROW_CONFIGS):
+    ``adagrad_rows_step`` or ``rmsprop_rows_step``."""
+    step = adagrad_rows_step if cfg["opt"] == "adagrad" else rmsprop_rows_step
+    return step(cfg, *args, **kwargs)
+
+
+def rmsprop_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,
+                      mode="divide"):
+    """Keras' RMSprop step (no momentum, not centered) where ``indices[i]``
+    (not None) makes ``grads[i]`` the slices of a sparse gradient (each
+    slice value unscaled and clipped as a dense gradient's): the velocity
+    ``rho * v`` plus the slices' ``(1 - rho) * (u * u)`` densified, then the
+    slices' steps scattered as Keras scatters them; the dense ones as
+    ``keras_step``.  ``(variables, slots)`` after it."""
+    assert cfg["momentum"] == 0 and not cfg["centered"] and not cfg["graph"]
+    lr = F32(lr)
+    eps, rho, rest = F32(cfg["epsilon"]), F32(cfg["rho"]), F32(1 - cfg["rho"])
+    n = len(variables)
+    variables = [v.copy() for v in variables]
+    velocity = [v.copy() for v in slots["velocity"]]
+    mask = decay_mask(cfg, n)
+    with np.errstate(all="ignore"):
+        for i, index in enumerate(indices):
+            w = variables[i]
+            if mask is not None and mask[i]:
+                w = w - (w * F32(cfg["weight_decay"])) * lr
+            u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
+            if index is None:
+                w = _rmsprop_update(cfg, u, w, {"velocity": velocity[i]}, lr, t,
+                                    lambda name, value, i=i: velocity.__setitem__(i, value))
+            else:
+                squares = np.zeros_like(velocity[i])
+                for k, row in enumerate(index):
+                    squares[row] = squares[row] + rest * (u[k] * u[k])
+                velocity[i] = rho * velocity[i] + squares
+                for k, row in enumerate(index):
+                    w[row] = w[row] - (lr * u[k]) / np.sqrt(velocity[i][row] + eps)
+            variables[i] = w
+    return variables, {"velocity": velocity}
 
 
 def adagrad_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,

@@ -30,7 +30,7 @@ from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS,
                          slot_names, keras_sparse_form, keras_step, make_accumulators,
                          make_grads, make_indices, make_slices, make_terms, make_state,
                          simd_runs, sparse_forms, sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
-                         adagrad_rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
+                         adagrad_rows_step, rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
                          legacy_sparse_hyper, summed, SPARSE_ACCUMULATE_CONFIGS)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
@@ -1120,10 +1120,9 @@ def test_sparse_scalar_level_matches_keras_model(sparse_level_results):
         if flush:
             continue
         for t, grads, kwargs in steps:
-            if cfg["opt"] == "adagrad":
+            if key.split("/")[0] in SPARSE_ROW_CONFIGS:
                 assert kwargs.pop("slice_factor") is None
-                variables, slots = adagrad_rows_step(cfg, variables, grads, slots, t=t,
-                                                     **kwargs)
+                variables, slots = rows_step(cfg, variables, grads, slots, t=t, **kwargs)
             elif summed(cfg):
                 variables, slots = legacy_rows_step(cfg, variables, grads, slots, t=t,
                                                     **kwargs)
@@ -1227,14 +1226,14 @@ def test_sparse_bad_input_raises_and_writes_nothing(case):
     assert_unchanged(before, variables, slots, grads, given(indices))
 
 
-@pytest.mark.parametrize("name", ["rmsprop_momentum", "nadam"])
+@pytest.mark.parametrize("name", ["nadam"])
 def test_sparse_gradient_refused_by_a_family_that_takes_none(name):
     """Families whose update reads more than its element take no slices;
     even all-dense ``indices``."""
     assert CONFIGS[name]["opt"] not in core.optimizer_families(sparse=True)
     assert set(core.optimizer_families(sparse=True)) == {
-        "sgd", "adam", "adamax", "lion", "adagrad", "accumulate", "legacy_sgd", "legacy_adam",
-        "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam", "tf_keras_sgd",
+        "sgd", "adam", "adamax", "lion", "adagrad", "rmsprop", "accumulate", "legacy_sgd",
+        "legacy_adam", "legacy_rmsprop", "legacy_adagrad", "tf_keras_adam", "tf_keras_sgd",
         "tf_keras_rmsprop"}
     cfg, variables, grads, slots, indices = sparse_setup(name)
     before = snapshot(variables, slots, grads, given(indices))
@@ -1272,11 +1271,15 @@ def test_sparse_gradient_of_a_scalar_variable_is_refused():
                          ids=[f"{m}-{s}" if s else "none" for s, m in SPARSE_UNSCALES])
 @pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
 @pytest.mark.parametrize("name", list(SPARSE_ROW_CONFIGS))
-def test_adagrad_scatters_sparse_gradients_as_keras(split_threads, name, dtype, scale, mode):
+def test_row_families_scatter_sparse_gradients_as_keras(split_threads, name, dtype, scale,
+                                                        mode):
     """Adagrad's slices scattered as Keras scatters them (squares onto the
     accumulator one by one, then each slice's step with the accumulator's
-    new rows), weight decay on every row, clips per slice, dense gradients
-    alongside; several blocks and threads, rows cut between them."""
+    new rows), RMSprop's as Keras takes them (every velocity decayed, the
+    named rows' densified squares added, then each slice's step with the
+    velocity's new rows), weight decay on every row, clips per slice, dense
+    gradients alongside; several blocks and threads, rows cut between
+    them."""
     cfg = SPARSE_ROW_CONFIGS[name]
     rng = np.random.default_rng(zlib.crc32(f"sparse-rows/{name}/{dtype}/{scale}".encode()))
     variables, slots = make_state(rng, cfg, [s for s, _ in SPARSE_LAYOUT])
@@ -1285,9 +1288,9 @@ def test_adagrad_scatters_sparse_gradients_as_keras(split_threads, name, dtype, 
         grads, indices = sparse_grads(rng, SPARSE_LAYOUT, GRAD_DTYPES[dtype], 2.0**10)
         assert_sparse_cases_cover(indices, SPARSE_LAYOUT)
         lr = lr_at(cfg, step)
-        want_vars, want_slots = adagrad_rows_step(cfg, want_vars, grads, want_slots,
-                                                  indices=indices, lr=lr, t=step,
-                                                  scale=scale, mode=mode)
+        want_vars, want_slots = rows_step(cfg, want_vars, grads, want_slots,
+                                          indices=indices, lr=lr, t=step, scale=scale,
+                                          mode=mode)
         assert core_step(core, cfg, variables, grads, slots, lr=lr, t=step, scale=scale,
                          mode=mode, indices=indices) is True
         assert_states_equal(variables, slots, want_vars, want_slots, f"step {step}")
@@ -1440,6 +1443,37 @@ def test_adagrad_sparse_forms_it_cannot_take_are_refused(case):
         kw["slice_factor"] = 0.5
     with pytest.raises(ValueError):
         core.optimizer_step_("adagrad", variables, grads, [slots["accumulator"]], **kw)
+    assert_unchanged(before, variables, slots, grads, index)
+
+
+@pytest.mark.parametrize("case", ["momentum", "centered", "rsqrt", "global", "factor"])
+def test_rmsprop_sparse_forms_it_cannot_take_are_refused(case):
+    """RMSprop's slices take Keras' scatter without momentum, not centered,
+    divided by a true square root, clipped slice by slice, with no factor:
+    every other form is refused, with even all-dense ``indices``, and
+    nothing moves."""
+    cfg = dict(CONFIGS["rmsprop_momentum" if case == "momentum" else "rmsprop"])
+    if case == "centered":
+        cfg["centered"] = True
+    if case == "rsqrt":
+        cfg["graph"] = True
+    rng = np.random.default_rng(10)
+    variables, slots = make_state(rng, cfg, [(6, 4)])
+    grads = [make_slices(rng, (6, 4), 5, np.dtype(np.float16), 1000.0)]
+    index = [np.array([3, 0, 3, 5, 1], np.int64)]
+    before = snapshot(variables, slots, grads, index)
+    kw = dict(hyper=FAMILIES["rmsprop"]["hyper"](cfg, cfg["lr"], 1), learning_rate=cfg["lr"],
+              scale=1000.0)
+    if case == "global":
+        kw.update(clip="global", clip_scalars=0.5)
+    elif case == "factor":
+        kw["slice_factor"] = 0.5
+    for given_indices in (index, [None]):
+        with pytest.raises(ValueError, match="rmsprop takes a sparse gradient as Keras "
+                                             "scatters it"):
+            core.optimizer_step_("rmsprop", variables, grads,
+                                 [slots[k] for k in slot_names(cfg)], indices=given_indices,
+                                 **kw)
     assert_unchanged(before, variables, slots, grads, index)
 
 

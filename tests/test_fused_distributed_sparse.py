@@ -22,7 +22,8 @@ slice: an infinity that clipvalue would clip to a finite value, a NaN) or
 by a ``GradientTape`` over a model with a ``keras.layers.Embedding``, and
 ``Model.fit`` of such a model (a spoiled batch has a non-finite sample
 weight).  Adam, AdamW (float16 gradients), SGD with momentum, Adagrad
-(int32 indices), Lion and RMSprop (whose sparse step stays stock: it says why),
+(int32 indices), Lion, RMSprop (weight decay) and RMSprop with momentum
+(whose sparse step stays stock: it says why),
 in a ``tf.function`` and eagerly; clipnorm, clipvalue and global_clipnorm
 with Adam and SGD with momentum, and global_clipnorm with RMSprop and with
 SGD's weight decay (the clip makes their sparse gradient dense; in one
@@ -65,8 +66,9 @@ CASES = {
     "sgd_momentum": ("sgd_momentum", None, "function", "int64", None),
     "adagrad_int32": ("adagrad", None, "function", "int32", None),
     "lion": ("lion", None, "function", "int64", None),
-    "rmsprop": ("rmsprop", None, "function", "int64",
-                "RMSprop divides each slice of a sparse gradient"),
+    "rmsprop": ("rmsprop", None, "function", "int64", None),
+    "rmsprop_momentum": ("rmsprop_momentum", None, "function", "int64",
+                         "RMSprop with momentum densifies each step of a sparse gradient"),
     "adam_clipnorm": ("adam", ("clipnorm", 3.0), "function", "int64", None),
     "adam_clipvalue": ("adam", ("clipvalue", 2.0), "function", "int64", None),
     "adam_global_clipnorm": ("adam", ("global_clipnorm", 10.0), "function", "int64", None),
@@ -108,7 +110,9 @@ def inner_optimizer(name, clip):
                                                          ema_momentum=0.8, **kwargs),
         "lion": lambda: keras.optimizers.Lion(0.001, **kwargs),
         "adagrad": lambda: keras.optimizers.Adagrad(0.05, **kwargs),
-        "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.3, **kwargs),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.01, rho=0.8, weight_decay=0.01,
+                                                    **kwargs),
+        "rmsprop_momentum": lambda: keras.optimizers.RMSprop(0.01, momentum=0.3, **kwargs),
     }[name]()
 
 

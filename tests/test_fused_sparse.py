@@ -12,10 +12,12 @@ several tables beside a dense variable, no slice at all, int32 and int64
 indices, float16 / bfloat16 / float32 values, a non-finite value injected),
 under ``mixed_float16`` and ``mixed_bfloat16``, in ``tf.function`` and
 eagerly.  Adam (amsgrad, a schedule), AdamW, SGD with momentum (Nesterov,
-a schedule), Adamax (weight decay), Lion (a schedule) and Adagrad (a
-schedule; weight decay) take the kernels' sparse forms, Adagrad's table
-updated on the rows its slices index alone; SGD without momentum or with
-weight decay, RMSprop and Nadam take the fused step with the sparse
+a schedule), Adamax (weight decay), Lion (a schedule), Adagrad (a
+schedule; weight decay) and RMSprop without momentum, not centered (a
+schedule, weight decay) take the kernels' sparse forms, Adagrad's and
+RMSprop's tables moved on the rows their slices index alone (RMSprop's
+velocity decayed on every row); SGD without momentum or with weight decay,
+RMSprop with momentum or centered and Nadam take the fused step with the sparse
 variable updated by the inner optimizer's own ops inside it
 (``_fused.BY_OWN_UPDATE``); Adagrad keeps the stock path where a row of
 its divisor could be 0 or NaN, and says why.  A sparse gradient whose
@@ -43,9 +45,9 @@ INF = float("inf")
 # step (every other variable by the kernels).
 KERNEL_SPARSE = ["adam", "adam_amsgrad_schedule", "adamw_exclude", "sgd_momentum",
                  "sgd_nesterov_schedule", "adamax_decay", "lion_schedule", "adagrad_schedule",
-                 "adagrad_decay"]
-OWN_UPDATE = ["sgd", "sgd_weight_decay", "rmsprop", "rmsprop_centered_decay_exclude",
-              "nadam_decay"]
+                 "adagrad_decay", "rmsprop", "rmsprop_rho_decay_schedule"]
+OWN_UPDATE = ["sgd", "sgd_weight_decay", "rmsprop_momentum_schedule",
+              "rmsprop_centered_decay_exclude", "nadam_decay"]
 FUSED = KERNEL_SPARSE + OWN_UPDATE
 VOCAB, USED, SEQ, DIM = 60, 40, 5, 6  # tokens < USED: rows USED.. never touched
 
@@ -322,16 +324,17 @@ def test_int64_indices_bit_identical_to_stock():
     slices_lockstep("adam", np.float16, False, 30, index_dtype=tf.int64)
 
 
-@pytest.mark.parametrize("name", ["adam", "adagrad_decay", "sgd_momentum"])
+@pytest.mark.parametrize("name", ["adam", "adagrad_decay", "sgd_momentum", "rmsprop"])
 def test_slices_of_known_numbers_bit_identical_to_stock(name):
     # Each step's numbers of slices in the graph: a trace per step.
     slices_lockstep(name, np.float16, False, 16, rows_known=True)
 
 
 @pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(0.01),
+                                  lambda: keras.optimizers.RMSprop(0.01),
                                   lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
                                   lambda: keras.optimizers.Adafactor(0.01)],
-                         ids=["adam", "rmsprop_own_update", "adafactor_own_update"])
+                         ids=["adam", "rmsprop", "rmsprop_own_update", "adafactor_own_update"])
 def test_tf24_rule_multiplies_the_values_as_its_stock_path(make):
     """With ``loss_scale=`` (TensorFlow 2.4's rule: values times 1 / scale in
     their own dtype) the fused sparse step gives what the same optimizer's

@@ -124,6 +124,8 @@ INNERS = {
         keras.optimizers.AdamW(learning_rate=0.003, weight_decay=0.004)),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.003),
     "rmsprop_momentum_schedule": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.9),
+    "rmsprop_rho_decay_schedule": lambda: keras.optimizers.RMSprop(
+        schedule(), rho=0.8, epsilon=1e-4, weight_decay=0.02),
     "rmsprop_centered_decay_exclude": lambda: excluding_biases(
         keras.optimizers.RMSprop(0.002, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True,
                                  weight_decay=0.01)),

@@ -389,7 +389,15 @@ typedef struct ls_param {
      * variable minus each slice's (lr * g) / sqrt(accumulator + epsilon)
      * in their order (a true division: its Rsqrt form is refused, as are
      * LS_CLIP_GLOBAL and a slice_factor other than 1); other rows stay as
-     * they are.  The legacy families (tf_keras.optimizers.legacy) take one
+     * they are.  RMSprop without momentum, not centered, takes one as
+     * Keras' update takes it: every element's weight decay, then every
+     * element's velocity rho * v + t, t the sum of its row's slices'
+     * (1 - rho) * (g * g) in their order onto 0 (0 for a row no slice
+     * names: Keras adds the densified squares), then, for each row a slice
+     * names, the variable minus each slice's (lr * g) / sqrt(v + epsilon)
+     * in their order (a true division; its Rsqrt form, momentum, centered,
+     * LS_CLIP_GLOBAL and a slice_factor other than 1 are refused).  The
+     * legacy families (tf_keras.optimizers.legacy) take one
      * as tf_keras hands it to TensorFlow: a row's slices (each unscaled,
      * and clipped by value or not at all) summed in their order onto 0,
      * then the family's sparse form of every element (family_legacy_*.h:

@@ -48,6 +48,12 @@ int ls_optim_takes_term(int family)
     return 0;
 }
 
+/* 1 when `family` is the one named `name`. */
+static int is_family(int family, const char *name)
+{
+    return known_family(family) && strcmp(families[family].name, name) == 0;
+}
+
 /* 1 when `family` takes a sparse gradient row by row (LS_OPTIM_ROW_FAMILIES). */
 static int row_family(int family)
 {
@@ -162,16 +168,24 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
         return problem;
     if (!ls_optim_takes_sparse(c->family))
         return "the family takes no sparse gradient (sgd, adam, adamax, lion, adagrad, "
-               "accumulate and the legacy families do)";
+               "rmsprop, accumulate and the legacy families do)";
     if (!ls_optim_finite(c->slice_factor))
         return "the slice factor must be finite";
     if (c->clip == LS_CLIP_GLOBAL && c->slice_factor != 1.0f)
         return "the global clip clips a sparse gradient's row sums: the slice factor must be 1";
-    if (row_family(c->family) && (c->clip == LS_CLIP_GLOBAL || c->slice_factor != 1.0f ||
-                                  c->hyper[LS_ADAGRAD_RSQRT] != 0.0f))
+    if (is_family(c->family, "adagrad") &&
+        (c->clip == LS_CLIP_GLOBAL || c->slice_factor != 1.0f ||
+         c->hyper[LS_ADAGRAD_RSQRT] != 0.0f))
         return "adagrad takes a sparse gradient as Keras scatters it: divided by a true "
                "square root (no Rsqrt form), clipped slice by slice (not the global clip), "
                "with a slice factor of 1";
+    if (is_family(c->family, "rmsprop") &&
+        (c->clip == LS_CLIP_GLOBAL || c->slice_factor != 1.0f ||
+         c->hyper[LS_RMSPROP_RSQRT] != LS_RMSPROP_SQRT ||
+         c->hyper[LS_RMSPROP_HAS_MOMENTUM] != 0.0f || c->hyper[LS_RMSPROP_CENTERED] != 0.0f))
+        return "rmsprop takes a sparse gradient as Keras scatters it: without momentum, "
+               "not centered, divided by a true square root (no Rsqrt form), clipped slice "
+               "by slice (not the global clip), with a slice factor of 1";
     if (added_row_family(c->family) && (c->clip != LS_CLIP_NONE || c->slice_factor != 1.0f))
         return "accumulate adds a sparse gradient as Keras' accumulating step adds it: "
                "unclipped, with a slice factor of 1";
@@ -543,48 +557,101 @@ static void run_sparse(const optim_job *j, const ls_param *p, const sparse_rows 
     }
 }
 
-/* Elements [lo, hi) of an Adagrad variable (LS_OPTIM_ROW_FAMILIES) whose
- * gradient is sparse, as Keras' update scatters it: every element's weight
- * decay; then, for each row a slice names, the accumulator plus each
- * slice's squares in their order (ResourceScatterAdd), and the variable
- * minus each slice's (lr * g) / sqrt(accumulator + epsilon) in their order
- * (ResourceScatterSub, the accumulator's new value); then the average. */
+/* A slice's values in float32, a piece of a row at a time: the kernel
+ * set's slice_add onto -0 (x + -0 is x for every x, -0 included), factor 1
+ * (exact), unscaled and clipped by `a`. */
+enum { PIECE = 1024 };
+
+static void slice_values(const optim_job *j, const ls_param *p, size_t slice, size_t c0,
+                         size_t m, const ls_optim_args *a, float *u)
+{
+    const size_t size = ls_dtype_size(p->grad_dtype);
+    const char *src = (const char *)p->grad + (slice * p->row_length + c0) * size;
+    for (size_t c = 0; c < m; c++)
+        u[c] = -0.0f;
+    j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, u, NULL);
+}
+
+/* Adagrad's row (run_rows): the accumulator plus each slice's squares in
+ * their order (ResourceScatterAdd), then the variable minus each slice's
+ * (lr * g) / sqrt(accumulator + epsilon) in their order (ResourceScatterSub,
+ * the accumulator's new value). */
+static void adagrad_row(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                        size_t row, size_t c0, size_t m, const ls_optim_args *a)
+{
+    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
+    const float eps = a->h[LS_ADAGRAD_EPSILON], lr = a->lr;
+    float *const vr = p->var + row * n + c0, *const ar = p->slot[0] + row * n + c0;
+    float u[PIECE], unused[PIECE]; /* unused: the values, where only their squares count */
+    memset(unused, 0, m * sizeof(float));
+    for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+        const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
+        j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_SQUARE, 0.0f, unused,
+                              ar);
+    }
+    for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+        slice_values(j, p, r->order[k], c0, m, a, u);
+        for (size_t c = 0; c < m; c++)
+            vr[c] -= (lr * u[c]) / sqrtf(ar[c] + eps);
+    }
+}
+
+/* RMSprop's row (no momentum, not centered; run_rows): the velocity
+ * rho * v + t, t the row's slices' (1 - rho) * (g * g) added in their order
+ * onto 0 (Keras adds the squares densified: UnsortedSegmentSum; t is 0 where
+ * no slice names the row), then, where one does, the variable minus each
+ * slice's (lr * g) / sqrt(v + epsilon) in their order (ResourceScatterSub
+ * of the slices divided by the Gather of the denominator's Sqrt). */
+static void rmsprop_row(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                        size_t row, size_t c0, size_t m, const ls_optim_args *a)
+{
+    const size_t n = p->row_length;
+    const float rho = a->h[LS_RMSPROP_RHO], rest = a->h[LS_RMSPROP_C];
+    const float eps = a->h[LS_RMSPROP_EPSILON], lr = a->lr;
+    float *const vr = p->var + row * n + c0, *const v = p->slot[0] + row * n + c0;
+    if (r->start[row] == r->start[row + 1]) {
+        for (size_t c = 0; c < m; c++)
+            v[c] = rho * v[c] + 0.0f;
+        return;
+    }
+    float u[PIECE], t[PIECE];
+    memset(t, 0, m * sizeof(float));
+    for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+        slice_values(j, p, r->order[k], c0, m, a, u);
+        for (size_t c = 0; c < m; c++)
+            t[c] = t[c] + rest * (u[c] * u[c]);
+    }
+    for (size_t c = 0; c < m; c++)
+        v[c] = rho * v[c] + t[c];
+    for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
+        slice_values(j, p, r->order[k], c0, m, a, u);
+        for (size_t c = 0; c < m; c++)
+            vr[c] -= (lr * u[c]) / sqrtf(v[c] + eps);
+    }
+}
+
+/* Elements [lo, hi) of a variable of a row family (LS_OPTIM_ROW_FAMILIES)
+ * whose gradient is sparse, as Keras' update scatters it: every element's
+ * weight decay, then each row, a piece at a time, as the family's row
+ * function says (Adagrad's leaves the rows no slice names as they are;
+ * RMSprop's decays their velocity), then the average. */
 static void run_rows(const optim_job *j, const ls_param *p, const sparse_rows *r, size_t lo,
                      size_t hi, const ls_optim_args *a)
 {
-    float *const var = p->var, *const acc = p->slot[0];
-    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
-    const float eps = a->h[LS_ADAGRAD_EPSILON], lr = a->lr;
-    /* A slice's values in float32, a piece of a row at a time: the kernel
-     * set's slice_add onto -0 (x + -0 is x for every x, -0 included),
-     * factor 1 (exact); `unused` takes the values where only their squares
-     * are wanted. */
-    enum { PIECE = 1024 };
-    float u[PIECE], unused[PIECE];
-    memset(unused, 0, sizeof unused);
+    float *const var = p->var;
+    const size_t n = p->row_length;
+    const int rmsprop = is_family(j->family, "rmsprop");
     if (a->decay != LS_DECAY_NONE)
         for (size_t k = lo; k < hi; k++)
             var[k] = ls_optim_decay1(var[k], a);
     for (size_t row = lo / n; row * n < hi; row++) {
+        if (!rmsprop && r->start[row] == r->start[row + 1])
+            continue;
         const size_t first = row * n < lo ? lo - row * n : 0;
         const size_t last = hi - row * n < n ? hi - row * n : n;
         for (size_t c0 = first; c0 < last; c0 += PIECE) {
             const size_t m = last - c0 < PIECE ? last - c0 : PIECE;
-            float *const vr = var + row * n + c0, *const ar = acc + row * n + c0;
-            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
-                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_SQUARE, 0.0f,
-                                      unused, ar);
-            }
-            for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-                const char *src = (const char *)p->grad + (r->order[k] * n + c0) * size;
-                for (size_t c = 0; c < m; c++)
-                    u[c] = -0.0f;
-                j->kernels->slice_add(src, m, p->grad_dtype, a, 1.0f, LS_SLICE_NO_TERM, 0.0f, u,
-                                      NULL);
-                for (size_t c = 0; c < m; c++)
-                    vr[c] -= (lr * u[c]) / sqrtf(ar[c] + eps);
-            }
+            (rmsprop ? rmsprop_row : adagrad_row)(j, p, r, row, c0, m, a);
         }
     }
     if (p->average != NULL)
@@ -616,7 +683,6 @@ static void run_summed_rows(const optim_job *j, const ls_param *p, const sparse_
                             size_t lo, size_t hi, const ls_optim_args *a)
 {
     const size_t n = p->row_length;
-    enum { PIECE = 1024 };
     float g[PIECE];
     for (size_t row = lo / n; row * n < hi; row++) {
         const size_t first = row * n < lo ? lo - row * n : 0;
@@ -645,7 +711,6 @@ static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_r
                            size_t lo, size_t hi, const ls_optim_args *a)
 {
     const size_t n = p->row_length;
-    enum { PIECE = 1024 };
     float g[PIECE];
     for (size_t row = lo / n; row * n < hi; row++) {
         if (r->start[row] == r->start[row + 1])

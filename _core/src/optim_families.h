@@ -40,8 +40,9 @@
 #define LS_OPTIM_SPARSE_FAMILIES(X) X(sgd) X(adam) X(adamax) X(lion)
 
 /* The families whose Keras update applies a sparse gradient row by row
- * (scatters it) and that take one so (optim.c's run_rows): Adagrad. */
-#define LS_OPTIM_ROW_FAMILIES(X) X(adagrad)
+ * (scatters it) and that take one so (optim.c's run_rows): Adagrad, and
+ * RMSprop without momentum, not centered. */
+#define LS_OPTIM_ROW_FAMILIES(X) X(adagrad) X(rmsprop)
 
 /* The legacy families and tf_keras' current Adam, SGD and RMSprop, which
  * tf_keras hands a sparse gradient with its duplicate slices summed (the

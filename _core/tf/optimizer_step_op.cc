@@ -135,6 +135,8 @@ term summed the same way -- made a block at a time, never whole; under
 reads that element alone take them (sgd, adam, adamax, lion), and adagrad,
 as Keras' update scatters them: each slice's squares onto its row of the
 accumulator, then each slice's step, in their order; other rows untouched.
+rmsprop without momentum, not centered, alike: every velocity decayed and
+the named rows' densified squares added, then each slice's step.
 The legacy families take them as tf_keras hands them to TensorFlow: a row's
 slices summed, then their sparse forms (family_legacy_*.h); tf_keras_adam,
 tf_keras_sgd and tf_keras_rmsprop, tf_keras' current Adam, Nesterov SGD and
