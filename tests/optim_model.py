@@ -1228,59 +1228,43 @@ SPARSE_ROW_CONFIGS = {
 }
 
 
-def rows_step(cfg, *args, **kwargs):
-    """The step of a row family's configuration (SPARSE_ROW_CONFIGS):
-    ``adagrad_rows_step`` or ``rmsprop_rows_step``."""
-    step = adagrad_rows_step if cfg["opt"] == "adagrad" else rmsprop_rows_step
-    return step(cfg, *args, **kwargs)
+# The slot a row family's scatter moves.
+_ROW_SLOTS = {"adagrad": "accumulator", "rmsprop": "velocity"}
 
 
-def rmsprop_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,
-                      mode="divide"):
-    """Keras' RMSprop step (no momentum, not centered) where ``indices[i]``
-    (not None) makes ``grads[i]`` the slices of a sparse gradient (each
-    slice value unscaled and clipped as a dense gradient's): the velocity
-    ``rho * v`` plus the slices' ``(1 - rho) * (u * u)`` densified, then the
-    slices' steps scattered as Keras scatters them; the dense ones as
-    ``keras_step``.  ``(variables, slots)`` after it."""
+def _scattered_slot(cfg, slot, u, index):
+    """A row family's slot after a sparse gradient's slices ``u`` (rows
+    ``index``): Adagrad's accumulator plus each slice's square in their
+    order (ResourceScatterAdd); RMSprop's velocity, every row decayed, plus
+    the slices' ``(1 - rho) * (u * u)`` densified (a row's added in their
+    order onto 0)."""
+    slot = slot.copy()
+    if cfg["opt"] == "adagrad":
+        for k, row in enumerate(index):
+            slot[row] = slot[row] + u[k] * u[k]
+        return slot
     assert cfg["momentum"] == 0 and not cfg["centered"] and not cfg["graph"]
-    lr = F32(lr)
-    eps, rho, rest = F32(cfg["epsilon"]), F32(cfg["rho"]), F32(1 - cfg["rho"])
-    n = len(variables)
-    variables = [v.copy() for v in variables]
-    velocity = [v.copy() for v in slots["velocity"]]
-    mask = decay_mask(cfg, n)
-    with np.errstate(all="ignore"):
-        for i, index in enumerate(indices):
-            w = variables[i]
-            if mask is not None and mask[i]:
-                w = w - (w * F32(cfg["weight_decay"])) * lr
-            u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
-            if index is None:
-                w = _rmsprop_update(cfg, u, w, {"velocity": velocity[i]}, lr, t,
-                                    lambda name, value, i=i: velocity.__setitem__(i, value))
-            else:
-                squares = np.zeros_like(velocity[i])
-                for k, row in enumerate(index):
-                    squares[row] = squares[row] + rest * (u[k] * u[k])
-                velocity[i] = rho * velocity[i] + squares
-                for k, row in enumerate(index):
-                    w[row] = w[row] - (lr * u[k]) / np.sqrt(velocity[i][row] + eps)
-            variables[i] = w
-    return variables, {"velocity": velocity}
+    rest = F32(1 - cfg["rho"])
+    squares = np.zeros_like(slot)
+    for k, row in enumerate(index):
+        squares[row] = squares[row] + rest * (u[k] * u[k])
+    return F32(cfg["rho"]) * slot + squares
 
 
-def adagrad_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None,
-                      mode="divide"):
-    """Keras' Adagrad step where ``indices[i]`` (not None) makes ``grads[i]``
-    the slices of a sparse gradient (each slice value unscaled and clipped
-    as a dense gradient's), scattered as Keras scatters them; the dense ones
-    as ``keras_step``.  ``(variables, slots)`` after it."""
+def rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=None, mode="divide"):
+    """Keras' step of a row family (Adagrad; RMSprop without momentum, not
+    centered) where ``indices[i]`` (not None) makes ``grads[i]`` the slices
+    of a sparse gradient (each slice value unscaled and clipped as a dense
+    gradient's): its slot moved as ``_scattered_slot`` says, then each
+    slice's ``(lr * u) / sqrt(slot + epsilon)`` subtracted from its row in
+    their order, as Keras scatters them; the dense ones as ``keras_step``.
+    ``(variables, slots)`` after it."""
     lr = F32(lr)
     eps = F32(cfg["epsilon"])
+    name = _ROW_SLOTS[cfg["opt"]]
     n = len(variables)
     variables = [v.copy() for v in variables]
-    acc = [a.copy() for a in slots["accumulator"]]
+    state = [a.copy() for a in slots[name]]
     mask = decay_mask(cfg, n)
     with np.errstate(all="ignore"):
         for i, index in enumerate(indices):
@@ -1289,12 +1273,12 @@ def adagrad_rows_step(cfg, variables, grads, slots, *, indices, lr, t, scale=Non
                 w = w - (w * F32(cfg["weight_decay"])) * lr
             u = clipped(cfg, unscaled(grads[i], scale, mode), i, n)
             if index is None:
-                w = _adagrad_update(cfg, u, w, {"accumulator": acc[i]}, lr, t,
-                                    lambda name, value, i=i: acc.__setitem__(i, value))
+                w = FAMILIES[cfg["opt"]]["update"](
+                    cfg, u, w, {name: state[i]}, lr, t,
+                    lambda _, value, i=i: state.__setitem__(i, value))
             else:
+                state[i] = _scattered_slot(cfg, state[i], u, index)
                 for k, row in enumerate(index):
-                    acc[i][row] = acc[i][row] + u[k] * u[k]
-                for k, row in enumerate(index):
-                    w[row] = w[row] - (lr * u[k]) / np.sqrt(acc[i][row] + eps)
+                    w[row] = w[row] - (lr * u[k]) / np.sqrt(state[i][row] + eps)
             variables[i] = w
-    return variables, {"accumulator": acc}
+    return variables, {name: state}

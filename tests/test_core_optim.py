@@ -30,7 +30,7 @@ from optim_model import (ACCUMULATE_AVERAGES, ACCUMULATE_CONFIGS, BF16, CONFIGS,
                          slot_names, keras_sparse_form, keras_step, make_accumulators,
                          make_grads, make_indices, make_slices, make_terms, make_state,
                          simd_runs, sparse_forms, sparse_keras_step, sparse_simd_runs, SPARSE_ROW_CONFIGS,
-                         adagrad_rows_step, rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
+                         rows_step, SPARSE_LEGACY_CONFIGS, legacy_rows_step,
                          legacy_sparse_hyper, summed, SPARSE_ACCUMULATE_CONFIGS)
 from test_core_simd import built_levels, levels_here
 from test_core_simd import run_worker as run_level_child
@@ -1414,7 +1414,7 @@ def test_adagrad_rows_differ_from_the_densified_update():
     variables, slots = make_state(rng, cfg, [(4, 3)])
     slices = np.full((2, 3), 0.5, np.float32)
     index = np.array([1, 1], np.int64)
-    rows, _ = adagrad_rows_step(cfg, variables, [slices], slots, indices=[index], lr=0.5, t=1)
+    rows, _ = rows_step(cfg, variables, [slices], slots, indices=[index], lr=0.5, t=1)
     dense, _ = keras_step(cfg, variables, [densify(slices, index, 4)], slots, lr=0.5, t=1)
     assert rows[0][1].tobytes() != dense[0][1].tobytes()
     assert core_step(core, cfg, variables, [slices], slots, lr=0.5, t=1,
