@@ -135,6 +135,27 @@ def test_which_sparse_variables_take_their_own_update(name):
     assert plan.forms[1] is None
 
 
+@pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.0), dict(epsilon=0.0),
+                                dict(momentum=0.5), dict(centered=True)],
+                         ids=["rho_0", "rho_1", "epsilon_0", "momentum", "centered"])
+def test_rmsprop_scatter_only_where_stock_takes_the_slices_rows(kw):
+    """RMSprop's sparse gradient takes the kernel's scatter only where no row
+    of stock's divisor can be 0 or NaN (rho and 1 - rho positive, epsilon a
+    positive normal float32), without momentum, not centered; otherwise the
+    inner optimizer's own update moves the table inside the fused step."""
+    table = keras.Variable(np.ones((10, 3), np.float32), name="emb_table")
+    dense = keras.Variable(np.ones((4,), np.float32), name="dense")
+    grads = [tf.IndexedSlices(tf.ones((2, 3)), tf.constant([1, 1]), tf.constant([10, 3])),
+             tf.ones((4,))]
+    forms = []
+    for options in ({}, kw):
+        inner = keras.optimizers.RMSprop(0.01, **options)
+        inner.build([table, dense])
+        forms.append(_fused.decide(inner, grads=grads, variables=[table, dense]).plan.forms[0])
+    assert isinstance(forms[0], _fused.SparseForm) and forms[0] is not _fused.BY_OWN_UPDATE
+    assert forms[1] is _fused.BY_OWN_UPDATE
+
+
 # Clip values that clip some steps and some variables and not others on
 # the embedding model's first steps (global norms there are about 0.1-2).
 SPARSE_CLIPS = {"clipnorm": 0.05, "global_clipnorm": 0.3, "clipvalue": 0.01}
