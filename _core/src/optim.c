@@ -38,27 +38,27 @@ int ls_optim_family(const char *name)
 
 static int known_family(int family) { return family >= 0 && family < LS_OPTIM_NUM_FAMILIES; }
 
-int ls_optim_takes_term(int family)
-{
-#define LS_TAKES_TERM(f)                                                                \
-    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
-        return 1;
-    LS_OPTIM_TERM_FAMILIES(LS_TAKES_TERM)
-#undef LS_TAKES_TERM
-    return 0;
-}
-
 /* 1 when `family` is the one named `name`. */
 static int is_family(int family, const char *name)
 {
     return known_family(family) && strcmp(families[family].name, name) == 0;
 }
 
+int ls_optim_takes_term(int family)
+{
+#define LS_TAKES_TERM(f)                                                                \
+    if (is_family(family, #f))                                                          \
+        return 1;
+    LS_OPTIM_TERM_FAMILIES(LS_TAKES_TERM)
+#undef LS_TAKES_TERM
+    return 0;
+}
+
 /* 1 when `family` takes a sparse gradient row by row (LS_OPTIM_ROW_FAMILIES). */
 static int row_family(int family)
 {
 #define LS_ROW_FAMILY(f)                                                                \
-    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+    if (is_family(family, #f))                                                          \
         return 1;
     LS_OPTIM_ROW_FAMILIES(LS_ROW_FAMILY)
 #undef LS_ROW_FAMILY
@@ -71,7 +71,7 @@ static int row_family(int family)
  * accumulating step. */
 static int added_row_family(int family)
 {
-    return known_family(family) && strcmp(families[family].name, "accumulate") == 0;
+    return is_family(family, "accumulate");
 }
 
 /* A summed family's sparse reference (LS_OPTIM_SUMMED_FAMILIES), or NULL. */
@@ -81,7 +81,7 @@ typedef void (*sparse1_fn)(const ls_param *p, size_t i, float g, int indexed, si
 static sparse1_fn summed_family(int family)
 {
 #define LS_SUMMED_FAMILY(f)                                                             \
-    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+    if (is_family(family, #f))                                                          \
         return ls_##f##_sparse1;
     LS_OPTIM_SUMMED_FAMILIES(LS_SUMMED_FAMILY)
 #undef LS_SUMMED_FAMILY
@@ -91,7 +91,7 @@ static sparse1_fn summed_family(int family)
 int ls_optim_takes_sparse(int family)
 {
 #define LS_TAKES_SPARSE(f)                                                              \
-    if (known_family(family) && strcmp(families[family].name, #f) == 0)                    \
+    if (is_family(family, #f))                                                          \
         return 1;
     LS_OPTIM_SPARSE_FAMILIES(LS_TAKES_SPARSE)
 #undef LS_TAKES_SPARSE
@@ -193,7 +193,7 @@ const char *ls_optim_sparse_problem(const ls_optim_config *c)
         if (c->slice_factor != 1.0f || (c->clip != LS_CLIP_NONE && c->clip != LS_CLIP_VALUE))
             return "a legacy family takes a sparse gradient's slices as tf_keras sums them: "
                    "clipped by value or not at all, with a slice factor of 1";
-        if (strcmp(families[c->family].name, "legacy_rmsprop") == 0 &&
+        if (is_family(c->family, "legacy_rmsprop") &&
             c->hyper[LS_LEGACY_RMSPROP_HAS_MOMENTUM] != 0.0f)
             return ls_optim_rsqrt_problem(1.0f);
     }
