@@ -1,7 +1,8 @@
 # One way to build and test: these targets are what CI runs.
 #   make test   create .venv, install the lock (requirements-dev.txt), build,
 #               run the whole suite (tf_keras included: tests/test_tf_keras.py
-#               runs its checks in a child process with TF_USE_LEGACY_KERAS=1)
+#               runs its checks in a child process with TF_USE_LEGACY_KERAS=1),
+#               over TEST_JOBS workers
 #   make test-latest  the same in a copy of the tree (build/latest/), against
 #               the newest versions requirements-dev.in allows: an upgrade is
 #               a deliberate, tested step
@@ -52,8 +53,12 @@ $(BENCH_DEPS): $(DEPS) $(BENCH_REQS)
 build: $(DEPS)
 	$(PY) setup.py --quiet build_ext --inplace
 
+# The suite is spread over TEST_JOBS workers (pytest-xdist, default: the
+# cores, at most 4), a module at a time (tests/conftest.py orders them).
+TEST_JOBS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: build
-	$(PY) -m pytest tests; rc=$$?; \
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder --durations=25 tests; \
+	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # The tracked tree copied to build/latest/, so that its venv and in-place

@@ -8,6 +8,25 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
+# make test's workers each take a whole module (a whole class of
+# test_tf_keras.py: one child run) at a time, in the order collected
+# (--dist loadscope --no-loadscope-reorder).  These modules take minutes; they
+# start first, so that the workers finish together rather than one of them
+# starting the longest module last.
+FIRST = ("test_tf_keras.py", "test_wheel.py", "test_fused_step.py", "test_fused_ema_accum.py",
+         "test_fused_clip.py", "test_fused_sparse.py", "test_fused_distributed.py",
+         "test_fused_distributed_sparse.py", "test_core_optim.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of ``FIRST`` first, in its order; the rest as collected."""
+    def rank(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Lines a test asked to show at the end of the run, through
     ``record_property("terminal_summary", line)`` (the bad-input matrix size)."""

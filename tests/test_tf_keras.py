@@ -28,26 +28,28 @@ CASE_FILES = ("tf_keras_cases.py", "tf_keras_lso_cases.py", "tf_keras_loop_cases
               "tf_keras_sparse_ema_cases.py", "tf_keras_legacy_sparse_cases.py")
 
 
-@pytest.fixture(scope="module")
-def child_results(tmp_path_factory):
-    """``results(file)``: the child pytest's results for one case file, run
-    once, when a test first asks for it."""
-    done = {}
+def _under_tf_keras(cases):
+    """A class for one case file: its child pytest runs once, when a test
+    first asks for it, and each check of the file is one test here.  A class
+    is one unit of ``make test``'s scheduling (``--dist loadscope``), so the
+    children run side by side on as many workers as there are."""
 
-    def results(cases):
-        if cases not in done:
+    class CaseFile:
+        @pytest.fixture(scope="class")
+        def results(self, tmp_path_factory):
             report = tmp_path_factory.mktemp(cases.split(".")[0]) / "report.xml"
-            done[cases] = child_pytest(os.path.join(TESTS, cases), str(report),
-                                       TF_USE_LEGACY_KERAS="1")
-        return done[cases]
+            return child_pytest(os.path.join(TESTS, cases), str(report), TF_USE_LEGACY_KERAS="1")
 
-    return results
+        @pytest.mark.parametrize("name", case_names(os.path.join(TESTS, cases)))
+        def test_under_tf_keras(self, results, name):
+            assert_child_case_passed(results, name)
+
+    name = "Test" + "".join(part.title() for part in cases[:-len(".py")].split("_"))
+    CaseFile.__name__ = CaseFile.__qualname__ = name
+    return name, CaseFile
 
 
-@pytest.mark.parametrize("cases,name", [(c, n) for c in CASE_FILES
-                                        for n in case_names(os.path.join(TESTS, c))])
-def test_under_tf_keras(child_results, cases, name):
-    assert_child_case_passed(child_results(cases), name)
+globals().update(_under_tf_keras(cases) for cases in CASE_FILES)
 
 
 # Under Keras 3 (no TF_USE_LEGACY_KERAS): the objects decide.
