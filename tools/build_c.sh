@@ -45,7 +45,8 @@ SOURCES
     failed=0
     for pid in $pids; do wait "$pid" || failed=1; done
     if [ "$failed" != 0 ]; then rm -rf "$work"; exit 1; fi
-    mv "$work" "$coredir" 2>/dev/null || rm -rf "$work"   # another build got there first
+    # -T: a folder another build renamed into place first is left as it is
+    mv -T "$work" "$coredir" 2>/dev/null || rm -rf "$work"
 fi
 
 objdir=$out.objs
