@@ -34,13 +34,20 @@ leaf, two shards, one row; several variables with the host's cut points,
 in order and reversed; both unscales, scales that are powers of two
 (subnormal, past the largest float) and raw ones; Adafactor's numbers
 zero, NaN, infinite, subnormal or raw bits; Rsqrt on and off, flushing on
-and off, special values; and every refusal.  Deterministic: rerunning
+and off, special values; and every refusal.  For fuzz/fuzz_lamb.c, Lamb's
+elementwise pass: lengths around a vector and past a thread's share, several
+variables with the host's cut points in order and reversed, both unscales
+with powers of two (subnormal, past the largest float) and raw scales,
+its numbers ordinary, zero, special or raw bits, u over the gradient
+itself, flushing on and off (by the flags and by the caller), special
+values; and every refusal.  Deterministic: rerunning
 rewrites the same files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
     python fuzz/make_seeds.py
 """
 
+import math
 import os
 import random
 import struct
@@ -827,9 +834,93 @@ def adafactor_seeds():
                                                            data=af_content(rng, small)))
 
 
+# ----------------------------------------------------------------- Lamb
+
+LAMB_NONE, LAMB_DIVIDE, LAMB_DIVIDE_POW2, LAMB_UNKNOWN = 0, 1, 2, 3
+LAMB_FLUSH, LAMB_UNKNOWN_FLAG, LAMB_CALLER_FLUSH = 4, 8, 16
+LAMB_FAULTS = dict(null_config=1, null_params=2, null_grad=3, null_m=4, u_on_m=5,
+                   u_is_grad=6, huge_length=7)
+
+
+def lamb_code(value):
+    """fuzz_lamb.c's 2-byte code (value_of) nearest below a positive value
+    between 2^-8 and 2^8 (its numbers)."""
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2^exponent, 0.5 <= m < 1
+    e = max(0, min(15, exponent - 1 + 8))
+    return e << 11 | int((value / 2.0 ** (e - 8) - 1) * 2048) & 2047
+
+
+LAMB_DEFAULT = [0.1, 0.00390625, 0.00390625, 0.25, 0.0078125]
+
+
+def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_threads=1,
+                fault=0, wild=False, raw=False, cuts=(), reverse=False, numbers=None,
+                data=b""):
+    out = bytearray([unscale | flags | (lib_threads - 1) << 5 | raw << 7,
+                     len(lengths) | fault << 2 | wild << 5, len(cuts) | reverse << 3])
+    out += struct.pack("<I", scale)
+    for n in numbers or [lamb_code(x) for x in LAMB_DEFAULT]:
+        out += struct.pack("<I", n)
+    out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
+    for n in lengths:
+        cls, l = (0, n) if n < 64 else (1, n) if n < 1100 else (2, n - 65536)
+        out += bytes([cls]) + struct.pack("<H", l)
+    return bytes(out) + data
+
+
+def lamb_seeds():
+    rng = random.Random(20261207)
+    def content(lengths, specials=0.0):
+        return norm_codes(rng, min(3 * sum(lengths), 3000), specials=specials)
+    for k, n in enumerate([0, 1, 7, 8, 9, 17, 63, 1099, 65536, 65536 + 65535]):
+        flags = LAMB_FLUSH if k % 2 else 0
+        yield (f"length-{n}-f{k % 2}", encode_lamb([n], flags=flags, lib_threads=1 + k % 4,
+                                                 data=content([n])))
+    mixed = [100, 65600, 33]
+    for reverse in (False, True):
+        yield (f"mixed-cuts-r{int(reverse)}",
+               encode_lamb(mixed, flags=LAMB_FLUSH, lib_threads=4,
+                           cuts=(0, 1, 99, 100, 101, 65700, 10 ** 9), reverse=reverse,
+                           data=content(mixed)))
+    small = [33, 9]
+    for e in (-149, -127, -9, 0, 20, 126, 128):
+        for flags in (0, LAMB_FLUSH):
+            yield (f"scale-pow2-{e}-f{flags // LAMB_FLUSH}",
+                   encode_lamb(small, LAMB_DIVIDE_POW2, e + 149, flags, data=content(small)))
+    for name, bits in (("zero", 0), ("nan", 0x7FC00000), ("neg", 0xC0000000),
+                       ("subnormal", 0x00012345), ("three", 0x40400000)):
+        yield (f"scale-{name}", encode_lamb(small, LAMB_DIVIDE, bits, LAMB_FLUSH,
+                                            data=content(small)))
+    yield ("unscale-none", encode_lamb(small, LAMB_NONE, data=content(small)))
+    for i, special in enumerate((0xFE00, 0xFE02, 0xFE08, 0xFE0B)):
+        numbers = [lamb_code(x) for x in LAMB_DEFAULT]
+        numbers[i % 5] = special
+        numbers[(i + 3) % 5] = special
+        yield (f"numbers-special-{i}", encode_lamb(small, numbers=numbers, wild=True,
+                                                   data=content(small)))
+    yield ("numbers-raw", encode_lamb(small, raw=True, numbers=[rng.getrandbits(32)
+                                                                 for _ in range(5)],
+                                      data=bytes(rng.getrandbits(8) for _ in range(2048))))
+    for flags in (0, LAMB_FLUSH, LAMB_CALLER_FLUSH, LAMB_FLUSH | LAMB_CALLER_FLUSH):
+        yield (f"specials-f{flags}", encode_lamb(small, flags=flags, wild=True,
+                                                 data=content(small, specials=0.3)))
+    yield ("u-is-grad", encode_lamb([65536 + 31, 17], fault=LAMB_FAULTS["u_is_grad"],
+                                    lib_threads=2, data=content([600, 17])))
+    yield ("no-variables", encode_lamb([]))
+    for fault, number in LAMB_FAULTS.items():
+        if fault != "u_is_grad":
+            yield (f"fault-{fault}", encode_lamb(small, fault=number, data=content(small)))
+    yield ("fault-null_m-empty", encode_lamb([0, 9], fault=LAMB_FAULTS["null_m"],
+                                             data=content([9])))
+    yield ("unknown-flag", encode_lamb(small, flags=LAMB_UNKNOWN_FLAG | LAMB_FLUSH,
+                                       data=content(small)))
+    yield ("unknown-unscale", encode_lamb(small, LAMB_UNKNOWN, data=content(small)))
+
+
 def main():
     for sub, generate in (("core", seeds), ("scale_rule", rule_seeds), ("norms", norm_seeds),
-                          ("optim", optim_seeds), ("adafactor", adafactor_seeds)):
+                          ("optim", optim_seeds), ("adafactor", adafactor_seeds),
+                          ("lamb", lamb_seeds)):
         out = os.path.join(HERE, "corpus", sub)
         os.makedirs(out, exist_ok=True)
         n = 0

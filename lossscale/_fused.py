@@ -7,7 +7,10 @@ plain numbers, the constants and the ``iterations``-derived scalars its
 kernel takes (in the order of its ``_core/src/family_<name>.h``), and which
 optimizer options it supports.  One native op runs every family by name,
 but Adafactor, whose slots are not shaped as its variables and whose update
-takes means over each one: it has an op of its own (``Plan.run``).
+takes means over each one, and Lamb, whose update divides by two norms
+between its moments and its move: each has an op of its own
+(``OWN_OP_FAMILIES``, ``Plan.run``; Lamb's makes its moments and step, and
+Keras' own ops take the norms and the move).
 ``decide`` is the one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.
@@ -193,9 +196,6 @@ _AROUND_UPDATE = ("use_ema", "gradient_accumulation_steps")
 
 # Stock optimizers no family reproduces, and why none does.
 _NOT_FUSED = (
-    ("Lamb", "Lamb's trust ratio divides by the norms of each variable and of its update "
-             "(TensorFlow reductions, between its moment and variable updates), which one "
-             "fused pass does not reproduce"),
     ("Muon", "Muon orthogonalises each gradient matrix (Newton-Schulz matrix products)"),
 )
 
@@ -375,6 +375,9 @@ OWN_CLIP = ("own", None)
 # core's LS_OPTIM_SPARSE_FAMILIES: an element's update reads that element
 # alone).
 NATIVE_SPARSE = ("sgd", "adam", "adamax", "lion")
+# Families with an op of their own (Plan.run): it takes no accumulator, clip
+# or weight decay; Keras' own ops make those around it.
+OWN_OP_FAMILIES = ("adafactor", "lamb")
 
 
 class Plan:
@@ -398,11 +401,11 @@ class Plan:
         # decay's chain, the fused pass decays by the one factor that chain
         # becomes (_DECAY_FACTOR, the factor from ``decay_factor_probe``);
         # a variable of one element, whose chain the graph optimizer orders
-        # by names, and Adafactor's (its op decays nothing) decay by Keras'
-        # own ops (so rewritten as stock's are) before the fused pass, which
-        # then decays nothing.
+        # by names, and Adafactor's and Lamb's (their ops decay nothing)
+        # decay by Keras' own ops (so rewritten as stock's are) before the
+        # fused pass, which then decays nothing.
         scheduled = _decay_follows_schedule(inner)
-        self.decay_by_ops = [bool(d) and (family.name == "adafactor" or form is BY_OWN_UPDATE
+        self.decay_by_ops = [bool(d) and (family.name in OWN_OP_FAMILIES or form is BY_OWN_UPDATE
                                           or (scheduled and not _more_than_one(v)))
                              for d, form, v in zip(self.decay, forms, variables)]
         self.decay = [0 if by_ops else _DECAY_FACTOR if d and scheduled else d
@@ -524,10 +527,12 @@ class Plan:
                 _decay_like_stock(self.inner, local_copy(self.variables[i]))
                 for i, by_ops in enumerate(self.decay_by_ops) if by_ops], lambda: None)
         own = [i for i, form in enumerate(self.forms) if form is BY_OWN_UPDATE]
-        if self.family.name == "adafactor":
+        if self.family.name in OWN_OP_FAMILIES:
             rest = [i for i in range(len(self.forms)) if i not in own]
             if rest:
-                self._launch_adafactor(library, should_apply, scale, unscale, rest)
+                launch = (self._launch_adafactor if self.family.name == "adafactor"
+                          else self._launch_lamb)
+                launch(library, should_apply, scale, unscale, rest)
             self._run_own_updates(should_apply, own, scale, unscale)
             return
         native = self.family.name in NATIVE_SPARSE
@@ -601,19 +606,7 @@ class Plan:
         variable: it densifies the sparse ones, which then take the op."""
         inner = self.inner
         variables = [self.variables[i] for i in which]
-        grads = [self.grads[i] for i in which]
-        if (self.clip is not None or unscale not in ("divide", "none")
-                or any(g.dtype != tf.float32 or isinstance(g, tf.IndexedSlices)
-                       for g in grads)):
-            with tf.control_dependencies(self.checks):
-                grads = [_unscaled_slices(g, v, scale, unscale)
-                         if isinstance(g, tf.IndexedSlices)
-                         else tf.cast(_unscaled_like_stock(g, scale, unscale), tf.float32)
-                         for g, v in zip(grads, variables)]
-                if self.clip is not None:
-                    grads = list(_compat.clip_gradients(inner, grads))
-                grads = [tf.convert_to_tensor(g) for g in grads]
-            unscale = "none"
+        grads, unscale = self._own_op_gradients(which, scale, unscale)
         factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
 
         def handles(kind, which):
@@ -629,6 +622,60 @@ class Plan:
             factored=factored, epsilon_1=float(inner.epsilon_1),
             epsilon_2=float(inner.epsilon_2), clip_threshold=float(inner.clip_threshold),
             rsqrt=bool(_rsqrt_form()), unscale=unscale)
+
+    def _own_op_gradients(self, which, scale, unscale):
+        """The gradients of the variables ``which`` as an op of a family of
+        its own (``OWN_OP_FAMILIES``) takes them, and the unscale it then
+        applies: float32 ones as they came; a clip, another unscale,
+        another dtype or slices by Keras' own ops on the gradients unscaled
+        as stock unscales them (a slice at a time) and cast as the family's
+        update casts them (the op then unscales nothing).  Under a global
+        clip, whose norm takes in every gradient, ``which`` is every
+        variable: it densifies the sparse ones, which then take the op."""
+        variables = [self.variables[i] for i in which]
+        grads = [self.grads[i] for i in which]
+        if (self.clip is None and unscale in ("divide", "none")
+                and all(g.dtype == tf.float32 and not isinstance(g, tf.IndexedSlices)
+                        for g in grads)):
+            return grads, unscale
+        with tf.control_dependencies(self.checks):
+            grads = [_unscaled_slices(g, v, scale, unscale)
+                     if isinstance(g, tf.IndexedSlices)
+                     else tf.cast(_unscaled_like_stock(g, scale, unscale), tf.float32)
+                     for g, v in zip(grads, variables)]
+            if self.clip is not None:
+                grads = list(_compat.clip_gradients(self.inner, grads))
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        return grads, "none"
+
+    def _launch_lamb(self, library, should_apply, scale, unscale, which):
+        """Lamb's step of the variables ``which`` (positions in the plan),
+        their gradients dense (or densified by ``global_clipnorm``), when
+        ``should_apply``: its op moves m and v and makes each variable's u
+        in one pass (gradients taken as ``_own_op_gradients`` takes them),
+        then Keras' own ops take the norms of the variable and of u, their
+        ratio, and move the variable by u (``_lamb_move``), as its
+        update_step does."""
+        inner = self.inner
+        line = self.family.line
+        variables = [self.variables[i] for i in which]
+        grads, unscale = self._own_op_gradients(which, scale, unscale)
+        bias_1, bias_2 = self.scalars
+        learning_rate = self.learning_rate
+
+        def update():
+            us = library.loss_scale_lamb_moments(
+                [local_copy(m).handle for m in line.slots(inner, "m", variables)],
+                [local_copy(v).handle for v in line.slots(inner, "v", variables)],
+                grads, scale, tf.cast(bias_1, tf.float32), tf.cast(bias_2, tf.float32),
+                one_minus_beta_1=float(np.float32(1 - inner.beta_1)),
+                one_minus_beta_2=float(np.float32(1 - inner.beta_2)),
+                epsilon=float(np.float32(inner.epsilon)), unscale=unscale)
+            for variable, u in zip(variables, us):
+                _lamb_move(local_copy(variable), u, learning_rate)
+
+        with tf.control_dependencies(self.checks):
+            _step.cond(should_apply, update, lambda: None)
 
     def accumulate(self, library, scale, unscale, accumulators):
         """A step that only accumulates: each gradient unscaled as stock
@@ -1463,6 +1510,47 @@ def _adafactor_scalars(inner, lr):
     return [rho, beta, ops.subtract(1, beta)]
 
 
+def _lamb_scalars(inner, lr):
+    """Lamb's 1 - beta_1 ** step and 1 - beta_2 ** step, with Keras' own
+    ops in its update_step's order."""
+    from keras import ops
+
+    del lr
+    local_step = ops.cast(inner.iterations + 1, "float32")
+    beta_1_power = ops.power(ops.cast(inner.beta_1, "float32"), local_step)
+    beta_2_power = ops.power(ops.cast(inner.beta_2, "float32"), local_step)
+    return [1.0 - beta_1_power, 1.0 - beta_2_power]
+
+
+def _lamb_move(variable, update, learning_rate):
+    """The rest of Keras' Lamb.update_step, its lines on the step's ``update``
+    (u, made by LossScaleLambMoments): the norms of the variable and of u by
+    TensorFlow's reductions, their ratio, the variable moved by it.
+
+    Its ``ratio * lr * update`` is (ratio * lr) * u as written, and so in a
+    graph: the graph optimizer sorts a chain's factors by size (two scalars
+    before u), and where u has one element too, ties by the names of their
+    tensors, which in Keras' step put lr's and the ratio's (``.../Cast``,
+    ``.../ReadVariableOp`` or a schedule's scope; ``.../SelectV2``) before
+    u's (``.../truediv``).  A one-element u of rank 1 or more is taken at
+    rank 0 here, where nothing broadcasts and no name reorders it."""
+    from keras import ops
+
+    lr = ops.cast(learning_rate, variable.dtype)
+    w_norm = ops.sqrt(ops.sum(ops.power(variable, 2)))
+    g_norm = ops.sqrt(ops.sum(ops.power(update, 2)))
+    ratio = ops.where(
+        ops.greater(w_norm, 0),
+        ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),
+        1.0,
+    )
+    shape = tf.TensorShape(variable.shape)
+    if shape.rank and shape.num_elements() == 1:
+        variable.assign_sub(tf.reshape(ratio * lr * tf.reshape(update, []), shape))
+    else:
+        variable.assign_sub(ratio * lr * update)
+
+
 def _adafactor_reason(inner):
     """Why Adafactor's step built here is not the one LossScaleApplyAdafactor
     reproduces, or None: its u = g / sqrt(v) is TensorFlow's Rsqrt in a
@@ -1547,6 +1635,14 @@ FAMILIES = (
     Family("lion", keras.optimizers.Lion, slots=lambda inner: ("m",),
            numbers=("beta_1", "beta_2"), hyper=_lion_hyper, supports=_AROUND_UPDATE,
            sparse=_lion_sparse),
+    # Its own op (LossScaleLambMoments, Plan.run): its update takes the
+    # norms of each variable and of its u between the moments and the move.
+    Family("lamb", keras.optimizers.Lamb, slots=lambda inner: ("m", "v"),
+           numbers=("beta_1", "beta_2", "epsilon"), hyper=lambda inner: [],
+           scalars=_lamb_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
+           sparse=lambda inner, v: _by_own_update(
+               "Keras' Lamb densifies a sparse gradient's moments and then takes the norm of "
+               "its update over the whole table, a form the fused op does not take")),
     # Its own op (LossScaleApplyAdafactor, Plan.run): r, c and v are not
     # shaped as the variable, and its update takes means over each one.
     Family("adafactor", keras.optimizers.Adafactor,
@@ -2776,7 +2872,7 @@ def _accumulate_or_update(plan, library, scale, unscale):
     is_update_step = (_compat.optimizer_iterations(inner) + 1) % steps == 0
 
     def update():
-        if plan.average_clip is None and plan.family.name != "adafactor":
+        if plan.average_clip is None and plan.family.name not in OWN_OP_FAMILIES:
             # One pass: each gradient unscaled, plus its accumulator (Keras'
             # order: the new gradient first), averaged as stock averages, the
             # update, and the accumulator zeroed in its own buffer, so that
@@ -2810,7 +2906,7 @@ def _update_by_averages(plan, library, scale, unscale, accumulators, steps):
     it) made by the same ops as Keras', then the update by a plan of the
     averages as unscaled dense gradients.  For a clip (Keras clips the
     averages, not the step's own gradients: their norms in one read, the
-    update in one pass) and for Adafactor (whose op takes no
+    update in one pass) and for Adafactor and Lamb (whose ops take no
     accumulators).  Returns the averages, after which the accumulators may
     be zeroed."""
     with tf.control_dependencies(plan.checks):
@@ -2823,9 +2919,9 @@ def _update_by_averages(plan, library, scale, unscale, accumulators, steps):
                     clip=plan.average_clip)
     averaged.prepare_scalars()
     if (averaged.clip is not None and averaged.clip[0] in ("norm", "global")
-            and plan.family.name != "adafactor"):
-        # The norms, for the op's clip scalars (Adafactor's clip is Keras'
-        # own ops on the averages, _launch_adafactor).
+            and plan.family.name not in OWN_OP_FAMILIES):
+        # The norms, for the op's clip scalars (Adafactor's and Lamb's clip
+        # is Keras' own ops on the averages, Plan._own_op_gradients).
         averaged.check_finite(scale, "none")
     averaged.run(library, tf.constant(True), scale, "none")
     return averages

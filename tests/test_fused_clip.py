@@ -62,6 +62,8 @@ FAMILY_INNERS = {
     "lion": lambda **clip: keras.optimizers.Lion(0.0005, **clip),
     "adafactor_decay": lambda **clip: keras.optimizers.Adafactor(0.01, weight_decay=0.01,
                                                                  **clip),
+    "lamb_decay_exclude": lambda **clip: excluding_biases(
+        keras.optimizers.Lamb(0.003, weight_decay=0.01, **clip)),
 }
 
 CLIPS = ["clipnorm", "clipvalue", "global_clipnorm"]

@@ -64,6 +64,7 @@ MIRRORED_CASES = {
     "sgd_edge_values": ("sgd_momentum", "float32", 60, "edge"),
     "adafactor": ("adafactor", "mixed_float16", 120, None),
     "adafactor_edge_values": ("adafactor", "float32", 60, "edge"),
+    "lamb": ("lamb", "mixed_float16", 120, None),
 }
 SUM_OVERFLOW = {"sgd_scale_1": ("sgd_momentum", "float32", 1, 1.0)}
 WORKER_CASES = {
@@ -122,6 +123,7 @@ def inner_optimizer(name):
         "nadam": lambda: keras.optimizers.Nadam(0.01),
         "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
         "adafactor": lambda: keras.optimizers.Adafactor(0.05, clip_threshold=0.5),
+        "lamb": lambda: keras.optimizers.Lamb(0.01, weight_decay=0.01),
     }[name]()
 
 

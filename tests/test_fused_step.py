@@ -145,6 +145,9 @@ INNERS = {
         schedule(), beta_2_decay=-0.5, epsilon_2=1e-2, clip_threshold=0.5),
     "adafactor_decay_exclude": lambda: excluding_biases(keras.optimizers.Adafactor(
         0.02, weight_decay=0.01, relative_step=False, epsilon_1=1e-20)),
+    "lamb": lambda: keras.optimizers.Lamb(0.003),
+    "lamb_schedule_decay_exclude": lambda: excluding_biases(keras.optimizers.Lamb(
+        schedule(), beta_1=0.8, beta_2=0.95, epsilon=1e-4, weight_decay=0.01)),
 }
 
 # Steps whose loss is multiplied by a non-finite or huge factor; some in a
@@ -275,7 +278,7 @@ def test_bit_identical_to_stock_every_step(policy, eager, name):
     assert min(moves) < 1 and (eager or max(moves) > 1), scales
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule", "adafactor"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam_amsgrad_schedule", "adafactor", "lamb"])
 def test_inexact_reciprocal_scale_divides_as_stock(name):
     models, opts = make_pair(INNERS[name], "mixed_float16", initial_scale=1000.0,
                              dynamic_growth_steps=1000)

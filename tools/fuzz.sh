@@ -3,7 +3,7 @@
 # fuzzes the core's buffer entry points for FUZZ_SECONDS (default 60), the
 # fused optimizer step for half of that, the loss-scale rule for a sixth
 # (its input space is small), the sums of squares for a half, then
-# Adafactor's step for a sixth.
+# Adafactor's step and Lamb's pass for a sixth each.
 #
 # Inputs that add coverage go to build/fuzz/corpus/<target>, never into the
 # checked-in fuzz/corpus (fold them in with -merge=1, see the README); an
@@ -33,7 +33,7 @@ fi
 FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O2"
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$OUT/artifacts"
-for target in core optim scale_rule norms adafactor; do
+for target in core optim scale_rule norms adafactor lamb; do
     tools/build_c.sh "$OUT/fuzz_$target" "$CLANG" "$FLAGS" "fuzz/fuzz_$target.c"
     mkdir -p "$OUT/corpus/$target"
 done
@@ -52,3 +52,4 @@ run optim $((SECONDS_TO_RUN / 2 > 10 ? SECONDS_TO_RUN / 2 : 10))
 run scale_rule $((SECONDS_TO_RUN / 6 > 10 ? SECONDS_TO_RUN / 6 : 10))
 run norms $((SECONDS_TO_RUN / 2 > 10 ? SECONDS_TO_RUN / 2 : 10))
 run adafactor $((SECONDS_TO_RUN / 6 > 10 ? SECONDS_TO_RUN / 6 : 10))
+run lamb $((SECONDS_TO_RUN / 6 > 10 ? SECONDS_TO_RUN / 6 : 10))

@@ -40,6 +40,7 @@ tools/build_c.sh "$OUT/replay_scale_rule" "$CC" "$SAN -O2" fuzz/fuzz_scale_rule.
 tools/build_c.sh "$OUT/replay_optim" "$CC" "$SAN -O2" fuzz/fuzz_optim.c fuzz/replay.c
 tools/build_c.sh "$OUT/replay_norms" "$CC" "$SAN -O2" fuzz/fuzz_norms.c fuzz/replay.c
 tools/build_c.sh "$OUT/replay_adafactor" "$CC" "$SAN -O2" fuzz/fuzz_adafactor.c fuzz/replay.c
+tools/build_c.sh "$OUT/replay_lamb" "$CC" "$SAN -O2" fuzz/fuzz_lamb.c fuzz/replay.c
 ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_scale_rule" fuzz/corpus/scale_rule fuzz/regressions/scale_rule
 tools/build_c.sh "$OUT/test_threads" "$CC" "$SAN -O2" _core/tests/test_threads.c
 for level in $LEVELS; do
@@ -49,6 +50,7 @@ for level in $LEVELS; do
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_norms" $(inputs norms)
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_adafactor" $(inputs adafactor)
+    LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/replay_lamb" $(inputs lamb)
     LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/test_threads"
 done
 echo "-- ThreadSanitizer"
@@ -67,11 +69,13 @@ if command -v clang >/dev/null 2>&1; then
     tools/build_c.sh "$OUT/clang/replay_norms" clang "$SAN -O2" fuzz/fuzz_norms.c fuzz/replay.c
     tools/build_c.sh "$OUT/clang/replay_adafactor" clang "$SAN -O2" fuzz/fuzz_adafactor.c \
         fuzz/replay.c
+    tools/build_c.sh "$OUT/clang/replay_lamb" clang "$SAN -O2" fuzz/fuzz_lamb.c fuzz/replay.c
     MSAN="-fsanitize=memory -fsanitize-memory-track-origins -fno-omit-frame-pointer -g -O1"
     tools/build_c.sh "$OUT/msan/replay_core" clang "$MSAN" fuzz/fuzz_core.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_optim" clang "$MSAN" fuzz/fuzz_optim.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_norms" clang "$MSAN" fuzz/fuzz_norms.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/replay_adafactor" clang "$MSAN" fuzz/fuzz_adafactor.c fuzz/replay.c
+    tools/build_c.sh "$OUT/msan/replay_lamb" clang "$MSAN" fuzz/fuzz_lamb.c fuzz/replay.c
     tools/build_c.sh "$OUT/msan/test_threads" clang "$MSAN" _core/tests/test_threads.c
     for level in $LEVELS; do
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
@@ -82,10 +86,12 @@ if command -v clang >/dev/null 2>&1; then
             "$OUT/clang/replay_norms" $(inputs norms)
         LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 \
             "$OUT/clang/replay_adafactor" $(inputs adafactor)
+        LOSSSCALE_SIMD=$level ASAN_OPTIONS=detect_leaks=1 "$OUT/clang/replay_lamb" $(inputs lamb)
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_core" fuzz/corpus/core fuzz/regressions/core
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_optim" fuzz/corpus/optim fuzz/regressions/optim
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_norms" $(inputs norms)
         LOSSSCALE_SIMD=$level "$OUT/msan/replay_adafactor" $(inputs adafactor)
+        LOSSSCALE_SIMD=$level "$OUT/msan/replay_lamb" $(inputs lamb)
         LOSSSCALE_SIMD=$level "$OUT/msan/test_threads"
     done
 else

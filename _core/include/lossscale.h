@@ -602,6 +602,53 @@ int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
                              const ls_adafactor_config *config, unsigned flags,
                              ls_parallel_fn parallel, void *host);
 
+/* ------------------------------------------------------------------ Lamb
+ *
+ * The elementwise part of Keras' Lamb update_step (lamb.c): per element,
+ * every number float32 and rounded as TensorFlow's CPU ops round it,
+ *
+ *   x = g unscaled: as it is, or g / scale (LS_UNSCALE_DIVIDE)
+ *   m = m + (x - m) * one_minus_beta_1
+ *   v = v + (x * x - v) * one_minus_beta_2
+ *   u = (m / bias_1) / (sqrt(v / bias_2) + epsilon)
+ *
+ * with m and v written in place and u to its own buffer, which may be the
+ * gradient's own (then each element's g is read before its u is written).
+ * bias_1 and bias_2 are Keras' 1 - beta ** step, made as Keras makes them;
+ * the norms of the variable and of u, their ratio and the variable's move
+ * by u are the caller's (TensorFlow's reductions, as Keras takes them).
+ * LS_FLUSH_DENORMALS computes as TensorFlow's CPU kernels do.
+ */
+typedef struct ls_lamb_param {
+    const float *grad;
+    float *m, *v;
+    float *u; /* the step's u: grad itself, or a buffer apart from m and v */
+    size_t length;
+} ls_lamb_param;
+
+typedef struct ls_lamb_config {
+    int unscale; /* LS_UNSCALE_NONE or LS_UNSCALE_DIVIDE */
+    float scale;
+    float one_minus_beta_1, one_minus_beta_2, epsilon;
+    float bias_1, bias_2;
+} ls_lamb_config;
+
+/* Why the pass cannot run as given (no configuration, a NULL buffer, m, v
+ * and u overlapping each other or the gradient but for u being it, an
+ * unknown unscale), or NULL. */
+const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
+                            const ls_lamb_config *config);
+
+/* The pass over every element of every variable (no finite check: the
+ * caller decided the step applies), the elements split over `parallel`
+ * (NULL: the library's threads), its loop the kernel set's LOSSSCALE_SIMD
+ * names (the same bits at every level).  1; LS_ERR_ARG (ls_lamb_problem,
+ * or an unknown flag) or LS_ERR_SIMD (a level this CPU lacks) with nothing
+ * written. */
+int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
+                         const ls_lamb_config *config, unsigned flags,
+                         ls_parallel_fn parallel, void *host);
+
 #ifdef __cplusplus
 }
 #endif

@@ -349,11 +349,26 @@ typedef struct ls_adafactor_loops {
     float (*sumsq)(const float *x, size_t n);
 } ls_adafactor_loops;
 
+/* Lamb's elementwise pass (lamb.c, lamb_body.h) over elements [0, n) of
+ * one variable: lossscale.h's ls_lamb_config arithmetic, `how` and `k` the
+ * unscale (ls_adafactor_by1's). */
+typedef struct ls_lamb_span {
+    const float *grad;
+    float *m, *v, *u;
+    size_t n;
+    int how;
+    float k;
+    float c1, c2, epsilon, bias_1, bias_2;
+} ls_lamb_span;
+
+typedef void (*ls_lamb_fn)(const ls_lamb_span *span);
+
 typedef struct ls_optim_kernels {
     const char *name;
     ls_optim_fn fn[LS_OPTIM_NUM_FAMILIES][LS_NUM_DTYPES];
     ls_slice_fn slice_add; /* a sparse gradient's slices onto its row sums */
     ls_adafactor_loops adafactor;
+    ls_lamb_fn lamb;
 } ls_optim_kernels;
 
 /* ls_optim_<set> of every set built here (kernel_sets.def's optim column;

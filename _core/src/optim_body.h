@@ -234,6 +234,7 @@ static void LS_KFN(slice_add)(const void *src, size_t n, ls_dtype dt, const ls_o
 }
 
 #include "adafactor_body.h"
+#include "lamb_body.h"
 
 #define LS_OPTIM_ROW(family) {LS_KFN(family##_f16), LS_KFN(family##_bf16), LS_KFN(family##_f32), NULL},
 const ls_optim_kernels LS_CAT(ls_optim_, LS_SET) = {
@@ -241,4 +242,5 @@ const ls_optim_kernels LS_CAT(ls_optim_, LS_SET) = {
     {LS_OPTIM_FAMILIES(LS_OPTIM_ROW)},
     LS_KFN(slice_add),
     LS_ADAFACTOR_LOOPS,
+    LS_KFN(lamb),
 };

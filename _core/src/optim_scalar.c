@@ -25,6 +25,7 @@ static void slice_add_scalar(const void *src, size_t n, ls_dtype dt, const ls_op
 #define LS_SET scalar
 #define LS_KFN(name) LS_CAT(LS_CAT(ls_, LS_SET), _##name)
 #include "adafactor_body.h"
+#include "lamb_body.h"
 
 #define LS_SCALAR_ROW(family) {family##_scalar, family##_scalar, family##_scalar, NULL},
 const ls_optim_kernels ls_optim_scalar = {
@@ -32,4 +33,5 @@ const ls_optim_kernels ls_optim_scalar = {
     {LS_OPTIM_FAMILIES(LS_SCALAR_ROW)},
     slice_add_scalar,
     LS_ADAFACTOR_LOOPS,
+    LS_KFN(lamb),
 };

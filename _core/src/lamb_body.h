@@ -1,0 +1,50 @@
+/*
+ * Lamb's elementwise pass (lamb.c), written once and compiled by each
+ * set's optim_<set>.c: on its vector vocabulary (simd.h) where the file has
+ * one (LS_VW), one element at a time in the scalar set and for every tail.
+ * Each lane's operations are the element's, in its order (lossscale.h,
+ * ls_lamb_config), and the loop is compiled once for each way of taking
+ * the gradient (`how`, a constant where it is inlined).
+ */
+
+LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how)
+{
+    const float *const g = s->grad;
+    float *const m = s->m, *const v = s->v, *const u = s->u;
+    const float k = s->k, c1 = s->c1, c2 = s->c2, eps = s->epsilon, b1 = s->bias_1,
+                b2 = s->bias_2;
+    const size_t n = s->n;
+    size_t i = 0;
+#ifdef LS_VW
+    const LS_V kv = v_set1(k), c1v = v_set1(c1), c2v = v_set1(c2), ev = v_set1(eps),
+               b1v = v_set1(b1), b2v = v_set1(b2);
+    for (; i + LS_VW <= n; i += LS_VW) {
+        const LS_V x = LS_FN(adafactor_by)(v_load(g + i), how, kv);
+        const LS_V m0 = v_load(m + i), v0 = v_load(v + i);
+        const LS_V m1 = v_add(m0, v_mul(v_sub(x, m0), c1v));
+        const LS_V v1 = v_add(v0, v_mul(v_sub(v_mul(x, x), v0), c2v));
+        v_store(m + i, m1);
+        v_store(v + i, v1);
+        v_store(u + i, v_div(v_div(m1, b1v), v_add(v_sqrt(v_div(v1, b2v)), ev)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = ls_adafactor_by1(g[i], how, k);
+        const float m1 = m[i] + (x - m[i]) * c1;
+        const float v1 = v[i] + (x * x - v[i]) * c2;
+        m[i] = m1;
+        v[i] = v1;
+        u[i] = (m1 / b1) / (sqrtf(v1 / b2) + eps);
+    }
+}
+
+/* The span's pass: LS_KFN(lamb_loop) for its way of taking the gradient. */
+static void LS_KFN(lamb)(const ls_lamb_span *s)
+{
+    if (s->how == LS_ADAFACTOR_DIVIDE)
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_DIVIDE);
+    else if (s->how == LS_ADAFACTOR_MULTIPLY)
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_MULTIPLY);
+    else
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_AS_IS);
+}

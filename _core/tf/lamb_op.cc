@@ -1,0 +1,157 @@
+/*
+ * LossScaleLambMoments: the elementwise part of Keras' Lamb update_step
+ * over a whole variable list, the gradients unscaled on the fly (the
+ * core's ls_lamb_moments_with on TensorFlow's intra-op pool): m and v
+ * moved in place, each variable's u an output.  The caller runs it only on
+ * a step that applies and takes the norms, their ratio and the variables'
+ * move by u with TensorFlow's own ops, as Keras takes them.
+ *
+ * Every m and v is looked up, locked, checked (initialized, float32, the
+ * gradient's shape) and made its own before anything is written, so an
+ * error leaves them as they were.  An output takes over its gradient's
+ * buffer where TensorFlow lets it.
+ */
+#include <string>
+#include <vector>
+
+#include "lossscale_tf.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace lossscale_tf {
+namespace {
+
+using tf::shape_inference::InferenceContext;
+
+// An output is handed its gradient's buffer only where that buffer is this
+// many bytes per variable of the list or more: OpKernelContext's
+// forward_input scans every output for a reservation.
+constexpr size_t kForwardBytesPerOutput = 16;
+
+tf::Status LambShapes(InferenceContext* c) {
+    int n = 0;
+    TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
+    tf::shape_inference::ShapeHandle unused;
+    for (int i = 3 * n; i < 3 * n + 3; ++i)
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+    for (int i = 0; i < n; ++i)
+        c->set_output(i, c->input(2 * n + i));
+    return tf::OkStatus();
+}
+
+REGISTER_OP("LossScaleLambMoments")
+    .Input("m: num_variables * resource")
+    .Input("v: num_variables * resource")
+    .Input("grads: num_variables * float")
+    .Input("scale: float")
+    .Input("bias_1: float")
+    .Input("bias_2: float")
+    .Output("u: num_variables * float")
+    .Attr("num_variables: int >= 1")
+    .Attr("one_minus_beta_1: float")
+    .Attr("one_minus_beta_2: float")
+    .Attr("epsilon: float")
+    .Attr("unscale: {'none', 'divide'} = 'divide'")
+    .SetIsStateful()
+    .SetShapeFn(LambShapes)
+    .Doc(R"doc(
+The elementwise part of one step of Keras' Lamb for every variable: its
+gradient first divided by `scale` ('divide') or taken as it is, then
+m = m + (g - m) * one_minus_beta_1, v = v + (g * g - v) * one_minus_beta_2
+in place, and u = (m / bias_1) / (sqrt(v / bias_2) + epsilon) out, where
+bias_1 and bias_2 are Keras' 1 - beta ** step (lossscale.h,
+ls_lamb_moments_with).  Run it only on a step that applies.
+)doc");
+
+class LambMomentsOp : public tf::OpKernel {
+  public:
+    explicit LambMomentsOp(tf::OpKernelConstruction* ctx) : tf::OpKernel(ctx) {
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &n_));
+        std::string unscale;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("unscale", &unscale));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_1", &config_.one_minus_beta_1));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_2", &config_.one_minus_beta_2));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &config_.epsilon));
+        config_.unscale = UnscaleMode(unscale);
+    }
+
+    void Compute(tf::OpKernelContext* ctx) override {
+        const int n = n_;
+        const int grads_first = 2 * n, first_scalar = 3 * n;
+        ls_lamb_config config = config_;
+        config.scale = ctx->input(first_scalar).scalar<float>()();
+        config.bias_1 = ctx->input(first_scalar + 1).scalar<float>()();
+        config.bias_2 = ctx->input(first_scalar + 2).scalar<float>()();
+
+        std::vector<int> inputs;
+        for (int i = 0; i < grads_first; ++i)
+            inputs.push_back(i);
+        UpdatedVariables vars;
+        int twice = -1;
+        OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
+        OP_REQUIRES(ctx, twice < 0,
+                    tf::errors::InvalidArgument(type_string(), ": a slot is passed twice (",
+                                                VariableNameAt(ctx, inputs[twice]), ")"));
+        vars.Lock();
+
+        for (int t = 0; t < grads_first; ++t) {
+            const tf::TensorShape& shape = ctx->input(grads_first + t % n).shape();
+            tf::Var* var = vars.var(t);
+            const tf::Tensor* value = var->tensor();
+            const auto what = [&] { return VariableNameAt(ctx, inputs[t]); };
+            OP_REQUIRES(ctx, var->is_initialized,
+                        tf::errors::FailedPrecondition(type_string(), ": ", what(),
+                                                       " is not initialized"));
+            OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
+                        tf::errors::InvalidArgument(type_string(), ": ", what(),
+                                                    " must be float32, got ",
+                                                    tf::DataTypeString(value->dtype())));
+            OP_REQUIRES(ctx, value->shape() == shape,
+                        tf::errors::InvalidArgument(type_string(), ": ", what(), " has shape ",
+                                                    value->shape().DebugString(),
+                                                    ", expected ", shape.DebugString(),
+                                                    " for the gradient of that shape"));
+        }
+        for (size_t t = 0; t < vars.size(); ++t)
+            OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));
+
+        const size_t forward_min_bytes = kForwardBytesPerOutput * static_cast<size_t>(n);
+        std::vector<ls_lamb_param> params(n);
+        for (int i = 0; i < n; ++i) {
+            const tf::Tensor& g = ctx->input(grads_first + i);
+            tf::Tensor* out = nullptr;
+            if (g.RefCountIsOne() && g.TotalBytes() >= forward_min_bytes) {
+                std::unique_ptr<tf::Tensor> forwarded = ctx->forward_input(
+                    grads_first + i, i, g.dtype(), g.shape(), ctx->output_memory_type(i),
+                    ctx->output_alloc_attr(i));
+                if (forwarded != nullptr) {
+                    ctx->set_output(i, std::move(*forwarded));
+                    out = ctx->mutable_output(i);
+                }
+            }
+            if (out == nullptr)
+                OP_REQUIRES_OK(ctx, ctx->allocate_output(i, g.shape(), &out));
+            ls_lamb_param& p = params[i];
+            p.grad = g.flat<float>().data();
+            p.u = out->flat<float>().data();
+            p.m = FloatsOf(vars.var(i));
+            p.v = FloatsOf(vars.var(n + i));
+            p.length = static_cast<size_t>(g.NumElements());
+        }
+        const char* why = ls_lamb_problem(params.data(), params.size(), &config);
+        OP_REQUIRES(ctx, why == nullptr, tf::errors::InvalidArgument(type_string(), ": ", why));
+        const int rc = ls_lamb_moments_with(params.data(), params.size(), &config,
+                                            LS_FLUSH_DENORMALS, ParallelForOnPool, ctx);
+        OP_REQUIRES(ctx, rc >= 0, CoreError(rc, type_string().c_str()));
+    }
+
+  private:
+    int n_ = 0;
+    ls_lamb_config config_ = {};
+};
+
+REGISTER_KERNEL_BUILDER(Name("LossScaleLambMoments").Device(tf::DEVICE_CPU), LambMomentsOp);
+
+}  // namespace
+}  // namespace lossscale_tf
