@@ -1,4 +1,4 @@
-"""The recipe battery: fifteen optimizer set-ups as published training recipes
+"""The recipe battery: sixteen optimizer set-ups as published training recipes
 configure them, each wrapped in ``lossscale.LossScaleOptimizer`` (ours) and
 ``keras.optimizers.LossScaleOptimizer`` (stock) under the mixed_float16
 policy.  For every recipe:
@@ -37,8 +37,8 @@ policy.  For every recipe:
   ``Adamax`` and ``Adafactor``.  torch's embedding gradient is dense (as
   ``nn.Embedding`` makes it by default; its fused optimizers take no sparse
   gradient).  Learning-rate schedules are left out on torch's side (a
-  scheduler steps outside the optimizer step); Lion has no torch
-  equivalent and is not timed against torch.  Accumulating gradients,
+  scheduler steps outside the optimizer step); Lion and Lamb have no torch
+  equivalent and are not timed against torch.  Accumulating gradients,
   torch's step adds each fresh gradient into ``.grad`` (the add its
   autograd does inside backward), as ours' step adds it into its
   accumulator: making the fresh gradient alone is taken off on both sides.
@@ -114,6 +114,15 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
 def _bert():
     lr = keras.optimizers.schedules.PolynomialDecay(2e-5, 10_000, end_learning_rate=0.0)
     opt = keras.optimizers.AdamW(lr, weight_decay=0.01, epsilon=1e-6, global_clipnorm=1.0)
+    opt.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
+    return opt
+
+
+def _bert_pretrain():
+    # TF Model Garden's BERT pretraining: LAMB, polynomial decay, weight
+    # decay 0.01 but for LayerNorm and biases.
+    lr = keras.optimizers.schedules.PolynomialDecay(1e-4, 1_000_000, end_learning_rate=0.0)
+    opt = keras.optimizers.Lamb(lr, epsilon=1e-6, weight_decay=0.01)
     opt.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
     return opt
 
@@ -225,6 +234,10 @@ RECIPES = [
            Torch("NAdam", dict(lr=1e-3, eps=1e-7), "foreach")),
     Recipe("adamax", "Adamax()", _keras("Adamax"), False,
            Torch("Adamax", dict(lr=1e-3, eps=1e-7), "foreach")),
+    Recipe("bert_pretrain",
+           "BERT pretraining (Model Garden): Lamb(PolynomialDecay, weight_decay=0.01, "
+           "epsilon=1e-6), LayerNorm/bias excluded from decay, embedding gradient "
+           "IndexedSlices", _bert_pretrain, True, None),
 ]
 BY_NAME = {r.name: r for r in RECIPES}
 # Two dense recipes (the one-pass op and Adafactor's own), two sparse ones.

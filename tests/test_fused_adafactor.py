@@ -236,7 +236,8 @@ def test_op_does_nothing_when_the_step_does_not_apply():
      "passed twice"),
     (lambda made, a: {**a, "v": [made["v"].handle, tf.Variable(np.ones(5, np.float64)).handle]},
      "must be float32"),
-], ids=["r_shape", "c_shape", "v_shape", "grad_shape", "rank", "twice", "dtype"])
+    (lambda made, a: {**a, "rho": tf.constant([0.01, 0.01])}, "must be a scalar"),
+], ids=["r_shape", "c_shape", "v_shape", "grad_shape", "rank", "twice", "dtype", "rho_shape"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args = op_case()
     before = snapshot(made)

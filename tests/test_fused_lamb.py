@@ -179,7 +179,8 @@ def snapshot(made):
      "must be float32"),
     (lambda made, a: {**a, "v": [made["m"].handle]}, "passed twice"),
     (lambda made, a: {**a, "grads": [tf.ones((4, 3))]}, "has shape [3,4], expected [4,3]"),
-], ids=["v_shape", "dtype", "twice", "grad_shape"])
+    (lambda made, a: {**a, "bias_1": tf.constant([0.5, 0.5])}, "must be a scalar"),
+], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args, _ = op_case()
     before = snapshot(made)

@@ -645,6 +645,36 @@ def test_fused_step_refuses_a_variable_passed_twice(twice):
         assert_same_bits(v.numpy(), want)
 
 
+@pytest.mark.parametrize("which", ["scale", "learning_rate", "weight_decay", "ema", "clip"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_fused_step_refuses_a_number_that_is_not_a_scalar(which, mode):
+    """Each number the fused step's op takes as a scalar, given as a vector,
+    is an error naming the input, and nothing moves (read as a scalar, it
+    once took the process down in an eager call, where no shape function
+    runs first)."""
+    module, _ = _loader.load()
+    w = tf.Variable(np.arange(4, dtype=np.float32), name="w")
+    m = tf.Variable(np.zeros(4, np.float32), name="m")
+    e = tf.Variable(np.ones(4, np.float32), name="e")
+    before = [v.numpy().copy() for v in (w, m, e)]
+    numbers = {"scale": tf.constant(1.0), "learning_rate": tf.constant(0.1),
+               "weight_decay": tf.constant(0.0), "ema": tf.constant(0.9),
+               "clip": tf.constant(2.0)}
+    numbers[which] = tf.constant([1.0, 2.0])
+
+    def call():
+        module.loss_scale_apply_optimizer(
+            tf.constant(True), [w.handle], [m.handle], [tf.ones(4)], numbers["scale"],
+            numbers["learning_rate"], numbers["weight_decay"], [], [numbers["clip"]], [],
+            [e.handle], [numbers["ema"], tf.constant(0.1)], [], [], [], family="sgd",
+            hyper=[0.9, 0.0], decay=[0], unscale="divide", clip="norm", clip_value=1.0)
+
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="scalar|rank 0"):
+        call() if mode == "eager" else tf.function(call)()
+    for v, want in zip((w, m, e), before):
+        assert_same_bits(v.numpy(), want)
+
+
 def test_fused_step_averages_checked_before_anything_moves():
     """EMA averages: one per variable with the op's two numbers, each an
     initialized float32 variable of its variable's shape, or an error naming

@@ -103,6 +103,7 @@ class AdafactorOp : public tf::OpKernel {
             return;
         const int n = n_, f = f_;
         const int grads_first = 1 + n + 2 * f + n, first_scalar = grads_first + n;
+        OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, first_scalar, kScalars, type_string()));
         ls_adafactor_config config = config_;
         config.scale = ctx->input(first_scalar).scalar<float>()();
         config.rho = ctx->input(first_scalar + 1).scalar<float>()();

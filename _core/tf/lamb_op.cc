@@ -79,6 +79,7 @@ class LambMomentsOp : public tf::OpKernel {
     void Compute(tf::OpKernelContext* ctx) override {
         const int n = n_;
         const int grads_first = 2 * n, first_scalar = 3 * n;
+        OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, first_scalar, 3, type_string()));
         ls_lamb_config config = config_;
         config.scale = ctx->input(first_scalar).scalar<float>()();
         config.bias_1 = ctx->input(first_scalar + 1).scalar<float>()();

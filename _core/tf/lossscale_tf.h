@@ -46,6 +46,21 @@ inline bool ToCoreDtype(tf::DataType dt, ls_dtype* out) {
     }
 }
 
+// Whether inputs [first, first + count) of `ctx` are scalars: an
+// InvalidArgument naming the first that is not.  Tensor::scalar aborts the
+// process on any other shape, and an op run eagerly has no shape function
+// in front of its kernel.
+inline tf::Status CheckScalarInputs(tf::OpKernelContext* ctx, int first, int count,
+                                   const std::string& op) {
+    for (int i = first; i < first + count; ++i) {
+        const tf::TensorShape& shape = ctx->input(i).shape();
+        if (!tf::TensorShapeUtils::IsScalar(shape))
+            return tf::errors::InvalidArgument(op, ": input ", i, " must be a scalar, got shape ",
+                                               shape.DebugString());
+    }
+    return tf::OkStatus();
+}
+
 inline tf::Status CoreError(int rc, const char* what) {
     switch (rc) {
     case LS_ERR_DTYPE:

@@ -285,6 +285,9 @@ class FusedStepOp : public tf::OpKernel {
             return;
         ls_optim_config config = config_;
         const int first_scalar = 1 + 2 * num_variables_ + num_slots_;
+        OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, first_scalar,
+                                              3 + num_scalars_ + num_clip_scalars_,
+                                              type_string()));
         config.weight_decay = ScalarInput(ctx, first_scalar + 2);
         const int constants = config.num_hyper - num_scalars_;
         for (int s = 0; s < num_scalars_; ++s)
@@ -326,13 +329,18 @@ class FusedStepOp : public tf::OpKernel {
         for (int i = 0; i < num_averages_; ++i)
             inputs.push_back(averages_first + i);
         if (num_averages_ > 0) {
+            OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, averages_first + num_averages_, 2,
+                                                  type_string()));
             config.ema_momentum = ScalarInput(ctx, averages_first + num_averages_);
             config.ema_rest = ScalarInput(ctx, averages_first + num_averages_ + 1);
         }
         const int indices_first = averages_first + num_averages_ + (num_averages_ > 0 ? 2 : 0);
         const int num_sparse = static_cast<int>(sparse_.size());
-        if (num_sparse > 0)
+        if (num_sparse > 0) {
+            OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, indices_first + num_sparse, 1,
+                                                  type_string()));
             config.slice_factor = ScalarInput(ctx, indices_first + num_sparse);
+        }
         const int accumulators_first = indices_first + num_sparse + (num_sparse > 0 ? 1 : 0);
         const int accumulator_at = static_cast<int>(inputs.size()); // in `vars`
         for (int i = 0; i < num_accumulators_; ++i)
