@@ -49,16 +49,17 @@ CONFIGS = {
 }
 
 
-def lockstep(shapes, graph, steps, kw, scale=2.0**10, inf_at=(3,), seed=0, use_ema=False):
-    """Ours and stock around two Adafactor(**kw) on twin variables, fed the
-    same scaled gradients (times inf at the steps ``inf_at``); every
-    variable, slot and the optimizers' own state compared after each step.
-    Returns ours."""
+def lockstep(shapes, graph, steps, kw, scale=2.0**10, inf_at=(3,), seed=0, use_ema=False,
+             make=keras.optimizers.Adafactor):
+    """Ours and stock around two ``make(**kw)`` (Adafactor) on twin
+    variables, fed the same scaled gradients (times inf at the steps
+    ``inf_at``); every variable, slot and the optimizers' own state compared
+    after each step.  Returns ours."""
     rng = np.random.default_rng(seed)
     init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     twins = [[keras.Variable(x, name=f"w{i}") for i, x in enumerate(init)] for _ in range(2)]
-    opts = [cls(keras.optimizers.Adafactor(use_ema=use_ema, **kw), initial_scale=scale,
-                dynamic_growth_steps=2) for cls in (Stock, Ours)]
+    opts = [cls(make(use_ema=use_ema, **kw), initial_scale=scale, dynamic_growth_steps=2)
+            for cls in (Stock, Ours)]
     def applier(opt, variables):
         def apply(grads):
             opt.apply(grads, variables)

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from lossscale import ops as native_ops
 from helpers import bits
+from test_fused_adafactor import lockstep as adafactor_lockstep
 from test_fused_step import Ours, Stock, assert_fused
 
 SHAPES = [(), (1,), (40,), (7, 13), (3, 3, 16, 24), (2, 1, 5, 1)]
@@ -38,33 +39,9 @@ def library():
     return native_ops.native_library_for([])
 
 
-def lockstep(shapes, graph, steps, kw, scale=2.0**10, inf_at=(3,), seed=0):
-    """Ours and stock around two Lamb(**kw) on twin variables, fed the same
-    scaled gradients (times inf at the steps ``inf_at``); every variable,
-    slot and the optimizers' own state compared after each step.  Returns
-    ours."""
-    rng = np.random.default_rng(seed)
-    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    twins = [[keras.Variable(x, name=f"w{i}") for i, x in enumerate(init)] for _ in range(2)]
-    opts = [cls(keras.optimizers.Lamb(**kw), initial_scale=scale, dynamic_growth_steps=2)
-            for cls in (Stock, Ours)]
-
-    def applier(opt, variables):
-        def apply(grads):
-            opt.apply(grads, variables)
-        return tf.function(apply) if graph else apply
-
-    applies = [applier(opt, variables) for opt, variables in zip(opts, twins)]
-    for step in range(steps):
-        grads = [(rng.standard_normal(s) * rng.uniform(0.01, 10) * scale).astype(np.float32)
-                 for s in shapes]
-        if step in inf_at:
-            grads[step % len(grads)][...] = np.inf
-        for apply in applies:
-            apply([tf.constant(g) for g in grads])
-        for a, b in zip(opts[0].variables + twins[0], opts[1].variables + twins[1]):
-            assert bits(a.numpy()) == bits(b.numpy()), f"step {step}: {a.path} differs from stock"
-    return opts[1]
+def lockstep(shapes, graph, steps, kw, **options):
+    """test_fused_adafactor's lockstep of ours and stock, around Lamb(**kw)."""
+    return adafactor_lockstep(shapes, graph, steps, kw, make=keras.optimizers.Lamb, **options)
 
 
 CONFIGS = {

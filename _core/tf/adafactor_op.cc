@@ -150,25 +150,9 @@ class AdafactorOp : public tf::OpKernel {
                 mine.push_back({n + k, r_shape});
                 mine.push_back({n + f + k, c_shape});
             }
-            for (const auto& want : mine) {
-                tf::Var* var = vars.var(want.first);
-                const tf::Tensor* value = var->tensor();
-                // Named only in a message: building the name costs more than the checks.
-                const auto what = [&] { return VariableNameAt(ctx, inputs[want.first]); };
-                OP_REQUIRES(ctx, var->is_initialized,
-                            tf::errors::FailedPrecondition(type_string(), ": ", what(),
-                                                           " is not initialized"));
-                OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
-                            tf::errors::InvalidArgument(type_string(), ": ", what(),
-                                                        " must be float32, got ",
-                                                        tf::DataTypeString(value->dtype())));
-                OP_REQUIRES(ctx, value->shape() == want.second,
-                            tf::errors::InvalidArgument(
-                                type_string(), ": ", what(), " has shape ",
-                                value->shape().DebugString(), ", expected ",
-                                want.second.DebugString(), " for the gradient of shape ",
-                                shape.DebugString()));
-            }
+            for (const auto& want : mine)
+                OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(want.first),
+                                                       inputs[want.first], want.second, shape));
             ls_adafactor_param& p = params[i];
             p.grad = g.flat<float>().data();
             p.length = static_cast<size_t>(shape.num_elements());

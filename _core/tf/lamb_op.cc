@@ -98,21 +98,8 @@ class LambMomentsOp : public tf::OpKernel {
 
         for (int t = 0; t < grads_first; ++t) {
             const tf::TensorShape& shape = ctx->input(grads_first + t % n).shape();
-            tf::Var* var = vars.var(t);
-            const tf::Tensor* value = var->tensor();
-            const auto what = [&] { return VariableNameAt(ctx, inputs[t]); };
-            OP_REQUIRES(ctx, var->is_initialized,
-                        tf::errors::FailedPrecondition(type_string(), ": ", what(),
-                                                       " is not initialized"));
-            OP_REQUIRES(ctx, value->dtype() == tf::DT_FLOAT,
-                        tf::errors::InvalidArgument(type_string(), ": ", what(),
-                                                    " must be float32, got ",
-                                                    tf::DataTypeString(value->dtype())));
-            OP_REQUIRES(ctx, value->shape() == shape,
-                        tf::errors::InvalidArgument(type_string(), ": ", what(), " has shape ",
-                                                    value->shape().DebugString(),
-                                                    ", expected ", shape.DebugString(),
-                                                    " for the gradient of that shape"));
+            OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(t), inputs[t],
+                                                   shape, shape));
         }
         for (size_t t = 0; t < vars.size(); ++t)
             OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));

@@ -212,6 +212,29 @@ inline std::string VariableNameAt(tf::OpKernelContext* ctx, size_t input) {
     return "variable '" + tf::HandleFromInput(ctx, static_cast<int>(input)).name() + "'";
 }
 
+// Whether `var`, looked up from input `input` of `op`, is initialized,
+// float32 and of shape `want` (what it keeps for a gradient of shape
+// `grad`): an error naming it otherwise.  The name is built only for the
+// message: building it costs more than the checks.
+inline tf::Status CheckFloatVariable(tf::OpKernelContext* ctx, const std::string& op,
+                                     tf::Var* var, int input, const tf::TensorShape& want,
+                                     const tf::TensorShape& grad) {
+    const tf::Tensor* value = var->tensor();
+    if (!var->is_initialized)
+        return tf::errors::FailedPrecondition(op, ": ", VariableNameAt(ctx, input),
+                                              " is not initialized");
+    if (value->dtype() != tf::DT_FLOAT)
+        return tf::errors::InvalidArgument(op, ": ", VariableNameAt(ctx, input),
+                                           " must be float32, got ",
+                                           tf::DataTypeString(value->dtype()));
+    if (value->shape() != want)
+        return tf::errors::InvalidArgument(op, ": ", VariableNameAt(ctx, input), " has shape ",
+                                           value->shape().DebugString(), ", expected ",
+                                           want.DebugString(), " for the gradient of shape ",
+                                           grad.DebugString());
+    return tf::OkStatus();
+}
+
 }  // namespace lossscale_tf
 
 #endif  // LOSSSCALE_TF_H
