@@ -1,6 +1,7 @@
 /*
  * What the fuzz targets over TensorFlow's reductions share
- * (fuzz/fuzz_norms.c, fuzz/fuzz_adafactor.c): the input's readers, the
+ * (fuzz/fuzz_norms.c, fuzz/fuzz_adafactor.c; fuzz/fuzz_lamb.c takes all
+ * but the reduction): the input's readers, the
  * 2-byte value codes, a plain restatement of Eigen's full reduction of
  * float32 values on CPU (lossscale.h's order, written independently of
  * norms.c), the floating-point control state set by hand, and a host's
@@ -169,8 +170,8 @@ static int ref_threads(size_t n, int eigen_threads)
 
 /* FullReducer on the thread-pool device: one thread, one tree; else
  * blocks of n / threads, the rest's tree (or 0) plus each block's in
- * order. */
-static float ref_sum(const float *v, size_t n, int eigen_threads)
+ * order.  (Unused where a target takes no reduction: fuzz_lamb.c.) */
+static __attribute__((unused)) float ref_sum(const float *v, size_t n, int eigen_threads)
 {
     const int threads = ref_threads(n, eigen_threads);
     if (n == 0)
