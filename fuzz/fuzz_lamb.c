@@ -309,9 +309,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fail(ran ? "the parallel-for did not run once" : "the parallel-for ran when it should not");
 
     if (!runs) {
-        state init = c.init;
-        compare(&c, &own, &init, "a refused call wrote");
-        compare(&c, &hosted, &init, "a refused call wrote");
+        compare(&c, &own, &c.init, "a refused call wrote");
+        compare(&c, &hosted, &c.init, "a refused call wrote");
     } else {
         compare(&c, &hosted, &own, "the host's pieces and the library's threads differ");
         ref_pass(&c, &ref, c.fault == FAULT_U_IS_GRAD);
@@ -320,8 +319,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free_state(&c, &own);
     free_state(&c, &hosted);
     free_state(&c, &ref);
-    state init = c.init;
-    free_state(&c, &init);
+    free_state(&c, &c.init);
 #ifdef HAVE_MXCSR
     _mm_setcsr(saved_csr);
 #endif

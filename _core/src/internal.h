@@ -28,6 +28,13 @@ typedef struct ls_fpenv {
 void ls_fpenv_enter(ls_fpenv *env, int flush);
 void ls_fpenv_leave(const ls_fpenv *env);
 
+/* Whether buffers [a, a + abytes) and [b, b + bbytes) share no byte. */
+static inline int ls_disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
+{
+    const char *x = (const char *)a, *y = (const char *)b;
+    return x + abytes <= y || y + bbytes <= x;
+}
+
 /* One float32 operation, rounded to float32 on its own: the store through
  * a volatile keeps the compiler from holding a wider intermediate (x87) or
  * fusing it with a neighbour.  Rounds in the caller's floating-point state. */

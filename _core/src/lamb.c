@@ -15,8 +15,7 @@
 
 static int overlap(const float *a, const float *b, size_t n)
 {
-    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b, bytes = n * sizeof(float);
-    return x < y + bytes && y < x + bytes;
+    return !ls_disjoint(a, n * sizeof(float), b, n * sizeof(float));
 }
 
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_lamb_config *c)

@@ -32,9 +32,8 @@ static int validate_for_unscale(const ls_buffer *bufs, size_t count)
         if (b->dst == NULL)
             return LS_ERR_ARG;
         /* in place, or disjoint */
-        const char *s = (const char *)b->src, *d = (const char *)b->dst;
-        size_t bytes = b->length * ls_dtype_size(b->dtype);
-        if (s != d && s < d + bytes && d < s + bytes)
+        const size_t bytes = b->length * ls_dtype_size(b->dtype);
+        if (b->src != b->dst && !ls_disjoint(b->src, bytes, b->dst, bytes))
             return LS_ERR_ARG;
     }
     return LS_OK;

@@ -155,12 +155,6 @@ int ls_optim_config_check(const ls_optim_config *config, const char **why)
     return reason ? LS_ERR_ARG : LS_OK;
 }
 
-static int disjoint(const void *a, size_t abytes, const void *b, size_t bbytes)
-{
-    const char *x = (const char *)a, *y = (const char *)b;
-    return x + abytes <= y || y + bbytes <= x;
-}
-
 const char *ls_optim_sparse_problem(const ls_optim_config *c)
 {
     const char *problem = config_problem(c);
@@ -266,7 +260,7 @@ static int check_param(const ls_param *p, int nslots, int terms, int accumulates
         if (bufs[i] == NULL || (uintptr_t)bufs[i] % align[i] != 0)
             return LS_ERR_ARG;
         for (int j = 0; j < i; j++)
-            if (bytes[j] != 0 && !disjoint(bufs[i], bytes[i], bufs[j], bytes[j]))
+            if (bytes[j] != 0 && !ls_disjoint(bufs[i], bytes[i], bufs[j], bytes[j]))
                 return LS_ERR_ARG;
     }
     return LS_OK;
