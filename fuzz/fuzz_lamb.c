@@ -15,7 +15,8 @@
  *     ls_lamb_config), written plainly: g divided by the scale (never its
  *     reciprocal), then the moments and u, in the floating-point state the
  *     flags name, set here; u written over the gradient itself when the
- *     input asks for it;
+ *     input asks for it; a variable given a term takes its g as it is and
+ *     the term in place of x * x, and its term keeps every bit;
  *   - the call is refused (LS_ERR_ARG) exactly when this file's
  *     restatement of the rules refuses it, a valid one (LS_ERR_SIMD)
  *     exactly when LOSSSCALE_SIMD names a level this CPU lacks, and then
@@ -36,7 +37,8 @@
  *   1      bits 0-1 variables (0-3), bits 2-4 fault (enum fault), bit 5
  *          the codes' special values include the non-finite ones
  *   2      bits 0-2 cut points for the host's parallel-for, bit 3 its
- *          pieces run last to first
+ *          pieces run last to first, bits 4-6 variables 0-2 take a term,
+ *          bit 7 variable 0's term is its m (refused when it has values)
  *   3..6   scale: its float32 bits; with unscale 2, 2^(byte 3 % 280 - 149)
  *   7..26  1 - beta_1, 1 - beta_2, epsilon, bias_1, bias_2: a u32 each,
  *          raw bits with bit 7 of byte 0, else its low 16 bits a code
@@ -44,8 +46,9 @@
  *   then per variable 3 bytes: class (bits 0-1), L (u16): length L % 64,
  *          L % 1100, 65,536 + L % 70,000, or 0
  *   then the content, handed out in order and repeated from its start
- *   (zero bytes when there is none): per variable its gradient, m and v,
- *   each value a 2-byte code (4 raw bytes with bit 7 of byte 0).
+ *   (zero bytes when there is none): per variable its gradient, m and v
+ *   (and its term), each value a 2-byte code (4 raw bytes with bit 7 of
+ *   byte 0).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -83,10 +86,11 @@ static void fail(const char *what)
 
 typedef struct state {
     float *grad[MAX_VARS], *m[MAX_VARS], *v[MAX_VARS], *u[MAX_VARS];
+    float *term[MAX_VARS]; /* NULL where the variable takes none */
 } state;
 
 typedef struct fuzz_case {
-    int caller_flush, raw, wild, lib_threads, reverse;
+    int caller_flush, raw, wild, lib_threads, reverse, termed[MAX_VARS], term_on_m;
     unsigned flags;
     ls_lamb_config config;
     size_t count, ncuts;
@@ -127,6 +131,9 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     const uint8_t split = next_byte(&r);
     c->ncuts = split & 7;
     c->reverse = (split >> 3) & 1;
+    for (size_t i = 0; i < MAX_VARS; i++)
+        c->termed[i] = (split >> (4 + i)) & 1;
+    c->term_on_m = split >> 7;
     const uint32_t scale_bits = (uint32_t)next_le(&r, 4);
     c->config.unscale = unscale == 0 ? LS_UNSCALE_NONE : unscale == 3 ? 7 : LS_UNSCALE_DIVIDE;
     c->config.scale = unscale == 2 ? ldexpf(1.0f, (int)(scale_bits & 0xffu) % 280 - 149)
@@ -145,8 +152,8 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     }
     stream content = {data + (r.at < size ? r.at : size), r.at < size ? size - r.at : 0, 0};
     for (size_t i = 0; i < c->count; i++) {
-        float **bufs[3] = {&c->init.grad[i], &c->init.m[i], &c->init.v[i]};
-        for (int b = 0; b < 3; b++) {
+        float **bufs[4] = {&c->init.grad[i], &c->init.m[i], &c->init.v[i], &c->init.term[i]};
+        for (int b = 0; b < 3 + c->termed[i]; b++) {
             *bufs[b] = floats(c->length[i]);
             for (size_t k = 0; k < c->length[i]; k++)
                 (*bufs[b])[k] = c->raw ? from_bits((uint32_t)stream_le(&content, 4))
@@ -170,6 +177,11 @@ static void copy_state(const fuzz_case *c, state *to)
         memcpy(to->m[i], c->init.m[i], bytes);
         memcpy(to->v[i], c->init.v[i], bytes);
         memcpy(to->u[i], c->init.u[i], bytes);
+        to->term[i] = NULL;
+        if (c->termed[i]) {
+            to->term[i] = floats(c->length[i]);
+            memcpy(to->term[i], c->init.term[i], bytes);
+        }
     }
 }
 
@@ -180,6 +192,7 @@ static void free_state(const fuzz_case *c, state *s)
         free(s->m[i]);
         free(s->v[i]);
         free(s->u[i]);
+        free(s->term[i]);
     }
 }
 
@@ -187,9 +200,11 @@ static void free_state(const fuzz_case *c, state *s)
 static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
 {
     for (size_t i = 0; i < c->count; i++)
-        p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i]};
+        p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i], s->term[i]};
     if (c->count == 0)
         return;
+    if (c->termed[0] && c->term_on_m)
+        p[0].term = p[0].m;
     switch (c->fault) {
     case FAULT_NULL_GRAD: p[0].grad = NULL; break;
     case FAULT_NULL_M: p[0].m = NULL; break;
@@ -212,7 +227,7 @@ static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
     if (c->fault == FAULT_HUGE_LENGTH)
         return 1;
     return p[0].length > 0 && (c->fault == FAULT_NULL_GRAD || c->fault == FAULT_NULL_M
-                               || c->fault == FAULT_U_ON_M);
+                               || c->fault == FAULT_U_ON_M || (c->termed[0] && c->term_on_m));
 }
 
 /* The pass, restated one element at a time in the flags' state. */
@@ -225,11 +240,13 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
     const ls_lamb_config *k = &c->config;
     for (size_t i = 0; i < c->count; i++) {
         float *u = i == 0 && in_place0 ? s->grad[0] : s->u[i];
+        const float *t = s->term[i];
         for (size_t e = 0; e < c->length[i]; e++) {
             const float g = s->grad[i][e];
-            const float x = k->unscale == LS_UNSCALE_DIVIDE ? g / k->scale : g;
+            const float x = t == NULL && k->unscale == LS_UNSCALE_DIVIDE ? g / k->scale : g;
             const float m = s->m[i][e] + (x - s->m[i][e]) * k->one_minus_beta_1;
-            const float v = s->v[i][e] + (x * x - s->v[i][e]) * k->one_minus_beta_2;
+            const float v = s->v[i][e] + ((t != NULL ? t[e] : x * x) - s->v[i][e])
+                                             * k->one_minus_beta_2;
             s->m[i][e] = m;
             s->v[i][e] = v;
             u[e] = (m / k->bias_1) / (sqrtf(v / k->bias_2) + k->epsilon);
@@ -244,9 +261,9 @@ static void compare(const fuzz_case *c, const state *a, const state *b, const ch
 {
     for (size_t i = 0; i < c->count; i++)
         for (size_t e = 0; e < c->length[i]; e++) {
-            const float *pa[4] = {a->grad[i], a->m[i], a->v[i], a->u[i]};
-            const float *pb[4] = {b->grad[i], b->m[i], b->v[i], b->u[i]};
-            for (int t = 0; t < 4; t++)
+            const float *pa[5] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i]};
+            const float *pb[5] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i]};
+            for (int t = 0; t < (a->term[i] != NULL ? 5 : 4); t++)
                 if (!same(pa[t][e], pb[t][e])) {
                     snprintf(detail, sizeof detail, "(variable %zu, buffer %d, element %zu: "
                              "%08x against %08x)", i, t, e, bits_of(pa[t][e]), bits_of(pb[t][e]));

@@ -10,7 +10,7 @@ but Adafactor, whose slots are not shaped as its variables and whose update
 takes means over each one, and Lamb, whose update divides by two norms
 between its moments and its move: each has an op of its own
 (``OWN_OP_FAMILIES``, ``Plan.run``; Lamb's makes its moments and step, and
-Keras' own ops take the norms and the move).
+the norms and the move follow as Keras takes them, ``_lamb_moves``).
 ``decide`` is the one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.
@@ -366,6 +366,13 @@ SUMMED_BY_ROW = SparseForm()
 # Nadam: its u_product, which ``Plan.run`` moves first, as Keras does).
 BY_OWN_UPDATE = SparseForm()
 
+# A sparse gradient that Keras' Lamb densifies twice: its slices (the
+# subtraction from m densifies them) and their squares (``ops.square`` of an
+# IndexedSlices squares its slices, a row's duplicates apart, and the
+# subtraction from v densifies those).  The Lamb op takes the first as the
+# gradient and the second as v's term (``Plan._own_op_gradients``).
+DENSIFIED_WITH_SQUARES = SparseForm()
+
 # A clip the kernels do not take, run as the inner optimizer's own ops on
 # the unscaled gradients before the fused pass (``Plan.clip_by_own_ops``):
 # tf_keras' legacy optimizers clip by every option set, by 0 too, in turn.
@@ -606,7 +613,7 @@ class Plan:
         variable: it densifies the sparse ones, which then take the op."""
         inner = self.inner
         variables = [self.variables[i] for i in which]
-        grads, unscale = self._own_op_gradients(which, scale, unscale)
+        grads, unscale, _ = self._own_op_gradients(which, scale, unscale)
         factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
 
         def handles(kind, which):
@@ -623,21 +630,35 @@ class Plan:
             epsilon_2=float(inner.epsilon_2), clip_threshold=float(inner.clip_threshold),
             rsqrt=bool(_rsqrt_form()), unscale=unscale)
 
-    def _own_op_gradients(self, which, scale, unscale):
+    def _own_op_gradients(self, which, scale, unscale, squares=False):
         """The gradients of the variables ``which`` as an op of a family of
-        its own (``OWN_OP_FAMILIES``) takes them, and the unscale it then
-        applies: float32 ones as they came; a clip, another unscale,
-        another dtype or slices by Keras' own ops on the gradients unscaled
-        as stock unscales them (a slice at a time) and cast as the family's
-        update casts them (the op then unscales nothing).  Under a global
-        clip, whose norm takes in every gradient, ``which`` is every
-        variable: it densifies the sparse ones, which then take the op."""
+        its own (``OWN_OP_FAMILIES``) takes them, the unscale it then
+        applies, and the terms of the sparse ones (``{position: term}``):
+        float32 ones as they came; a clip, another unscale, another dtype
+        or slices by Keras' own ops on the gradients unscaled as stock
+        unscales them (a slice at a time) and cast as the family's update
+        casts them (the op then unscales nothing).  Under a global clip,
+        whose norm takes in every gradient, ``which`` is every variable: it
+        densifies the sparse ones, which then take the op.
+
+        With ``squares`` (Lamb's, whose update takes ``square(gradient)``):
+        a sparse gradient the clip leaves sparse is densified as Keras'
+        ops densify it, and its term is its slices' squares densified
+        alike (a row's duplicates' squares summed, as Keras squares the
+        slices before its subtraction densifies them); the op takes it as
+        it is, and dense float32 gradients, with no clip, as they came."""
         variables = [self.variables[i] for i in which]
         grads = [self.grads[i] for i in which]
+        sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
         if (self.clip is None and unscale in ("divide", "none")
-                and all(g.dtype == tf.float32 and not isinstance(g, tf.IndexedSlices)
-                        for g in grads)):
-            return grads, unscale
+                and all(g.dtype == tf.float32 and (not s or squares)
+                        for g, s in zip(grads, sparse))):
+            if not any(sparse):
+                return grads, unscale, {}
+            with tf.control_dependencies(self.checks):
+                grads = [_unscaled_slices(g, v, scale, unscale) if s else g
+                         for g, v, s in zip(grads, variables, sparse)]
+                return self._densified_with_squares(grads, unscale)
         with tf.control_dependencies(self.checks):
             grads = [_unscaled_slices(g, v, scale, unscale)
                      if isinstance(g, tf.IndexedSlices)
@@ -645,8 +666,19 @@ class Plan:
                      for g, v in zip(grads, variables)]
             if self.clip is not None:
                 grads = list(_compat.clip_gradients(self.inner, grads))
+            if squares:
+                return self._densified_with_squares(grads, "none")
             grads = [tf.convert_to_tensor(g) for g in grads]
-        return grads, "none"
+        return grads, "none", {}
+
+    @staticmethod
+    def _densified_with_squares(grads, unscale):
+        """``grads`` with each ``tf.IndexedSlices`` densified (``_densify``),
+        the unscale, and the densified squares of those (``{position:
+        term}``)."""
+        terms = {k: _densify(_map_values(tf.square, g)) for k, g in enumerate(grads)
+                 if isinstance(g, tf.IndexedSlices)}
+        return [_densify(g) if k in terms else g for k, g in enumerate(grads)], unscale, terms
 
     def _launch_lamb(self, library, should_apply, scale, unscale, which):
         """Lamb's step of the variables ``which`` (positions in the plan),
@@ -659,7 +691,7 @@ class Plan:
         inner = self.inner
         line = self.family.line
         variables = [self.variables[i] for i in which]
-        grads, unscale = self._own_op_gradients(which, scale, unscale)
+        grads, unscale, terms = self._own_op_gradients(which, scale, unscale, squares=True)
         bias_1, bias_2 = self.scalars
         learning_rate = self.learning_rate
 
@@ -668,11 +700,12 @@ class Plan:
                 [local_copy(m).handle for m in line.slots(inner, "m", variables)],
                 [local_copy(v).handle for v in line.slots(inner, "v", variables)],
                 grads, scale, tf.cast(bias_1, tf.float32), tf.cast(bias_2, tf.float32),
+                [terms[k] for k in sorted(terms)], termed=sorted(terms),
                 one_minus_beta_1=float(np.float32(1 - inner.beta_1)),
                 one_minus_beta_2=float(np.float32(1 - inner.beta_2)),
                 epsilon=float(np.float32(inner.epsilon)), unscale=unscale)
-            for variable, u in zip(variables, us):
-                _lamb_move(local_copy(variable), u, learning_rate)
+            _lamb_moves(library, [local_copy(v) for v in variables], us, learning_rate,
+                        inner.iterations, shared_rate=len(self.variables) > 1)
 
         with tf.control_dependencies(self.checks):
             _step.cond(should_apply, update, lambda: None)
@@ -1510,6 +1543,17 @@ def _adafactor_scalars(inner, lr):
     return [rho, beta, ops.subtract(1, beta)]
 
 
+def _lamb_sparse():
+    """Lamb's form of a sparse gradient: on one replica ``DENSIFIED_WITH_SQUARES``
+    (its op takes the gradient as Keras' ops densify it, with its slices'
+    squares densified alike as v's term); under several, the reason it is
+    left to stock."""
+    if _replicas() > 1:
+        return ("Keras' Lamb densifies a sparse gradient and its squares apart, which the "
+                "fused step takes on one replica only")
+    return DENSIFIED_WITH_SQUARES
+
+
 def _lamb_scalars(inner, lr):
     """Lamb's 1 - beta_1 ** step and 1 - beta_2 ** step, with Keras' own
     ops in its update_step's order."""
@@ -1549,6 +1593,113 @@ def _lamb_move(variable, update, learning_rate):
         variable.assign_sub(tf.reshape(ratio * lr * tf.reshape(update, []), shape))
     else:
         variable.assign_sub(ratio * lr * update)
+
+
+def _lamb_moves(library, variables, updates, learning_rate, iterations, shared_rate):
+    """``_lamb_move`` for every variable and its update, the variables of
+    more than one element in a graph by native ops where these compute
+    stock's bits (``_lamb_native_moves``); the rest by Keras' own ops.
+    ``iterations``: the optimizer's step counter, which the probe reads.
+    ``shared_rate``: whether stock's step hands its learning rate to more
+    than one update (then the graph optimizer keeps it out of each chain
+    of products, as here)."""
+    native = []
+    if (shared_rate and not tf.executing_eagerly() and _grappler_reassociates_products()
+            and _native_norms_agree(library)):
+        native = [k for k, v in enumerate(variables)
+                  if _more_than_one(v) and tf.as_dtype(v.dtype) == tf.float32]
+    for k, (variable, update) in enumerate(zip(variables, updates)):
+        if k not in native:
+            _lamb_move(variable, update, learning_rate)
+    if native:
+        _lamb_native_moves(library, [variables[k] for k in native],
+                           [updates[k] for k in native], learning_rate, iterations)
+
+
+def _lamb_native_moves(library, variables, updates, learning_rate, iterations):
+    """Keras' Lamb lines after its update (``_lamb_move``) for variables of
+    more than one element, in a graph, by two native ops: the squares of
+    every variable and update summed in TensorFlow's Sum order
+    (LossScaleSquaredNorms, one read of each), and each variable moved by
+    its ``ratio * lr`` times its update (LossScaleApplyOptimizer's SGD at a
+    learning rate of 1, the factor its variable's clip scalar: w - (u * c)
+    * 1 is w - u * c), one read of each pair.  Stock's Keras ops make three
+    passes more over each.  The norms and ratios are Keras' ops on the
+    stacked sums, element for element the same float32 operations.
+
+    Both rest on the graph optimizer's rewrites of stock's lines, which a
+    probe in the step reads: ``power(x, 2)`` must become ``Square`` (x *
+    x: TensorFlow's Pow differs from it on many values), and ``ratio * lr
+    * update`` must run as ``(ratio * lr) * update`` (``_lamb_move``).
+    Should either not hold, every variable moves by Keras' own ops."""
+    from keras import ops
+
+    names = [str(getattr(v, "path", None) or v.name) for v in variables]
+    count = len(variables)
+    sums = library.loss_scale_squared_norms(
+        [tf.convert_to_tensor(v) for v in variables] + list(updates), [],
+        tf.constant(1.0, tf.float32), names=names + [n + " (update)" for n in names],
+        unscale="none")
+    w_norm = ops.sqrt(tf.stack(sums[:count]))
+    g_norm = ops.sqrt(tf.stack(sums[count:]))
+    ratio = ops.where(
+        ops.greater(w_norm, 0),
+        ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),
+        1.0,
+    )
+    lr = ops.cast(learning_rate, "float32")
+    factors = tf.unstack(ratio * lr)
+
+    def by_native():
+        one = tf.constant(1.0, tf.float32)
+        library.loss_scale_apply_optimizer(
+            tf.constant(True), [v.handle for v in variables], [], list(updates), one, one,
+            tf.constant(0.0, tf.float32), [], factors, [], [], [], [], [], [],
+            family="sgd", hyper=[0.0, 0.0], decay=[0] * count, unscale="none",
+            clip="global", clip_value=0.0)
+
+    _step.cond(_lamb_probe(lr, iterations), by_native,
+               lambda: [_lamb_move(v, u, learning_rate) for v, u in zip(variables, updates)])
+
+
+def _lamb_probe(lr, iterations):
+    """Whether the graph optimizer rewrites this step's Lamb lines as
+    ``_lamb_native_moves`` computes them (a bool tensor): ``power(x, 2)``
+    on lanes where TensorFlow's Pow and x * x differ, and ``ratio * lr *
+    x`` (a ratio only the run knows, ``lr`` the step's own) on lanes where
+    its orders round differently, against ``(ratio * lr) * x``."""
+    from keras import ops
+
+    # + 0 that only the run knows: the iterations are never negative.
+    zero = tf.minimum(tf.cast(iterations, tf.float32), 0.0)
+    checks = []
+    pow_lanes = _pow_lanes()
+    if pow_lanes.size:
+        x = tf.constant(pow_lanes) + zero
+        checks.append(tf.reduce_all(tf.equal(ops.power(x, 2), x * x)))
+    lanes = tf.constant(np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32)) + zero
+    ratio = tf.constant(np.float32(1.0 + 2.0**-7 + 2.0**-19)) + zero
+    product = ratio * lr * lanes
+    checks.append(tf.reduce_all(tf.equal(product, lanes * product[0])))
+    return tf.reduce_all(tf.stack(checks))
+
+
+_POW_LANES = []
+
+
+def _pow_lanes():
+    """Up to 64 float32 values whose TensorFlow Pow(x, 2) is not x * x
+    (its float32 pow is not correctly rounded), found once per process,
+    eagerly, among values across many binades; empty where none is."""
+    if not _POW_LANES:
+        rng = np.random.default_rng(11)
+        values = (rng.uniform(1.0, 2.0, 4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(
+            np.float32)
+        with tf.init_scope(), tf.device("/cpu:0"):
+            x = tf.constant(values)
+            differ = tf.not_equal(tf.pow(x, tf.constant(2.0, tf.float32)), x * x).numpy()
+        _POW_LANES.append(values[differ][:64])
+    return _POW_LANES[0]
 
 
 def _adafactor_reason(inner):
@@ -1640,9 +1791,7 @@ FAMILIES = (
     Family("lamb", keras.optimizers.Lamb, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=lambda inner: [],
            scalars=_lamb_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
-           sparse=lambda inner, v: _by_own_update(
-               "Keras' Lamb densifies a sparse gradient's moments and then takes the norm of "
-               "its update over the whole table, a form the fused op does not take")),
+           sparse=lambda inner, v: _lamb_sparse()),
     # Its own op (LossScaleApplyAdafactor, Plan.run): r, c and v are not
     # shaped as the variable, and its update takes means over each one.
     Family("adafactor", keras.optimizers.Adafactor,

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from lossscale import ops as native_ops
 from helpers import bits
+from test_fused_adafactor import SPARSE_CLIPS, sparse_lockstep
 from test_fused_adafactor import lockstep as adafactor_lockstep
 from test_fused_step import Ours, Stock, assert_fused
 
@@ -79,6 +80,111 @@ def test_zero_variable_and_zero_step_take_a_ratio_of_one_as_stock():
         assert_fused(opts[1])
 
 
+# ------------------------------------------- the norms and move in a graph
+
+def op_types(function, *args):
+    """The op types of ``function``'s graph for ``args``, with the functions
+    it calls (a cond's branches)."""
+    types = set()
+
+    def walk(graph):
+        types.update(op.type for op in graph.get_operations())
+        for called in graph._functions.values():  # pylint: disable=protected-access
+            walk(called.graph)
+
+    walk(function.get_concrete_function(*args).graph)
+    return types
+
+
+def test_graph_step_takes_its_norms_and_move_by_native_ops():
+    """In a tf.function, the variables of more than one element have their
+    norms summed by LossScaleSquaredNorms and move by LossScaleApplyOptimizer
+    where the probe finds stock's lines rewritten as those compute them
+    (Pow(x, 2) as Square, ``(ratio * lr) * u``); the probe says so in a
+    graph and not eagerly, where Pow stays TensorFlow's Pow."""
+    from lossscale import _fused
+
+    variables = [keras.Variable(np.ones(s, np.float32) * 0.5) for s in [(30, 40), (40,), (1,)]]
+    ours = Ours(keras.optimizers.Lamb(0.01), initial_scale=4.0)
+    apply = tf.function(lambda grads: ours.apply(grads, variables))
+    grads = [tf.ones(v.shape) for v in variables]
+    apply(grads)
+    assert_fused(ours)
+    assert {"LossScaleSquaredNorms", "LossScaleApplyOptimizer"} <= op_types(apply, grads)
+    assert _fused._pow_lanes().size > 0  # TensorFlow's Pow differs from x * x here
+    rate, iterations = tf.Variable(0.01), tf.Variable(3, dtype=tf.int64)
+    assert bool(tf.function(lambda: _fused._lamb_probe(rate, iterations))())
+    assert not bool(_fused._lamb_probe(rate, iterations))
+
+
+def test_probe_tells_pow_left_as_written():
+    """With the graph optimizer's arithmetic pass off, power(x, 2) stays
+    TensorFlow's Pow and the probe says so; the step then takes Keras' own
+    ops, bit-identical to stock's."""
+    from lossscale import _fused
+
+    rate, iterations = tf.Variable(0.01), tf.Variable(3, dtype=tf.int64)
+    previous = tf.config.optimizer.get_experimental_options().get("arithmetic_optimization")
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    try:
+        assert not bool(tf.function(lambda: _fused._lamb_probe(rate, iterations))())
+        assert_fused(lockstep(SHAPES, True, 8, CONFIGS["schedule_decay"]))
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"arithmetic_optimization": True if previous is None else previous})
+
+
+def test_probe_false_moves_by_keras_ops_as_stock(monkeypatch):
+    """Should the probe find either rewrite missing, every variable moves by
+    Keras' own lines, bit-identical to stock."""
+    from lossscale import _fused
+
+    monkeypatch.setattr(_fused, "_lamb_probe", lambda lr, iterations: tf.constant(False))
+    assert_fused(lockstep(SHAPES + LARGE[:1], True, 8, CONFIGS["schedule_decay"]))
+
+
+@pytest.mark.parametrize("config", ["keywords", "schedule_decay"])
+def test_one_variable_moves_as_stock(config):
+    """A step of one variable: stock's learning rate feeds that one chain,
+    which the graph optimizer may then merge with a schedule's products; it
+    moves by Keras' own lines."""
+    assert_fused(lockstep([(7, 13)], True, 10, CONFIGS[config]))
+
+
+# ------------------------------------------------------ sparse gradients
+
+@pytest.mark.parametrize("kw", SPARSE_CLIPS, ids=["plain", "clipnorm", "global_clipnorm",
+                                                  "clipvalue_decay_ema"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_sparse_gradient_bit_identical_to_stock(graph, dtype, kw):
+    """An embedding table's slices (a row named twice, rows never named)
+    beside dense variables: Keras densifies the slices, and apart from them
+    their squares (a row's duplicates' squares summed); the op takes both
+    (under ``global_clipnorm`` Keras densifies the gradient first, and the
+    op squares it).  A step with an overflow is skipped by both."""
+    sparse_lockstep(keras.optimizers.Lamb, graph, 2.0**10, kw, dtype=dtype, steps=10)
+
+
+def test_sparse_gradient_with_an_inexact_scale_bit_identical_to_stock():
+    sparse_lockstep(keras.optimizers.Lamb, True, 1000.0, {}, dtype=np.float32)
+
+
+def test_sparse_gradient_takes_the_op_and_under_replicas_says_why(monkeypatch):
+    from lossscale import _fused
+
+    table = keras.Variable(np.ones((10, 4), np.float32), name="table")
+    inner = keras.optimizers.Lamb()
+    inner.build([table])
+    grads = [tf.IndexedSlices(tf.ones((2, 4)), tf.constant([1, 1]), tf.constant([10, 4]))]
+    decision = _fused.decide(inner, grads=grads, variables=[table])
+    assert decision.plan.forms == [_fused.DENSIFIED_WITH_SQUARES]
+    monkeypatch.setattr(_fused, "_replicas", lambda: 2)
+    family = next(f for f in _fused.FAMILIES if f.name == "lamb")
+    path = family.sparse(inner, table)
+    assert path.startswith("Keras' Lamb densifies a sparse gradient and its squares"), path
+
+
 # ------------------------------------------------------- the op's pass
 
 def op_case(shape=(3, 4), seed=0, scale=2.0):
@@ -89,18 +195,19 @@ def op_case(shape=(3, 4), seed=0, scale=2.0):
     made = {"m": tf.Variable(m, name="m"), "v": tf.Variable(v, name="v")}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(scale), bias_1=tf.constant(np.float32(0.271)),
-                bias_2=tf.constant(np.float32(0.00299)), one_minus_beta_1=0.1,
+                bias_2=tf.constant(np.float32(0.00299)), terms=[], one_minus_beta_1=0.1,
                 one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     return made, args, (m, v, g)
 
 
-def numpy_pass(m, v, g, args):
-    """The op's arithmetic in numpy's float32 operations, one rounding each."""
+def numpy_pass(m, v, g, args, term=None):
+    """The op's arithmetic in numpy's float32 operations, one rounding each
+    (with a ``term``, g as it is and the term in place of its square)."""
     f = np.float32
     how = args["unscale"]
-    x = g / f(args["scale"].numpy()) if how == "divide" else g
+    x = g / f(args["scale"].numpy()) if how == "divide" and term is None else g
     m1 = m + (x - m) * f(args["one_minus_beta_1"])
-    v1 = v + (x * x - v) * f(args["one_minus_beta_2"])
+    v1 = v + ((x * x if term is None else term) - v) * f(args["one_minus_beta_2"])
     u = (m1 / args["bias_1"].numpy()) / (np.sqrt(v1 / args["bias_2"].numpy())
                                           + f(args["epsilon"]))
     return m1, v1, u
@@ -134,7 +241,7 @@ def test_op_pass_of_special_values_against_numpy():
     made = {"m": tf.Variable(m), "v": tf.Variable(v)}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(np.float32(0.5)), bias_1=tf.constant(np.float32(0.1)),
-                bias_2=tf.constant(np.float32(0.001)), one_minus_beta_1=0.1,
+                bias_2=tf.constant(np.float32(0.001)), terms=[], one_minus_beta_1=0.1,
                 one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     with np.errstate(all="ignore"):
         want = numpy_pass(m, v, g, args)
@@ -143,6 +250,27 @@ def test_op_pass_of_special_values_against_numpy():
         nan = np.isnan(expected)
         assert np.array_equal(np.isnan(got), nan)
         assert bits(got[~nan]) == bits(expected[~nan])
+
+
+@pytest.mark.parametrize("length", [1, 37, 70001])
+def test_op_pass_with_a_term_against_numpy(length):
+    """Three variables, the middle one given a term (a sparse gradient
+    densified, its squares densified apart): it takes its gradient as it
+    is and the term in place of g * g, while the others are divided by the
+    scale; each against numpy's float32 arithmetic."""
+    rng = np.random.default_rng(length)
+    cases = [op_case((length,), seed=k, scale=512.0) for k in range(3)]
+    term = rng.uniform(0.0, 3.0, length).astype(np.float32)
+    first = cases[0][1]
+    args = {**first, "m": [c[1]["m"][0] for c in cases], "v": [c[1]["v"][0] for c in cases],
+            "grads": [tf.constant(c[2][2]) for c in cases], "scale": tf.constant(512.0),
+            "terms": [tf.constant(term)], "termed": [1]}
+    out = library().loss_scale_lamb_moments(**args)
+    for k, ((made, _, (m, v, g)), u) in enumerate(zip(cases, out)):
+        m1, v1, u1 = numpy_pass(m, v, g, args, term=term if k == 1 else None)
+        assert bits(made["m"].numpy()) == bits(m1), k
+        assert bits(made["v"].numpy()) == bits(v1), k
+        assert bits(u.numpy()) == bits(u1), k
 
 
 def snapshot(made):
@@ -157,7 +285,14 @@ def snapshot(made):
     (lambda made, a: {**a, "v": [made["m"].handle]}, "passed twice"),
     (lambda made, a: {**a, "grads": [tf.ones((4, 3))]}, "has shape [3,4], expected [4,3]"),
     (lambda made, a: {**a, "bias_1": tf.constant([0.5, 0.5])}, "must be a scalar"),
-], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape"])
+    (lambda made, a: {**a, "terms": [tf.ones((4, 3))], "termed": [0]},
+     "the term of gradient 0 has shape [4,3], expected [3,4]"),
+    (lambda made, a: {**a, "terms": [tf.ones((3, 4))], "termed": [1]},
+     "termed must be ascending positions of variables, below 1"),
+    (lambda made, a: {**a, "terms": [tf.ones((3, 4))], "termed": []},
+     "1 terms for 0 termed variables"),
+], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape", "term_shape", "termed_range",
+        "terms_count"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args, _ = op_case()
     before = snapshot(made)

@@ -357,7 +357,7 @@ def test_slices_of_known_numbers_bit_identical_to_stock(name):
                                   lambda: keras.optimizers.Adafactor(0.01),
                                   lambda: keras.optimizers.Lamb(0.01)],
                          ids=["adam", "rmsprop", "rmsprop_own_update", "adafactor_own_update",
-                              "lamb_own_update"])
+                              "lamb"])
 def test_tf24_rule_multiplies_the_values_as_its_stock_path(make):
     """With ``loss_scale=`` (TensorFlow 2.4's rule: values times 1 / scale in
     their own dtype) the fused sparse step gives what the same optimizer's

@@ -898,3 +898,37 @@ def test_zero_variables_refuses_a_non_float32_variable_before_writing():
     with pytest.raises(tf.errors.InvalidArgumentError, match="variable 1 is not an initialized"):
         library.loss_scale_zero_variables([a.handle, n.handle])
     assert_same_bits(a.numpy(), np.ones(3, np.float32))
+
+
+def test_fused_step_global_clip_takes_one_factor_or_one_per_variable():
+    """Under 'global' the op takes the step's one factor, or one per
+    variable (Lamb's move, ``ratio * lr`` each): each gradient times its
+    factor, then SGD's w - g * lr, in numpy's float32 operations; any other
+    count is an error before anything moves."""
+    module, _ = _loader.load()
+    rng = np.random.default_rng(5)
+    shapes = [(3, 7), (40,), (2, 2, 5)]
+    start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    factors = np.float32([0.37, 1.0e-3 * 3.0, 7.5])
+    lr = np.float32(0.3)
+
+    def call(variables, clip_scalars):
+        module.loss_scale_apply_optimizer(
+            tf.constant(True), [v.handle for v in variables], [],
+            [tf.constant(g) for g in grads], tf.constant(1.0), tf.constant(lr),
+            tf.constant(0.0), [], [tf.constant(c) for c in clip_scalars], [], [], [], [], [],
+            [], family="sgd", hyper=[0.0, 0.0], decay=[0] * len(variables), unscale="none",
+            clip="global")
+
+    for scalars in (factors, factors[:1]):
+        variables = [tf.Variable(x) for x in start]
+        call(variables, scalars)
+        each = scalars if len(scalars) > 1 else [scalars[0]] * len(shapes)
+        for v, w, g, c in zip(variables, start, grads, each):
+            assert_same_bits(v.numpy(), w - (g * c) * lr)
+    variables = [tf.Variable(x) for x in start]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes 1 clip scalars, got 2"):
+        call(variables, factors[:2])
+    for v, w in zip(variables, start):
+        assert_same_bits(v.numpy(), w)

@@ -609,11 +609,14 @@ int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
  *
  *   x = g unscaled: as it is, or g / scale (LS_UNSCALE_DIVIDE)
  *   m = m + (x - m) * one_minus_beta_1
- *   v = v + (x * x - v) * one_minus_beta_2
+ *   v = v + (t - v) * one_minus_beta_2,  t = x * x, or the given term
  *   u = (m / bias_1) / (sqrt(v / bias_2) + epsilon)
  *
  * with m and v written in place and u to its own buffer, which may be the
  * gradient's own (then each element's g is read before its u is written).
+ * A variable given a term (a sparse gradient's, as Keras densifies it: g
+ * the slices summed per row, the term their squares summed alike) takes g
+ * as it is, whatever the unscale.
  * bias_1 and bias_2 are Keras' 1 - beta ** step, made as Keras makes them;
  * the norms of the variable and of u, their ratio and the variable's move
  * by u are the caller's (TensorFlow's reductions, as Keras takes them).
@@ -624,6 +627,7 @@ typedef struct ls_lamb_param {
     float *m, *v;
     float *u; /* the step's u: grad itself, or a buffer apart from m and v */
     size_t length;
+    const float *term; /* NULL, or v's term t for each element (read only) */
 } ls_lamb_param;
 
 typedef struct ls_lamb_config {
@@ -634,8 +638,8 @@ typedef struct ls_lamb_config {
 } ls_lamb_config;
 
 /* Why the pass cannot run as given (no configuration, a NULL buffer, m, v
- * and u overlapping each other or the gradient but for u being it, an
- * unknown unscale), or NULL. */
+ * and u overlapping each other or the gradient but for u being it, a term
+ * overlapping m, v or u, an unknown unscale), or NULL. */
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
                             const ls_lamb_config *config);
 

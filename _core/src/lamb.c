@@ -37,6 +37,9 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_
             || overlap(p->u, p->m, n) || overlap(p->u, p->v, n)
             || (p->u != p->grad && overlap(p->u, p->grad, n)))
             return "m, v and u overlap each other or the gradient (u may be the gradient itself)";
+        if (p->term != NULL
+            && (overlap(p->term, p->m, n) || overlap(p->term, p->v, n) || overlap(p->term, p->u, n)))
+            return "a term overlaps m, v or u";
     }
     return NULL;
 }
@@ -64,6 +67,9 @@ static int lamb_range(const void *arg, size_t begin, size_t end)
             continue;
         ls_lamb_span s = j->model;
         s.grad = p->grad + lo;
+        s.term = p->term != NULL ? p->term + lo : NULL;
+        if (p->term != NULL) /* a densified sparse gradient: as it is */
+            s.how = LS_ADAFACTOR_AS_IS;
         s.m = p->m + lo;
         s.v = p->v + lo;
         s.u = p->u + lo;
@@ -101,7 +107,7 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
         k = how == LS_ADAFACTOR_MULTIPLY ? ls_reciprocal_f32(config->scale, 0) : config->scale;
     }
     lamb_job j = {params, count,
-                  {NULL, NULL, NULL, NULL, 0, how, k, config->one_minus_beta_1,
+                  {NULL, NULL, NULL, NULL, NULL, 0, how, k, config->one_minus_beta_1,
                    config->one_minus_beta_2, config->epsilon, config->bias_1, config->bias_2},
                   flags, ls_optim_kernels_at(level)->lamb};
     const int rc = (parallel ? parallel : ls_own_threads)(host, lamb_range, &j, total);

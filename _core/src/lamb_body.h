@@ -7,9 +7,9 @@
  * the gradient (`how`, a constant where it is inlined).
  */
 
-LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how)
+LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how, int termed)
 {
-    const float *const g = s->grad;
+    const float *const g = s->grad, *const t = s->term;
     float *const m = s->m, *const v = s->v, *const u = s->u;
     const float k = s->k, c1 = s->c1, c2 = s->c2, eps = s->epsilon, b1 = s->bias_1,
                 b2 = s->bias_2;
@@ -22,7 +22,8 @@ LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how)
         const LS_V x = LS_FN(adafactor_by)(v_load(g + i), how, kv);
         const LS_V m0 = v_load(m + i), v0 = v_load(v + i);
         const LS_V m1 = v_add(m0, v_mul(v_sub(x, m0), c1v));
-        const LS_V v1 = v_add(v0, v_mul(v_sub(v_mul(x, x), v0), c2v));
+        const LS_V sq = termed ? v_load(t + i) : v_mul(x, x);
+        const LS_V v1 = v_add(v0, v_mul(v_sub(sq, v0), c2v));
         v_store(m + i, m1);
         v_store(v + i, v1);
         v_store(u + i, v_div(v_div(m1, b1v), v_add(v_sqrt(v_div(v1, b2v)), ev)));
@@ -31,20 +32,23 @@ LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how)
     for (; i < n; i++) {
         const float x = ls_adafactor_by1(g[i], how, k);
         const float m1 = m[i] + (x - m[i]) * c1;
-        const float v1 = v[i] + (x * x - v[i]) * c2;
+        const float v1 = v[i] + ((termed ? t[i] : x * x) - v[i]) * c2;
         m[i] = m1;
         v[i] = v1;
         u[i] = (m1 / b1) / (sqrtf(v1 / b2) + eps);
     }
 }
 
-/* The span's pass: LS_KFN(lamb_loop) for its way of taking the gradient. */
+/* The span's pass: LS_KFN(lamb_loop) for its way of taking the gradient
+ * (a span with a term takes it as it is). */
 static void LS_KFN(lamb)(const ls_lamb_span *s)
 {
-    if (s->how == LS_ADAFACTOR_DIVIDE)
-        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_DIVIDE);
+    if (s->term != NULL)
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_AS_IS, 1);
+    else if (s->how == LS_ADAFACTOR_DIVIDE)
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_DIVIDE, 0);
     else if (s->how == LS_ADAFACTOR_MULTIPLY)
-        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_MULTIPLY);
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_MULTIPLY, 0);
     else
-        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_AS_IS);
+        LS_KFN(lamb_loop)(s, LS_ADAFACTOR_AS_IS, 0);
 }

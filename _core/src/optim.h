@@ -354,6 +354,7 @@ typedef struct ls_adafactor_loops {
  * unscale (ls_adafactor_by1's). */
 typedef struct ls_lamb_span {
     const float *grad;
+    const float *term; /* NULL: v's term is x * x */
     float *m, *v, *u;
     size_t n;
     int how;

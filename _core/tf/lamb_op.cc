@@ -47,8 +47,11 @@ REGISTER_OP("LossScaleLambMoments")
     .Input("scale: float")
     .Input("bias_1: float")
     .Input("bias_2: float")
+    .Input("terms: num_terms * float")
     .Output("u: num_variables * float")
     .Attr("num_variables: int >= 1")
+    .Attr("num_terms: int >= 0 = 0")
+    .Attr("termed: list(int) = []")
     .Attr("one_minus_beta_1: float")
     .Attr("one_minus_beta_2: float")
     .Attr("epsilon: float")
@@ -61,7 +64,11 @@ gradient first divided by `scale` ('divide') or taken as it is, then
 m = m + (g - m) * one_minus_beta_1, v = v + (g * g - v) * one_minus_beta_2
 in place, and u = (m / bias_1) / (sqrt(v / bias_2) + epsilon) out, where
 bias_1 and bias_2 are Keras' 1 - beta ** step (lossscale.h,
-ls_lamb_moments_with).  Run it only on a step that applies.
+ls_lamb_moments_with).  `termed` (ascending positions of variables, one
+`terms` entry each, of the gradient's shape): those gradients are a sparse
+gradient as Keras densifies it (its slices summed per row), taken as they
+are, and their term is v's in place of g * g (the slices' squares summed
+alike).  Run it only on a step that applies.
 )doc");
 
 class LambMomentsOp : public tf::OpKernel {
@@ -74,6 +81,21 @@ class LambMomentsOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_2", &config_.one_minus_beta_2));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &config_.epsilon));
         config_.unscale = UnscaleMode(unscale);
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("termed", &termed_));
+        int num_terms = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_terms", &num_terms));
+        OP_REQUIRES(ctx, static_cast<size_t>(num_terms) == termed_.size(),
+                    tf::errors::InvalidArgument("LossScaleLambMoments: ", num_terms,
+                                                " terms for ", termed_.size(),
+                                                " termed variables"));
+        for (size_t k = 0; k < termed_.size(); ++k)
+            OP_REQUIRES(ctx,
+                        termed_[k] >= 0 && termed_[k] < n_ &&
+                            (k == 0 || termed_[k] > termed_[k - 1]),
+                        tf::errors::InvalidArgument(
+                            "LossScaleLambMoments: termed must be ascending positions of "
+                            "variables, below ",
+                            n_));
     }
 
     void Compute(tf::OpKernelContext* ctx) override {
@@ -127,6 +149,17 @@ class LambMomentsOp : public tf::OpKernel {
             p.v = FloatsOf(vars.var(n + i));
             p.length = static_cast<size_t>(g.NumElements());
         }
+        for (size_t k = 0; k < termed_.size(); ++k) {
+            const int i = termed_[k];
+            const tf::Tensor& term = ctx->input(first_scalar + 3 + static_cast<int>(k));
+            const tf::Tensor& g = ctx->input(grads_first + i);
+            OP_REQUIRES(ctx, term.shape() == g.shape(),
+                        tf::errors::InvalidArgument(
+                            type_string(), ": the term of gradient ", i, " has shape ",
+                            term.shape().DebugString(), ", expected ",
+                            g.shape().DebugString()));
+            params[i].term = term.flat<float>().data();
+        }
         const char* why = ls_lamb_problem(params.data(), params.size(), &config);
         OP_REQUIRES(ctx, why == nullptr, tf::errors::InvalidArgument(type_string(), ": ", why));
         const int rc = ls_lamb_moments_with(params.data(), params.size(), &config,
@@ -136,6 +169,7 @@ class LambMomentsOp : public tf::OpKernel {
 
   private:
     int n_ = 0;
+    std::vector<tf::int32> termed_;
     ls_lamb_config config_ = {};
 };
 

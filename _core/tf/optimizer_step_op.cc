@@ -112,7 +112,8 @@ var - var * wd: `weight_decay` the whole factor).
 Each unscaled gradient is clipped first as `clip` says (Keras' clipvalue,
 clipnorm, global_clipnorm): 'value' to [-clip_value, clip_value]; 'norm'
 (g * clip_value) / its variable's `clip_scalars` entry (max(l2norm,
-clipnorm), one per variable); 'global' g * `clip_scalars`' one factor.
+clipnorm), one per variable); 'global' g * `clip_scalars`' one factor, or
+its variable's entry where there is one per variable.
 
 `terms`, none or one per variable (then with unscale 'none', for a family
 that takes one): what the family takes in place of one function of the
@@ -254,9 +255,13 @@ class FusedStepOp : public tf::OpKernel {
         config_.accumulation_steps = steps;
         config_.clip = ClipMode(clip);
         OP_REQUIRES_OK(ctx, ctx->GetAttr("clip_value", &config_.clip_value));
-        const int clip_scalars = config_.clip == LS_CLIP_NORM     ? num_variables_
-                                 : config_.clip == LS_CLIP_GLOBAL ? 1
-                                                                  : 0;
+        // 'global': the step's one factor, or one per variable.
+        const int clip_scalars =
+            config_.clip == LS_CLIP_NORM ||
+                    (config_.clip == LS_CLIP_GLOBAL && num_clip_scalars_ == num_variables_)
+                ? num_variables_
+            : config_.clip == LS_CLIP_GLOBAL ? 1
+                                             : 0;
         OP_REQUIRES(ctx, num_clip_scalars_ == clip_scalars,
                     tf::errors::InvalidArgument("LossScaleApplyOptimizer: clip '", clip,
                                                 "' takes ", clip_scalars,
