@@ -855,9 +855,11 @@ LAMB_DEFAULT = [0.1, 0.00390625, 0.00390625, 0.25, 0.0078125]
 
 def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_threads=1,
                 fault=0, wild=False, raw=False, cuts=(), reverse=False, numbers=None,
-                data=b""):
+                data=b"", termed=(), term_on_m=False):
+    terms = sum(1 << (4 + i) for i in termed)
     out = bytearray([unscale | flags | (lib_threads - 1) << 5 | raw << 7,
-                     len(lengths) | fault << 2 | wild << 5, len(cuts) | reverse << 3])
+                     len(lengths) | fault << 2 | wild << 5,
+                     len(cuts) | reverse << 3 | terms | term_on_m << 7])
     out += struct.pack("<I", scale)
     for n in numbers or [lamb_code(x) for x in LAMB_DEFAULT]:
         out += struct.pack("<I", n)
@@ -915,6 +917,21 @@ def lamb_seeds():
     yield ("unknown-flag", encode_lamb(small, flags=LAMB_UNKNOWN_FLAG | LAMB_FLUSH,
                                        data=content(small)))
     yield ("unknown-unscale", encode_lamb(small, LAMB_UNKNOWN, data=content(small)))
+    # Variables given a term (a sparse gradient densified, with its squares).
+    three = [40, 65600, 9]
+    for termed in ((0,), (1,), (0, 2), (0, 1, 2)):
+        name = "".join(str(i) for i in termed)
+        for unscale in (LAMB_DIVIDE, LAMB_NONE):
+            yield (f"term-{name}-u{unscale}",
+                   encode_lamb(three, unscale, flags=LAMB_FLUSH, lib_threads=2, termed=termed,
+                               cuts=(3, 41, 65641), data=content([40 * 4, 4000, 9 * 4])))
+    yield ("term-specials", encode_lamb(small, termed=(0, 1), wild=True,
+                                        data=content([33 * 4, 9 * 4], specials=0.3)))
+    yield ("term-u-is-grad", encode_lamb(small, termed=(0,), fault=LAMB_FAULTS["u_is_grad"],
+                                         data=content([33 * 4, 9 * 4])))
+    yield ("term-on-m", encode_lamb(small, termed=(0,), term_on_m=True, data=content(small)))
+    yield ("term-on-m-empty", encode_lamb([0, 9], termed=(0,), term_on_m=True,
+                                          data=content([9])))
 
 
 def main():
