@@ -1543,17 +1543,6 @@ def _adafactor_scalars(inner, lr):
     return [rho, beta, ops.subtract(1, beta)]
 
 
-def _lamb_sparse():
-    """Lamb's form of a sparse gradient: on one replica ``DENSIFIED_WITH_SQUARES``
-    (its op takes the gradient as Keras' ops densify it, with its slices'
-    squares densified alike as v's term); under several, the reason it is
-    left to stock."""
-    if _replicas() > 1:
-        return ("Keras' Lamb densifies a sparse gradient and its squares apart, which the "
-                "fused step takes on one replica only")
-    return DENSIFIED_WITH_SQUARES
-
-
 def _lamb_scalars(inner, lr):
     """Lamb's 1 - beta_1 ** step and 1 - beta_2 ** step, with Keras' own
     ops in its update_step's order."""
@@ -1791,7 +1780,7 @@ FAMILIES = (
     Family("lamb", keras.optimizers.Lamb, slots=lambda inner: ("m", "v"),
            numbers=("beta_1", "beta_2", "epsilon"), hyper=lambda inner: [],
            scalars=_lamb_scalars, supports=_AROUND_UPDATE, scales_gradient=False,
-           sparse=lambda inner, v: _lamb_sparse()),
+           sparse=lambda inner, v: DENSIFIED_WITH_SQUARES),
     # Its own op (LossScaleApplyAdafactor, Plan.run): r, c and v are not
     # shaped as the variable, and its update takes means over each one.
     Family("adafactor", keras.optimizers.Adafactor,

@@ -67,6 +67,8 @@ CASES = {
     "adagrad_int32": ("adagrad", None, "function", "int32", None),
     "lion": ("lion", None, "function", "int64", None),
     "rmsprop": ("rmsprop", None, "function", "int64", None),
+    "lamb": ("lamb", None, "function", "int64", None),
+    "lamb_clipnorm_float16": ("lamb", ("clipnorm", 3.0), "function", "float16", None),
     "rmsprop_momentum": ("rmsprop_momentum", None, "function", "int64",
                          "RMSprop with momentum densifies each step of a sparse gradient"),
     "adam_clipnorm": ("adam", ("clipnorm", 3.0), "function", "int64", None),
@@ -113,6 +115,7 @@ def inner_optimizer(name, clip):
         "rmsprop": lambda: keras.optimizers.RMSprop(0.01, rho=0.8, weight_decay=0.01,
                                                     **kwargs),
         "rmsprop_momentum": lambda: keras.optimizers.RMSprop(0.01, momentum=0.3, **kwargs),
+        "lamb": lambda: keras.optimizers.Lamb(0.01, weight_decay=0.01, **kwargs),
     }[name]()
 
 
