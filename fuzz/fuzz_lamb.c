@@ -16,7 +16,9 @@
  *     reciprocal), then the moments and u, in the floating-point state the
  *     flags name, set here; u written over the gradient itself when the
  *     input asks for it; a variable given a term takes its g as it is and
- *     the term in place of x * x, and its term keeps every bit;
+ *     the term in place of x * x, and its term keeps every bit; a variable
+ *     given a decay is decayed first by its form (w - (w * wd) * lr,
+ *     w - w * (wd * lr), w - w * wd);
  *   - the call is refused (LS_ERR_ARG) exactly when this file's
  *     restatement of the rules refuses it, a valid one (LS_ERR_SIMD)
  *     exactly when LOSSSCALE_SIMD names a level this CPU lacks, and then
@@ -35,20 +37,24 @@
  *          runs with FTZ/DAZ, bits 5-6 the library's threads less 1, bit 7
  *          values as raw float32 bits (else 2-byte codes, see value_of)
  *   1      bits 0-1 variables (0-3), bits 2-4 fault (enum fault), bit 5
- *          the codes' special values include the non-finite ones
+ *          the codes' special values include the non-finite ones, bit 6
+ *          the variables are decayed (variable i by form 1 + i % 3), bit 7
+ *          then variable 0's form is 4 (unknown: refused when it has values)
  *   2      bits 0-2 cut points for the host's parallel-for, bit 3 its
  *          pieces run last to first, bits 4-6 variables 0-2 take a term,
  *          bit 7 variable 0's term is its m (refused when it has values)
  *   3..6   scale: its float32 bits; with unscale 2, 2^(byte 3 % 280 - 149)
  *   7..26  1 - beta_1, 1 - beta_2, epsilon, bias_1, bias_2: a u32 each,
- *          raw bits with bit 7 of byte 0, else its low 16 bits a code
- *   27..54 the cut points (u32 each): position = value % (elements + 1)
+ *          raw bits with bit 7 of byte 0, else its low 16 bits a code;
+ *          with bit 6 of byte 1, then the weight decay and the learning
+ *          rate, alike
+ *   then   the cut points (u32 each): position = value % (elements + 1)
  *   then per variable 3 bytes: class (bits 0-1), L (u16): length L % 64,
  *          L % 1100, 65,536 + L % 70,000, or 0
  *   then the content, handed out in order and repeated from its start
  *   (zero bytes when there is none): per variable its gradient, m and v
- *   (and its term), each value a 2-byte code (4 raw bytes with bit 7 of
- *   byte 0).
+ *   (and its term, and the variable when decayed), each value a 2-byte
+ *   code (4 raw bytes with bit 7 of byte 0).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -87,10 +93,12 @@ static void fail(const char *what)
 typedef struct state {
     float *grad[MAX_VARS], *m[MAX_VARS], *v[MAX_VARS], *u[MAX_VARS];
     float *term[MAX_VARS]; /* NULL where the variable takes none */
+    float *var[MAX_VARS];  /* NULL where the variable is not decayed */
 } state;
 
 typedef struct fuzz_case {
     int caller_flush, raw, wild, lib_threads, reverse, termed[MAX_VARS], term_on_m;
+    int decayed, bad_decay;
     unsigned flags;
     ls_lamb_config config;
     size_t count, ncuts;
@@ -128,6 +136,8 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     c->count = list & 3;
     c->fault = (enum fault)((list >> 2) & 7);
     c->wild = (list >> 5) & 1;
+    c->decayed = (list >> 6) & 1;
+    c->bad_decay = list >> 7;
     const uint8_t split = next_byte(&r);
     c->ncuts = split & 7;
     c->reverse = (split >> 3) & 1;
@@ -143,6 +153,10 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     c->config.epsilon = number_of(&r, c->raw, c->wild);
     c->config.bias_1 = number_of(&r, c->raw, c->wild);
     c->config.bias_2 = number_of(&r, c->raw, c->wild);
+    if (c->decayed) {
+        c->config.weight_decay = number_of(&r, c->raw, c->wild);
+        c->config.learning_rate = number_of(&r, c->raw, c->wild);
+    }
     for (size_t i = 0; i < MAX_CUTS; i++)
         c->cuts[i] = (uint32_t)next_le(&r, 4);
     for (size_t i = 0; i < c->count; i++) {
@@ -152,8 +166,9 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     }
     stream content = {data + (r.at < size ? r.at : size), r.at < size ? size - r.at : 0, 0};
     for (size_t i = 0; i < c->count; i++) {
-        float **bufs[4] = {&c->init.grad[i], &c->init.m[i], &c->init.v[i], &c->init.term[i]};
-        for (int b = 0; b < 3 + c->termed[i]; b++) {
+        float **bufs[5] = {&c->init.grad[i], &c->init.m[i], &c->init.v[i],
+                           c->termed[i] ? &c->init.term[i] : &c->init.var[i], &c->init.var[i]};
+        for (int b = 0; b < 3 + c->termed[i] + c->decayed; b++) {
             *bufs[b] = floats(c->length[i]);
             for (size_t k = 0; k < c->length[i]; k++)
                 (*bufs[b])[k] = c->raw ? from_bits((uint32_t)stream_le(&content, 4))
@@ -182,6 +197,11 @@ static void copy_state(const fuzz_case *c, state *to)
             to->term[i] = floats(c->length[i]);
             memcpy(to->term[i], c->init.term[i], bytes);
         }
+        to->var[i] = NULL;
+        if (c->decayed) {
+            to->var[i] = floats(c->length[i]);
+            memcpy(to->var[i], c->init.var[i], bytes);
+        }
     }
 }
 
@@ -193,6 +213,7 @@ static void free_state(const fuzz_case *c, state *s)
         free(s->v[i]);
         free(s->u[i]);
         free(s->term[i]);
+        free(s->var[i]);
     }
 }
 
@@ -200,9 +221,12 @@ static void free_state(const fuzz_case *c, state *s)
 static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
 {
     for (size_t i = 0; i < c->count; i++)
-        p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i], s->term[i]};
+        p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i], s->term[i],
+                               s->var[i], s->var[i] != NULL ? 1 + (int)(i % 3) : LS_DECAY_NONE};
     if (c->count == 0)
         return;
+    if (c->decayed && c->bad_decay)
+        p[0].decay = 4;
     if (c->termed[0] && c->term_on_m)
         p[0].term = p[0].m;
     switch (c->fault) {
@@ -227,7 +251,8 @@ static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
     if (c->fault == FAULT_HUGE_LENGTH)
         return 1;
     return p[0].length > 0 && (c->fault == FAULT_NULL_GRAD || c->fault == FAULT_NULL_M
-                               || c->fault == FAULT_U_ON_M || (c->termed[0] && c->term_on_m));
+                               || c->fault == FAULT_U_ON_M || (c->termed[0] && c->term_on_m)
+                               || (c->decayed && c->bad_decay));
 }
 
 /* The pass, restated one element at a time in the flags' state. */
@@ -238,10 +263,19 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
     _mm_setcsr((saved & ~FLUSH_BITS) | ((c->flags & LS_FLUSH_DENORMALS) ? FLUSH_BITS : 0u));
 #endif
     const ls_lamb_config *k = &c->config;
+    const float wd = k->weight_decay, lr = k->learning_rate;
+    const float wd_lr = wd * lr;
     for (size_t i = 0; i < c->count; i++) {
         float *u = i == 0 && in_place0 ? s->grad[0] : s->u[i];
         const float *t = s->term[i];
+        float *w = s->var[i];
         for (size_t e = 0; e < c->length[i]; e++) {
+            if (w != NULL) {
+                const int form = 1 + (int)(i % 3);
+                w[e] = form == 1 ? w[e] - (w[e] * wd) * lr
+                       : form == 2 ? w[e] - w[e] * wd_lr
+                                   : w[e] - w[e] * wd;
+            }
             const float g = s->grad[i][e];
             const float x = t == NULL && k->unscale == LS_UNSCALE_DIVIDE ? g / k->scale : g;
             const float m = s->m[i][e] + (x - s->m[i][e]) * k->one_minus_beta_1;
@@ -261,10 +295,10 @@ static void compare(const fuzz_case *c, const state *a, const state *b, const ch
 {
     for (size_t i = 0; i < c->count; i++)
         for (size_t e = 0; e < c->length[i]; e++) {
-            const float *pa[5] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i]};
-            const float *pb[5] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i]};
-            for (int t = 0; t < (a->term[i] != NULL ? 5 : 4); t++)
-                if (!same(pa[t][e], pb[t][e])) {
+            const float *pa[6] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i], a->var[i]};
+            const float *pb[6] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i], b->var[i]};
+            for (int t = 0; t < 6; t++)
+                if (pa[t] != NULL && !same(pa[t][e], pb[t][e])) {
                     snprintf(detail, sizeof detail, "(variable %zu, buffer %d, element %zu: "
                              "%08x against %08x)", i, t, e, bits_of(pa[t][e]), bits_of(pb[t][e]));
                     fail(what);

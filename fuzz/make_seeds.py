@@ -855,13 +855,14 @@ LAMB_DEFAULT = [0.1, 0.00390625, 0.00390625, 0.25, 0.0078125]
 
 def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_threads=1,
                 fault=0, wild=False, raw=False, cuts=(), reverse=False, numbers=None,
-                data=b"", termed=(), term_on_m=False):
+                data=b"", termed=(), term_on_m=False, decay=None, bad_decay=False):
     terms = sum(1 << (4 + i) for i in termed)
     out = bytearray([unscale | flags | (lib_threads - 1) << 5 | raw << 7,
-                     len(lengths) | fault << 2 | wild << 5,
+                     len(lengths) | fault << 2 | wild << 5 | (decay is not None) << 6
+                     | bad_decay << 7,
                      len(cuts) | reverse << 3 | terms | term_on_m << 7])
     out += struct.pack("<I", scale)
-    for n in numbers or [lamb_code(x) for x in LAMB_DEFAULT]:
+    for n in (numbers or [lamb_code(x) for x in LAMB_DEFAULT]) + list(decay or ()):
         out += struct.pack("<I", n)
     out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
     for n in lengths:
@@ -932,6 +933,19 @@ def lamb_seeds():
     yield ("term-on-m", encode_lamb(small, termed=(0,), term_on_m=True, data=content(small)))
     yield ("term-on-m-empty", encode_lamb([0, 9], termed=(0,), term_on_m=True,
                                           data=content([9])))
+    # Variables decayed in the pass, by each form (weight decay, learning rate).
+    for k, (wd, lr) in enumerate(((0.01, 0.005), (0.05, 0.37), (1.5, 2.0))):
+        for termed in ((), (1,)):
+            yield (f"decay-{k}-t{len(termed)}",
+                   encode_lamb(three, flags=LAMB_FLUSH, lib_threads=2, termed=termed,
+                               cuts=(5, 40, 70000), decay=(lamb_code(wd), lamb_code(lr)),
+                               data=content([40 * 5, 4000, 9 * 5])))
+    yield ("decay-specials", encode_lamb(small, wild=True, decay=(0xFE00, 0xFE08),
+                                         data=content([33 * 5, 9 * 5], specials=0.3)))
+    yield ("decay-unknown", encode_lamb(small, decay=(lamb_code(0.01), lamb_code(0.1)),
+                                        bad_decay=True, data=content(small)))
+    yield ("decay-unknown-empty", encode_lamb([0, 9], decay=(lamb_code(0.01), lamb_code(0.1)),
+                                              bad_decay=True, data=content([9])))
 
 
 def main():

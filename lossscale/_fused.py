@@ -408,11 +408,11 @@ class Plan:
         # decay's chain, the fused pass decays by the one factor that chain
         # becomes (_DECAY_FACTOR, the factor from ``decay_factor_probe``);
         # a variable of one element, whose chain the graph optimizer orders
-        # by names, and Adafactor's and Lamb's (their ops decay nothing)
-        # decay by Keras' own ops (so rewritten as stock's are) before the
-        # fused pass, which then decays nothing.
+        # by names, and Adafactor's (its op decays nothing) decay by Keras'
+        # own ops (so rewritten as stock's are) before the fused pass, which
+        # then decays nothing.
         scheduled = _decay_follows_schedule(inner)
-        self.decay_by_ops = [bool(d) and (family.name in OWN_OP_FAMILIES or form is BY_OWN_UPDATE
+        self.decay_by_ops = [bool(d) and (family.name == "adafactor" or form is BY_OWN_UPDATE
                                           or (scheduled and not _more_than_one(v)))
                              for d, form, v in zip(self.decay, forms, variables)]
         self.decay = [0 if by_ops else _DECAY_FACTOR if d and scheduled else d
@@ -682,33 +682,51 @@ class Plan:
 
     def _launch_lamb(self, library, should_apply, scale, unscale, which):
         """Lamb's step of the variables ``which`` (positions in the plan),
-        their gradients dense (or densified by ``global_clipnorm``), when
-        ``should_apply``: its op moves m and v and makes each variable's u
-        in one pass (gradients taken as ``_own_op_gradients`` takes them),
-        then Keras' own ops take the norms of the variable and of u, their
-        ratio, and move the variable by u (``_lamb_move``), as its
-        update_step does."""
+        when ``should_apply``: its op decays each variable as Keras' weight
+        decay does before any update (the plan's ``decay`` forms), moves m
+        and v and makes each variable's u in one pass (gradients taken as
+        ``_own_op_gradients`` takes them), then the norms of the variable
+        and of u, their ratio and the variable's move by u follow as its
+        update_step takes them (``_lamb_moves``)."""
         inner = self.inner
         line = self.family.line
         variables = [self.variables[i] for i in which]
         grads, unscale, terms = self._own_op_gradients(which, scale, unscale, squares=True)
         bias_1, bias_2 = self.scalars
         learning_rate = self.learning_rate
+        decay = [self.decay[i] for i in which]
 
-        def update():
+        def update(decay, weight_decay):
+            decayed = [k for k, d in enumerate(decay) if d]
             us = library.loss_scale_lamb_moments(
                 [local_copy(m).handle for m in line.slots(inner, "m", variables)],
                 [local_copy(v).handle for v in line.slots(inner, "v", variables)],
                 grads, scale, tf.cast(bias_1, tf.float32), tf.cast(bias_2, tf.float32),
-                [terms[k] for k in sorted(terms)], termed=sorted(terms),
+                [terms[k] for k in sorted(terms)],
+                [local_copy(variables[k]).handle for k in decayed],
+                tf.cast(learning_rate, tf.float32), tf.cast(weight_decay, tf.float32),
+                termed=sorted(terms), decayed=decayed, decay=[decay[k] for k in decayed],
                 one_minus_beta_1=float(np.float32(1 - inner.beta_1)),
                 one_minus_beta_2=float(np.float32(1 - inner.beta_2)),
                 epsilon=float(np.float32(inner.epsilon)), unscale=unscale)
             _lamb_moves(library, [local_copy(v) for v in variables], us, learning_rate,
                         inner.iterations, shared_rate=len(self.variables) > 1)
 
+        def by_ops_first():
+            # Were the probe's chain not one factor, these variables decay
+            # by Keras' own ops first, the op decaying nothing.
+            for k, d in enumerate(decay):
+                if d == _DECAY_FACTOR:
+                    _decay_like_stock(inner, local_copy(variables[k]))
+            update([0 if d == _DECAY_FACTOR else d for d in decay], self.weight_decay)
+
+        def by_factor():
+            _step.cond(self.decay_factor_taken, lambda: update(decay, self.decay_factor),
+                       by_ops_first)
+
         with tf.control_dependencies(self.checks):
-            _step.cond(should_apply, update, lambda: None)
+            _step.cond(should_apply, by_factor if _DECAY_FACTOR in decay
+                       else lambda: update(decay, self.weight_decay), lambda: None)
 
     def accumulate(self, library, scale, unscale, accumulators):
         """A step that only accumulates: each gradient unscaled as stock

@@ -192,8 +192,9 @@ def op_case(shape=(3, 4), seed=0, scale=2.0):
     made = {"m": tf.Variable(m, name="m"), "v": tf.Variable(v, name="v")}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(scale), bias_1=tf.constant(np.float32(0.271)),
-                bias_2=tf.constant(np.float32(0.00299)), terms=[], one_minus_beta_1=0.1,
-                one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
+                bias_2=tf.constant(np.float32(0.00299)), terms=[], variables=[],
+                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0),
+                one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     return made, args, (m, v, g)
 
 
@@ -238,8 +239,9 @@ def test_op_pass_of_special_values_against_numpy():
     made = {"m": tf.Variable(m), "v": tf.Variable(v)}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(np.float32(0.5)), bias_1=tf.constant(np.float32(0.1)),
-                bias_2=tf.constant(np.float32(0.001)), terms=[], one_minus_beta_1=0.1,
-                one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
+                bias_2=tf.constant(np.float32(0.001)), terms=[], variables=[],
+                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0),
+                one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     with np.errstate(all="ignore"):
         want = numpy_pass(m, v, g, args)
     out = library().loss_scale_lamb_moments(**args)
@@ -270,6 +272,33 @@ def test_op_pass_with_a_term_against_numpy(length):
         assert bits(u.numpy()) == bits(u1), k
 
 
+def test_op_decays_each_variable_as_its_form_says_against_numpy():
+    """Four variables: three decayed in the pass, one by each form (Keras'
+    ``w - (w * wd) * lr`` op by op, ``w - w * (wd * lr)`` as the graph
+    optimizer reorders it, ``w - w * factor``), one left alone; each
+    against numpy's float32 arithmetic, the moments and u as without a
+    decay."""
+    rng = np.random.default_rng(9)
+    cases = [op_case((1000 + 7 * k,), seed=k, scale=512.0) for k in range(4)]
+    start = [rng.standard_normal(1000 + 7 * k).astype(np.float32) for k in range(4)]
+    weights = [tf.Variable(w) for w in start]
+    wd, lr = np.float32(0.037), np.float32(0.29)
+    args = {**cases[0][1], "m": [c[1]["m"][0] for c in cases],
+            "v": [c[1]["v"][0] for c in cases], "grads": [tf.constant(c[2][2]) for c in cases],
+            "scale": tf.constant(512.0), "variables": [w.handle for w in weights[:3]],
+            "learning_rate": tf.constant(lr), "weight_decay": tf.constant(wd),
+            "decayed": [0, 1, 2], "decay": [1, 2, 3]}
+    out = library().loss_scale_lamb_moments(**args)
+    want = [start[0] - (start[0] * wd) * lr, start[1] - start[1] * (wd * lr),
+            start[2] - start[2] * wd, start[3]]
+    for w, expected in zip(weights, want):
+        assert bits(w.numpy()) == bits(expected)
+    for (made, _, (m, v, g)), u in zip(cases, out):
+        m1, v1, u1 = numpy_pass(m, v, g, args)
+        assert bits(made["m"].numpy()) == bits(m1)
+        assert bits(u.numpy()) == bits(u1)
+
+
 def snapshot(made):
     return {name: v.numpy().tobytes() for name, v in made.items()}
 
@@ -288,8 +317,18 @@ def snapshot(made):
      "termed must be ascending positions of variables, below 1"),
     (lambda made, a: {**a, "terms": [tf.ones((3, 4))], "termed": []},
      "1 terms for 0 termed variables"),
+    (lambda made, a: {**a, "variables": [made["m"].handle], "decayed": [0], "decay": [1]},
+     "passed twice"),
+    (lambda made, a: {**a, "variables": [tf.Variable(np.ones(12, np.float32)).handle],
+                      "decayed": [0], "decay": [1]}, "has shape [12], expected [3,4]"),
+    (lambda made, a: {**a, "variables": [tf.Variable(np.ones((3, 4), np.float32)).handle],
+                      "decayed": [0], "decay": [4]}, "a decay must be 1, 2 or 3, got 4"),
+    (lambda made, a: {**a, "variables": [tf.Variable(np.ones((3, 4), np.float32)).handle],
+                      "decayed": [0], "decay": []}, "1 variables and 0 decays"),
+    (lambda made, a: {**a, "weight_decay": tf.constant([0.5, 0.5])}, "must be a scalar"),
 ], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape", "term_shape", "termed_range",
-        "terms_count"])
+        "terms_count", "variable_twice", "variable_shape", "decay_form", "decay_count",
+        "weight_decay_shape"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args, _ = op_case()
     before = snapshot(made)

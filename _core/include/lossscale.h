@@ -616,7 +616,10 @@ int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
  * gradient's own (then each element's g is read before its u is written).
  * A variable given a term (a sparse gradient's, as Keras densifies it: g
  * the slices summed per row, the term their squares summed alike) takes g
- * as it is, whatever the unscale.
+ * as it is, whatever the unscale.  A variable given with a decay (Keras'
+ * weight decay, which its step applies before any update and so before
+ * the norms) is decayed in the same pass, w = w - (w * weight_decay) *
+ * learning_rate and its other ls_decay forms, and written in place.
  * bias_1 and bias_2 are Keras' 1 - beta ** step, made as Keras makes them;
  * the norms of the variable and of u, their ratio and the variable's move
  * by u are the caller's (TensorFlow's reductions, as Keras takes them).
@@ -628,6 +631,8 @@ typedef struct ls_lamb_param {
     float *u; /* the step's u: grad itself, or a buffer apart from m and v */
     size_t length;
     const float *term; /* NULL, or v's term t for each element (read only) */
+    float *var;        /* NULL, or the variable, decayed in place as `decay` says */
+    int decay;         /* ls_decay; LS_DECAY_NONE without a variable */
 } ls_lamb_param;
 
 typedef struct ls_lamb_config {
@@ -635,11 +640,14 @@ typedef struct ls_lamb_config {
     float scale;
     float one_minus_beta_1, one_minus_beta_2, epsilon;
     float bias_1, bias_2;
+    float weight_decay, learning_rate; /* the decay's numbers: any values (IEEE
+                                          arithmetic, as Keras') */
 } ls_lamb_config;
 
 /* Why the pass cannot run as given (no configuration, a NULL buffer, m, v
  * and u overlapping each other or the gradient but for u being it, a term
- * overlapping m, v or u, an unknown unscale), or NULL. */
+ * overlapping m, v or u, a variable overlapping any buffer, an unknown
+ * decay or one without a variable, an unknown unscale), or NULL. */
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
                             const ls_lamb_config *config);
 

@@ -40,6 +40,15 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_
         if (p->term != NULL
             && (overlap(p->term, p->m, n) || overlap(p->term, p->v, n) || overlap(p->term, p->u, n)))
             return "a term overlaps m, v or u";
+        if (p->decay < LS_DECAY_NONE || p->decay > LS_DECAY_FACTOR)
+            return "unknown decay";
+        if ((p->decay != LS_DECAY_NONE) != (p->var != NULL))
+            return "a decay needs its variable, and a variable its decay";
+        if (p->var != NULL
+            && (overlap(p->var, p->m, n) || overlap(p->var, p->v, n) || overlap(p->var, p->u, n)
+                || overlap(p->var, p->grad, n)
+                || (p->term != NULL && overlap(p->var, p->term, n))))
+            return "the variable overlaps another buffer";
     }
     return NULL;
 }
@@ -48,6 +57,7 @@ typedef struct lamb_job {
     const ls_lamb_param *params;
     size_t count;
     ls_lamb_span model; /* the config's numbers; buffers and n per range */
+    float wd_lr;        /* weight_decay * learning_rate, rounded once */
     unsigned flags;
     ls_lamb_fn loop;
 } lamb_job;
@@ -68,6 +78,10 @@ static int lamb_range(const void *arg, size_t begin, size_t end)
         ls_lamb_span s = j->model;
         s.grad = p->grad + lo;
         s.term = p->term != NULL ? p->term + lo : NULL;
+        s.var = p->var != NULL ? p->var + lo : NULL;
+        s.decay = p->decay == LS_DECAY_FACTOR ? LS_DECAY_REASSOCIATED : p->decay;
+        /* LS_DECAY_FACTOR: the weight decay is the whole factor. */
+        s.wd_lr = p->decay == LS_DECAY_FACTOR ? s.wd : j->wd_lr;
         if (p->term != NULL) /* a densified sparse gradient: as it is */
             s.how = LS_ADAFACTOR_AS_IS;
         s.m = p->m + lo;
@@ -106,10 +120,22 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
         how = ls_exact_reciprocal(config->scale) ? LS_ADAFACTOR_MULTIPLY : LS_ADAFACTOR_DIVIDE;
         k = how == LS_ADAFACTOR_MULTIPLY ? ls_reciprocal_f32(config->scale, 0) : config->scale;
     }
-    lamb_job j = {params, count,
-                  {NULL, NULL, NULL, NULL, NULL, 0, how, k, config->one_minus_beta_1,
-                   config->one_minus_beta_2, config->epsilon, config->bias_1, config->bias_2},
-                  flags, ls_optim_kernels_at(level)->lamb};
+    /* wd * lr as TensorFlow's Mul makes it, in the step's floating-point
+     * state (subnormals flushed with LS_FLUSH_DENORMALS). */
+    ls_fpenv env;
+    ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
+    const float wd_lr = ls_f32_mul(config->weight_decay, config->learning_rate);
+    ls_fpenv_leave(&env);
+    const ls_lamb_span model = {.wd = config->weight_decay,
+                                .lr = config->learning_rate,
+                                .how = how,
+                                .k = k,
+                                .c1 = config->one_minus_beta_1,
+                                .c2 = config->one_minus_beta_2,
+                                .epsilon = config->epsilon,
+                                .bias_1 = config->bias_1,
+                                .bias_2 = config->bias_2};
+    lamb_job j = {params, count, model, wd_lr, flags, ls_optim_kernels_at(level)->lamb};
     const int rc = (parallel ? parallel : ls_own_threads)(host, lamb_range, &j, total);
     return rc < 0 ? rc : 1;
 }

@@ -355,6 +355,9 @@ typedef struct ls_adafactor_loops {
 typedef struct ls_lamb_span {
     const float *grad;
     const float *term; /* NULL: v's term is x * x */
+    float *var;        /* NULL, or decayed in place: w - (w * wd) * lr, w - w * wd_lr */
+    int decay;         /* LS_DECAY_OP_BY_OP or LS_DECAY_REASSOCIATED with var */
+    float wd, lr, wd_lr;
     float *m, *v, *u;
     size_t n;
     int how;

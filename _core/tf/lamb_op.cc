@@ -29,11 +29,25 @@ using tf::shape_inference::InferenceContext;
 // forward_input scans every output for a reservation.
 constexpr size_t kForwardBytesPerOutput = 16;
 
+// Ascending positions of variables, each below n.
+tf::Status Positions(const std::vector<tf::int32>& positions, int n, const char* what) {
+    for (size_t k = 0; k < positions.size(); ++k)
+        if (positions[k] < 0 || positions[k] >= n || (k > 0 && positions[k] <= positions[k - 1]))
+            return tf::errors::InvalidArgument("LossScaleLambMoments: ", what,
+                                               " must be ascending positions of variables, "
+                                               "below ",
+                                               n);
+    return tf::OkStatus();
+}
+
 tf::Status LambShapes(InferenceContext* c) {
-    int n = 0;
+    int n = 0, terms = 0, decayed = 0;
     TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_terms", &terms));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_decayed", &decayed));
     tf::shape_inference::ShapeHandle unused;
-    for (int i = 3 * n; i < 3 * n + 3; ++i)
+    const int numbers = 3 * n + 3 + terms + decayed;
+    for (int i : {3 * n, 3 * n + 1, 3 * n + 2, numbers, numbers + 1})
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
     for (int i = 0; i < n; ++i)
         c->set_output(i, c->input(2 * n + i));
@@ -48,10 +62,16 @@ REGISTER_OP("LossScaleLambMoments")
     .Input("bias_1: float")
     .Input("bias_2: float")
     .Input("terms: num_terms * float")
+    .Input("variables: num_decayed * resource")
+    .Input("learning_rate: float")
+    .Input("weight_decay: float")
     .Output("u: num_variables * float")
     .Attr("num_variables: int >= 1")
     .Attr("num_terms: int >= 0 = 0")
     .Attr("termed: list(int) = []")
+    .Attr("num_decayed: int >= 0 = 0")
+    .Attr("decayed: list(int) = []")
+    .Attr("decay: list(int) = []")
     .Attr("one_minus_beta_1: float")
     .Attr("one_minus_beta_2: float")
     .Attr("epsilon: float")
@@ -68,7 +88,12 @@ ls_lamb_moments_with).  `termed` (ascending positions of variables, one
 `terms` entry each, of the gradient's shape): those gradients are a sparse
 gradient as Keras densifies it (its slices summed per row), taken as they
 are, and their term is v's in place of g * g (the slices' squares summed
-alike).  Run it only on a step that applies.
+alike).  `decayed` (ascending positions, one `variables` entry and one
+`decay` each): those variables are first decayed in the same pass, as
+Keras' weight decay moves them before its update, `decay` saying how (1
+var - (var * weight_decay) * learning_rate, 2 var - var * (weight_decay *
+learning_rate), 3 var - var * weight_decay: `weight_decay` the whole
+factor).  Run it only on a step that applies.
 )doc");
 
 class LambMomentsOp : public tf::OpKernel {
@@ -88,38 +113,57 @@ class LambMomentsOp : public tf::OpKernel {
                     tf::errors::InvalidArgument("LossScaleLambMoments: ", num_terms,
                                                 " terms for ", termed_.size(),
                                                 " termed variables"));
-        for (size_t k = 0; k < termed_.size(); ++k)
-            OP_REQUIRES(ctx,
-                        termed_[k] >= 0 && termed_[k] < n_ &&
-                            (k == 0 || termed_[k] > termed_[k - 1]),
-                        tf::errors::InvalidArgument(
-                            "LossScaleLambMoments: termed must be ascending positions of "
-                            "variables, below ",
-                            n_));
+        OP_REQUIRES_OK(ctx, Positions(termed_, n_, "termed"));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("decayed", &decayed_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
+        int num_decayed = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_decayed", &num_decayed));
+        OP_REQUIRES(ctx,
+                    static_cast<size_t>(num_decayed) == decayed_.size() &&
+                        decay_.size() == decayed_.size(),
+                    tf::errors::InvalidArgument("LossScaleLambMoments: ", num_decayed,
+                                                " variables and ", decay_.size(),
+                                                " decays for ", decayed_.size(),
+                                                " decayed variables"));
+        OP_REQUIRES_OK(ctx, Positions(decayed_, n_, "decayed"));
+        for (const tf::int32 d : decay_)
+            OP_REQUIRES(ctx, d > LS_DECAY_NONE && d <= LS_DECAY_FACTOR,
+                        tf::errors::InvalidArgument("LossScaleLambMoments: a decay must be 1, "
+                                                    "2 or 3, got ",
+                                                    d));
     }
 
     void Compute(tf::OpKernelContext* ctx) override {
         const int n = n_;
         const int grads_first = 2 * n, first_scalar = 3 * n;
+        const int vars_first = first_scalar + 3 + static_cast<int>(termed_.size());
+        const int decayed = static_cast<int>(decayed_.size());
         OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, first_scalar, 3, type_string()));
+        OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, vars_first + decayed, 2, type_string()));
         ls_lamb_config config = config_;
         config.scale = ctx->input(first_scalar).scalar<float>()();
         config.bias_1 = ctx->input(first_scalar + 1).scalar<float>()();
         config.bias_2 = ctx->input(first_scalar + 2).scalar<float>()();
+        config.learning_rate = ctx->input(vars_first + decayed).scalar<float>()();
+        config.weight_decay = ctx->input(vars_first + decayed + 1).scalar<float>()();
 
+        // m, v, then the decayed variables: vars.var(t) in this order.
         std::vector<int> inputs;
         for (int i = 0; i < grads_first; ++i)
             inputs.push_back(i);
+        for (int k = 0; k < decayed; ++k)
+            inputs.push_back(vars_first + k);
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
         OP_REQUIRES(ctx, twice < 0,
-                    tf::errors::InvalidArgument(type_string(), ": a slot is passed twice (",
+                    tf::errors::InvalidArgument(type_string(), ": a slot or variable is passed twice (",
                                                 VariableNameAt(ctx, inputs[twice]), ")"));
         vars.Lock();
 
-        for (int t = 0; t < grads_first; ++t) {
-            const tf::TensorShape& shape = ctx->input(grads_first + t % n).shape();
+        for (int t = 0; t < grads_first + decayed; ++t) {
+            const int of = t < grads_first ? t % n : decayed_[t - grads_first];
+            const tf::TensorShape& shape = ctx->input(grads_first + of).shape();
             OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(t), inputs[t],
                                                    shape, shape));
         }
@@ -160,6 +204,10 @@ class LambMomentsOp : public tf::OpKernel {
                             g.shape().DebugString()));
             params[i].term = term.flat<float>().data();
         }
+        for (int k = 0; k < decayed; ++k) {
+            params[decayed_[k]].var = FloatsOf(vars.var(grads_first + k));
+            params[decayed_[k]].decay = decay_[k];
+        }
         const char* why = ls_lamb_problem(params.data(), params.size(), &config);
         OP_REQUIRES(ctx, why == nullptr, tf::errors::InvalidArgument(type_string(), ": ", why));
         const int rc = ls_lamb_moments_with(params.data(), params.size(), &config,
@@ -169,7 +217,7 @@ class LambMomentsOp : public tf::OpKernel {
 
   private:
     int n_ = 0;
-    std::vector<tf::int32> termed_;
+    std::vector<tf::int32> termed_, decayed_, decay_;
     ls_lamb_config config_ = {};
 };
 
