@@ -161,13 +161,20 @@ def sparse_lockstep(make, graph, scale, kw, dtype=np.float16, steps=8):
     return opts[1]
 
 
-def test_sparse_gradient_under_replicas_stays_stock_and_says_why(monkeypatch):
+def sparse_form(make):
+    """The plan's form of a sparse gradient for ``make()``, its table and
+    optimizer."""
     table = keras.Variable(np.ones((10, 4), np.float32), name="table")
-    inner = keras.optimizers.Adafactor()
+    inner = make()
     inner.build([table])
     grads = [tf.IndexedSlices(tf.ones((2, 4)), tf.constant([1, 1]), tf.constant([10, 4]))]
-    decision = _fused.decide(inner, grads=grads, variables=[table])
-    assert decision.plan.forms == [_fused.BY_OWN_UPDATE]
+    (form,) = _fused.decide(inner, grads=grads, variables=[table]).plan.forms
+    return form, table, inner
+
+
+def test_sparse_gradient_under_replicas_stays_stock_and_says_why(monkeypatch):
+    form, table, inner = sparse_form(keras.optimizers.Adafactor)
+    assert form is _fused.BY_OWN_UPDATE
     # The own update is a replica's: under several, the step is stock.
     monkeypatch.setattr(_fused, "_replicas", lambda: 2)
     family = next(f for f in _fused.FAMILIES if f.name == "adafactor")
