@@ -157,7 +157,8 @@ class LambMomentsOp : public tf::OpKernel {
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
         OP_REQUIRES(ctx, twice < 0,
-                    tf::errors::InvalidArgument(type_string(), ": a slot or variable is passed twice (",
+                    tf::errors::InvalidArgument(type_string(),
+                                                ": a slot or variable is passed twice (",
                                                 VariableNameAt(ctx, inputs[twice]), ")"));
         vars.Lock();
 
