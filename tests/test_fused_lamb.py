@@ -2,19 +2,23 @@
 ``keras.optimizers.LossScaleOptimizer(Lamb(...))``.
 
 Lamb's update takes two norms between its moments and the variable's move:
-the variable's and its step's ``u``.  The fused step makes m, v and u in one
-pass (the LossScaleLambMoments op, the gradients unscaled on the fly), then
-takes the norms, their ratio and the move with Keras' own ops on that u, so
-that each reduction is TensorFlow's, as a graph rewrites it or not.  The
-op's pass is checked against numpy's float32 arithmetic element by element
-(every way of taking the gradient: as it is, divided by a scale, times a
-power of two's exact reciprocal; m, v and u over float32's range), the step
-against stock over shapes of every rank, variables that split over the
-threads, eagerly and in a ``tf.function``, overflow steps among them; the
+the variable's and its step's ``u``.  The fused step decays each variable
+and makes m, v and u in one pass (the LossScaleLambMoments op, the
+gradients unscaled on the fly; a sparse gradient densified, with its
+squares as v's term); then, in a graph where the probe finds stock's lines
+rewritten as the native ops compute them, the norms by
+LossScaleSquaredNorms and the move by the fused SGD op, else Keras' own
+lines on that u.  The op's pass is checked against numpy's float32
+arithmetic element by element (every way of taking the gradient: as it is,
+divided by a scale, times a power of two's exact reciprocal, with a term;
+each decay form; m, v and u over float32's range), the step against stock
+over shapes of every rank, variables that split over the threads, sparse
+gradients, eagerly and in a ``tf.function``, overflow steps among them; the
 model-level lockstep (both mixed policies, clips, weight decay, schedules,
 EMA, accumulation, MirroredStrategy) is in test_fused_step, test_fused_clip,
-test_fused_ema_accum and test_fused_distributed.  The op refuses bad input
-before anything moves.
+test_fused_ema_accum, test_fused_distributed and
+test_fused_distributed_sparse.  The op refuses bad input before anything
+moves.
 """
 
 import re
