@@ -57,7 +57,6 @@ typedef struct lamb_job {
     const ls_lamb_param *params;
     size_t count;
     ls_lamb_span model; /* the config's numbers; buffers and n per range */
-    float wd_lr;        /* weight_decay * learning_rate, rounded once */
     unsigned flags;
     ls_lamb_fn loop;
 } lamb_job;
@@ -79,9 +78,7 @@ static int lamb_range(const void *arg, size_t begin, size_t end)
         s.grad = p->grad + lo;
         s.term = p->term != NULL ? p->term + lo : NULL;
         s.var = p->var != NULL ? p->var + lo : NULL;
-        s.decay = p->decay == LS_DECAY_FACTOR ? LS_DECAY_REASSOCIATED : p->decay;
-        /* LS_DECAY_FACTOR: the weight decay is the whole factor. */
-        s.wd_lr = p->decay == LS_DECAY_FACTOR ? s.wd : j->wd_lr;
+        ls_optim_decay_args(&s.decay, p->decay);
         if (p->term != NULL) /* a densified sparse gradient: as it is */
             s.how = LS_ADAFACTOR_AS_IS;
         s.m = p->m + lo;
@@ -126,8 +123,9 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
     ls_fpenv_enter(&env, (flags & LS_FLUSH_DENORMALS) != 0);
     const float wd_lr = ls_f32_mul(config->weight_decay, config->learning_rate);
     ls_fpenv_leave(&env);
-    const ls_lamb_span model = {.wd = config->weight_decay,
-                                .lr = config->learning_rate,
+    const ls_lamb_span model = {.decay = {.lr = config->learning_rate,
+                                          .wd = config->weight_decay,
+                                          .wd_lr = wd_lr},
                                 .how = how,
                                 .k = k,
                                 .c1 = config->one_minus_beta_1,
@@ -135,7 +133,7 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
                                 .epsilon = config->epsilon,
                                 .bias_1 = config->bias_1,
                                 .bias_2 = config->bias_2};
-    lamb_job j = {params, count, model, wd_lr, flags, ls_optim_kernels_at(level)->lamb};
+    lamb_job j = {params, count, model, flags, ls_optim_kernels_at(level)->lamb};
     const int rc = (parallel ? parallel : ls_own_threads)(host, lamb_range, &j, total);
     return rc < 0 ? rc : 1;
 }

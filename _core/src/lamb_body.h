@@ -15,16 +15,15 @@ LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how, int termed, int
     const float k = s->k, c1 = s->c1, c2 = s->c2, eps = s->epsilon, b1 = s->bias_1,
                 b2 = s->bias_2;
     const size_t n = s->n;
-    /* The decay's numbers as ls_optim_decay1 takes them. */
-    const ls_optim_args da = {.lr = s->lr, .wd = s->wd, .wd_lr = s->wd_lr, .decay = s->decay};
+    const ls_optim_args *const da = &s->decay;
     size_t i = 0;
 #ifdef LS_VW
     const LS_V kv = v_set1(k), c1v = v_set1(c1), c2v = v_set1(c2), ev = v_set1(eps),
-               b1v = v_set1(b1), b2v = v_set1(b2), wdv = v_set1(s->wd), lrv = v_set1(s->lr),
-               wd_lrv = v_set1(s->wd_lr);
+               b1v = v_set1(b1), b2v = v_set1(b2), wdv = v_set1(da->wd), lrv = v_set1(da->lr),
+               wd_lrv = v_set1(da->wd_lr);
     for (; i + LS_VW <= n; i += LS_VW) {
         if (decayed)
-            v_store(w + i, LS_FN(decay)(v_load(w + i), s->decay, wdv, lrv, wd_lrv));
+            v_store(w + i, LS_FN(decay)(v_load(w + i), da->decay, wdv, lrv, wd_lrv));
         const LS_V x = LS_FN(adafactor_by)(v_load(g + i), how, kv);
         const LS_V m0 = v_load(m + i), v0 = v_load(v + i);
         const LS_V m1 = v_add(m0, v_mul(v_sub(x, m0), c1v));
@@ -37,7 +36,7 @@ LS_INLINE void LS_KFN(lamb_loop)(const ls_lamb_span *s, int how, int termed, int
 #endif
     for (; i < n; i++) {
         if (decayed)
-            w[i] = ls_optim_decay1(w[i], &da);
+            w[i] = ls_optim_decay1(w[i], da);
         const float x = ls_adafactor_by1(g[i], how, k);
         const float m1 = m[i] + (x - m[i]) * c1;
         const float v1 = v[i] + ((termed ? t[i] : x * x) - v[i]) * c2;
@@ -64,7 +63,7 @@ LS_INLINE void LS_KFN(lamb_taken)(const ls_lamb_span *s, int decayed)
 /* The span's pass, its variable decayed first where it has one. */
 static void LS_KFN(lamb)(const ls_lamb_span *s)
 {
-    if (s->var != NULL && s->decay != LS_DECAY_NONE)
+    if (s->var != NULL && s->decay.decay != LS_DECAY_NONE)
         LS_KFN(lamb_taken)(s, 1);
     else
         LS_KFN(lamb_taken)(s, 0);

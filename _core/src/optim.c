@@ -721,18 +721,6 @@ static void run_added_rows(const optim_job *j, const ls_param *p, const sparse_r
     }
 }
 
-/* A variable's decay in a's terms: LS_DECAY_FACTOR is the reassociated
- * form with the weight decay as its whole factor (the kernels know the
- * first two forms only). */
-static void decay_args(ls_optim_args *a, int decay)
-{
-    a->decay = decay;
-    if (decay == LS_DECAY_FACTOR) {
-        a->decay = LS_DECAY_REASSOCIATED;
-        a->wd_lr = a->wd;
-    }
-}
-
 /* The kernels over elements [begin, end) of the concatenation. */
 static void job_run(const optim_job *j, size_t begin, size_t end)
 {
@@ -746,7 +734,7 @@ static void job_run(const optim_job *j, size_t begin, size_t end)
         if (lo >= hi)
             continue;
         ls_optim_args a = j->args[p->grad_dtype];
-        decay_args(&a, p->decay);
+        ls_optim_decay_args(&a, p->decay);
         a.clip_scalar = p->clip_scalar;
         if (p->indices != NULL) {
             (j->sparse1 != NULL            ? run_summed_rows

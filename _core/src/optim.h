@@ -194,6 +194,18 @@ static inline void ls_optim_slice_add1(const void *src, size_t c, ls_dtype dt,
 typedef void (*ls_slice_fn)(const void *src, size_t n, ls_dtype dt, const ls_optim_args *a,
                             float factor, int kind, float k, float *g, float *t);
 
+/* A variable's decay in a's terms: LS_DECAY_FACTOR is the reassociated
+ * form with the weight decay as its whole factor (the kernels know the
+ * first two forms only). */
+static inline void ls_optim_decay_args(ls_optim_args *a, int decay)
+{
+    a->decay = decay;
+    if (decay == LS_DECAY_FACTOR) {
+        a->decay = LS_DECAY_REASSOCIATED;
+        a->wd_lr = a->wd;
+    }
+}
+
 static inline float ls_optim_decay1(float w, const ls_optim_args *a)
 {
     if (a->decay == LS_DECAY_OP_BY_OP)
@@ -354,10 +366,9 @@ typedef struct ls_adafactor_loops {
  * unscale (ls_adafactor_by1's). */
 typedef struct ls_lamb_span {
     const float *grad;
-    const float *term; /* NULL: v's term is x * x */
-    float *var;        /* NULL, or decayed in place: w - (w * wd) * lr, w - w * wd_lr */
-    int decay;         /* LS_DECAY_OP_BY_OP or LS_DECAY_REASSOCIATED with var */
-    float wd, lr, wd_lr;
+    const float *term;    /* NULL: v's term is x * x */
+    float *var;           /* NULL, or decayed in place as `decay` says */
+    ls_optim_args decay;  /* its decay's form and numbers (ls_optim_decay1) */
     float *m, *v, *u;
     size_t n;
     int how;

@@ -88,13 +88,10 @@ class AdafactorOp : public tf::OpKernel {
                     tf::errors::InvalidArgument("LossScaleApplyAdafactor: factored has ",
                                                 factored_.size(), " positions for ", f_,
                                                 " factored variables"));
-        for (int k = 0; k < f_; ++k)
-            OP_REQUIRES(ctx, factored_[k] >= 0 && factored_[k] < n_ &&
-                                 (k == 0 || factored_[k] > factored_[k - 1]),
-                        tf::errors::InvalidArgument(
-                            "LossScaleApplyAdafactor: factored positions must ascend "
-                            "within [0, ",
-                            n_, ")"));
+        OP_REQUIRES(ctx, AscendingPositions(factored_, n_),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyAdafactor: factored positions must ascend within [0, ",
+                        n_, ")"));
     }
 
     void Compute(tf::OpKernelContext* ctx) override {

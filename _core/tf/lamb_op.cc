@@ -30,14 +30,11 @@ using tf::shape_inference::InferenceContext;
 constexpr size_t kForwardBytesPerOutput = 16;
 
 // Ascending positions of variables, each below n.
-tf::Status Positions(const std::vector<tf::int32>& positions, int n, const char* what) {
-    for (size_t k = 0; k < positions.size(); ++k)
-        if (positions[k] < 0 || positions[k] >= n || (k > 0 && positions[k] <= positions[k - 1]))
-            return tf::errors::InvalidArgument("LossScaleLambMoments: ", what,
-                                               " must be ascending positions of variables, "
-                                               "below ",
-                                               n);
-    return tf::OkStatus();
+tf::Status Positions(const std::vector<int>& positions, int n, const char* what) {
+    if (AscendingPositions(positions, n))
+        return tf::OkStatus();
+    return tf::errors::InvalidArgument("LossScaleLambMoments: ", what,
+                                       " must be ascending positions of variables, below ", n);
 }
 
 tf::Status LambShapes(InferenceContext* c) {
@@ -126,7 +123,7 @@ class LambMomentsOp : public tf::OpKernel {
                                                 " decays for ", decayed_.size(),
                                                 " decayed variables"));
         OP_REQUIRES_OK(ctx, Positions(decayed_, n_, "decayed"));
-        for (const tf::int32 d : decay_)
+        for (const int d : decay_)
             OP_REQUIRES(ctx, d > LS_DECAY_NONE && d <= LS_DECAY_FACTOR,
                         tf::errors::InvalidArgument("LossScaleLambMoments: a decay must be 1, "
                                                     "2 or 3, got ",
@@ -218,7 +215,7 @@ class LambMomentsOp : public tf::OpKernel {
 
   private:
     int n_ = 0;
-    std::vector<tf::int32> termed_, decayed_, decay_;
+    std::vector<int> termed_, decayed_, decay_;
     ls_lamb_config config_ = {};
 };
 

@@ -75,6 +75,15 @@ inline tf::Status CoreError(int rc, const char* what) {
 }
 
 // An op's `unscale` attr ('none', 'divide', 'multiply') as ls_unscale_mode.
+// Whether `positions` ascend strictly within [0, n): an op's list of the
+// variables that take an input of their own (slices, terms, slots).
+inline bool AscendingPositions(const std::vector<int>& positions, int n) {
+    for (size_t k = 0; k < positions.size(); ++k)
+        if (positions[k] < 0 || positions[k] >= n || (k > 0 && positions[k] <= positions[k - 1]))
+            return false;
+    return true;
+}
+
 inline int UnscaleMode(const std::string& name) {
     if (name == "divide")
         return LS_UNSCALE_DIVIDE;

@@ -203,12 +203,10 @@ class FusedStepOp : public tf::OpKernel {
                         "LossScaleApplyOptimizer: sparse names ", sparse_.size(),
                         " variables for ", num_sparse, " indices and ", factors,
                         " slice factors (one when any)"));
-        for (size_t k = 0; k < sparse_.size(); ++k)
-            OP_REQUIRES(ctx, sparse_[k] >= 0 && sparse_[k] < num_variables_ &&
-                                 (k == 0 || sparse_[k] > sparse_[k - 1]),
-                        tf::errors::InvalidArgument(
-                            "LossScaleApplyOptimizer: sparse must name variables in "
-                            "ascending order, each once"));
+        OP_REQUIRES(ctx, AscendingPositions(sparse_, num_variables_),
+                    tf::errors::InvalidArgument(
+                        "LossScaleApplyOptimizer: sparse must name variables in "
+                        "ascending order, each once"));
         int ema = 0;
         OP_REQUIRES_OK(ctx, ctx->GetAttr("num_ema", &ema));
         OP_REQUIRES(ctx, (num_averages_ == 0 && ema == 0) ||

@@ -8,6 +8,7 @@
  * pool, without the float32 temporaries the ops write (u, its square, a
  * sparse gradient's dense form).
  */
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -70,12 +71,12 @@ class SquaredNormsOp : public tf::OpKernel {
                     tf::errors::InvalidArgument(
                         "LossScaleSquaredNorms: sparse names ", sparse_.size(), " gradients for ",
                         num_sparse, " indices and ", rows_.size(), " row counts"));
-        for (size_t k = 0; k < sparse_.size(); ++k)
-            OP_REQUIRES(ctx, sparse_[k] >= 0 && sparse_[k] < n_ && rows_[k] >= 0 &&
-                                 (k == 0 || sparse_[k] > sparse_[k - 1]),
-                        tf::errors::InvalidArgument(
-                            "LossScaleSquaredNorms: sparse must name gradients in ascending "
-                            "order, each once, with a row count >= 0"));
+        OP_REQUIRES(ctx,
+                    AscendingPositions(sparse_, n_) &&
+                        std::all_of(rows_.begin(), rows_.end(), [](int r) { return r >= 0; }),
+                    tf::errors::InvalidArgument(
+                        "LossScaleSquaredNorms: sparse must name gradients in ascending "
+                        "order, each once, with a row count >= 0"));
         OP_REQUIRES(ctx, names_.empty() || static_cast<int>(names_.size()) == n_,
                     tf::errors::InvalidArgument("LossScaleSquaredNorms: ", names_.size(),
                                                 " names for ", n_, " gradients"));
