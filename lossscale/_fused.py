@@ -630,6 +630,24 @@ class Plan:
             epsilon_2=float(inner.epsilon_2), clip_threshold=float(inner.clip_threshold),
             rsqrt=bool(_rsqrt_form()), unscale=unscale)
 
+    def _decayed_by(self, variables, decay, should_apply, launch):
+        """``launch(decay, weight_decay)``, an op that decays ``variables`` as
+        their plan's forms ``decay`` say.  Where a variable decays by the
+        factor (``_DECAY_FACTOR``) and the probe's chain was not one factor,
+        those variables decay by Keras' own ops first (when
+        ``should_apply``), the op decaying nothing of them."""
+        if _DECAY_FACTOR not in decay:
+            launch(decay, self.weight_decay)
+            return
+        factored = [v for v, d in zip(variables, decay) if d == _DECAY_FACTOR]
+
+        def by_ops():
+            _step.cond(should_apply, lambda: [
+                _decay_like_stock(self.inner, local_copy(v)) for v in factored], lambda: None)
+            launch([0 if d == _DECAY_FACTOR else d for d in decay], self.weight_decay)
+
+        _step.cond(self.decay_factor_taken, lambda: launch(decay, self.decay_factor), by_ops)
+
     def _own_op_gradients(self, which, scale, unscale, squares=False):
         """The gradients of the variables ``which`` as an op of a family of
         its own (``OWN_OP_FAMILIES``) takes them, the unscale it then
@@ -712,21 +730,9 @@ class Plan:
             _lamb_moves(library, [local_copy(v) for v in variables], us, learning_rate,
                         inner.iterations, shared_rate=len(self.variables) > 1)
 
-        def by_ops_first():
-            # Were the probe's chain not one factor, these variables decay
-            # by Keras' own ops first, the op decaying nothing.
-            for k, d in enumerate(decay):
-                if d == _DECAY_FACTOR:
-                    _decay_like_stock(inner, local_copy(variables[k]))
-            update([0 if d == _DECAY_FACTOR else d for d in decay], self.weight_decay)
-
-        def by_factor():
-            _step.cond(self.decay_factor_taken, lambda: update(decay, self.decay_factor),
-                       by_ops_first)
-
         with tf.control_dependencies(self.checks):
-            _step.cond(should_apply, by_factor if _DECAY_FACTOR in decay
-                       else lambda: update(decay, self.weight_decay), lambda: None)
+            _step.cond(should_apply,
+                       lambda: self._decayed_by(variables, decay, True, update), lambda: None)
 
     def accumulate(self, library, scale, unscale, accumulators):
         """A step that only accumulates: each gradient unscaled as stock
@@ -861,21 +867,8 @@ class Plan:
                 else 0.0, sparse=sparse, **accumulated)
 
         def run(numbers):
-            if _DECAY_FACTOR not in decay:
-                launch(numbers, decay, self.weight_decay)
-                return
-            # Were the probe's chain not one factor, these variables decay
-            # by Keras' own ops first, the op decaying nothing.
-            factored = [v for v, d in zip(variables, decay) if d == _DECAY_FACTOR]
-
-            def by_ops():
-                _step.cond(should_apply, lambda: [
-                    _decay_like_stock(self.inner, local_copy(v)) for v in factored], lambda: None)
-                launch(numbers, [0 if d == _DECAY_FACTOR else d for d in decay],
-                       self.weight_decay)
-
-            _step.cond(self.decay_factor_taken,
-                       lambda: launch(numbers, decay, self.decay_factor), by_ops)
+            self._decayed_by(variables, decay, should_apply,
+                             lambda decay, weight_decay: launch(numbers, decay, weight_decay))
 
         # Forms of the stock step's graph that only its run tells: the
         # probes made here, outside any cond, where stock's step is made;
@@ -1342,14 +1335,17 @@ def decay_factor_probe(inner):
     whether every value is multiplied by that factor alone (a chain left
     as written rounds differently on them, unless both orders agree on
     every value)."""
-    # 1, whose product is the factor itself, then lanes on which the chain
-    # as written and the factor's product round differently.
-    lanes = tf.constant(np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32))
-    # + 0 that only the run knows: the iterations are never negative.
-    zero = tf.minimum(tf.cast(inner.iterations, tf.float32), 0.0)
-    product = _decay_product(inner, lanes + zero)
+    lanes = tf.constant(_FACTOR_LANES) + _run_time_zero(inner.iterations)
+    product = _decay_product(inner, lanes)
     factor = product[0]
     return factor, tf.reduce_all(tf.equal(product, lanes * factor))
+
+
+def _run_time_zero(iterations):
+    """0.0, a float32 tensor only the run knows (the ``iterations`` are never
+    negative): a probe's constants plus it are not folded by the graph
+    optimizer."""
+    return tf.minimum(tf.cast(iterations, tf.float32), 0.0)
 
 
 def _more_than_one(variable):
@@ -1677,14 +1673,13 @@ def _lamb_probe(lr, iterations):
     its orders round differently, against ``(ratio * lr) * x``."""
     from keras import ops
 
-    # + 0 that only the run knows: the iterations are never negative.
-    zero = tf.minimum(tf.cast(iterations, tf.float32), 0.0)
+    zero = _run_time_zero(iterations)
     checks = []
     pow_lanes = _pow_lanes()
     if pow_lanes.size:
         x = tf.constant(pow_lanes) + zero
         checks.append(tf.reduce_all(tf.equal(ops.power(x, 2), x * x)))
-    lanes = tf.constant(np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32)) + zero
+    lanes = tf.constant(_FACTOR_LANES) + zero
     ratio = tf.constant(np.float32(1.0 + 2.0**-7 + 2.0**-19)) + zero
     product = ratio * lr * lanes
     checks.append(tf.reduce_all(tf.equal(product, lanes * product[0])))
@@ -2922,6 +2917,9 @@ def _grappler_reassociates_products():
 # a factor of 1), where the two orders agree on every value.
 _PROBE_LANES = (1.0 + np.arange(1, 257, dtype=np.float64) * (2.0**-9 + 2.0**-17)).astype(
     np.float32)
+# A factor probe's lanes: 1, whose product by the chain is the factor itself,
+# then _PROBE_LANES, which tell whether the chain is that one product.
+_FACTOR_LANES = np.concatenate([[1.0], _PROBE_LANES]).astype(np.float32)
 
 
 def _graph_reorders_clip(factor, learning_rate, gradients):
