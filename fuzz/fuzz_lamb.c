@@ -3,7 +3,11 @@
  * (ls_lamb_moments_with, ls_lamb_problem).
  *
  * One input describes zero to three variables (lengths below a vector,
- * past one, and past the 65,536 values a thread takes at least), the
+ * past one, and past the 65,536 values a thread takes at least), each
+ * gradient dense or sparse (rows of any length that divides the
+ * variable's, one that does not or 0; no slices, fewer than rows or more,
+ * indices drawn, crowded onto three rows, ascending or descending, so
+ * repeated; at most one fault of its own), the
  * unscale mode (and an unknown one), the scale (raw bits, or a power of
  * two: subnormal, normal or past the largest float), 1 - beta_1,
  * 1 - beta_2, epsilon and the two bias corrections (2-byte value codes or
@@ -18,11 +22,16 @@
  *     input asks for it; a variable given a term takes its g as it is and
  *     the term in place of x * x, and its term keeps every bit; a variable
  *     given a decay is decayed first by its form (w - (w * wd) * lr,
- *     w - w * (wd * lr), w - w * wd);
+ *     w - w * (wd * lr), w - w * wd); a sparse gradient made dense first:
+ *     each slice value divided by the scale as a dense one's, then added
+ *     in slice order onto +0 at its row's place, its square alike, the
+ *     two taken as a dense gradient as it is and its term; u written into
+ *     the slices' buffer past the slices when the input puts it there;
  *   - the call is refused (LS_ERR_ARG) exactly when this file's
  *     restatement of the rules refuses it, a valid one (LS_ERR_SIMD)
  *     exactly when LOSSSCALE_SIMD names a level this CPU lacks, and then
- *     every buffer keeps every bit and the parallel-for never runs;
+ *     every buffer (a sparse gradient's indices too) keeps every bit and
+ *     the parallel-for never runs;
  *   - the library's threads and a host's parallel-for that runs the job
  *     in uneven pieces, in order or last to first, give the same bits;
  *   - the caller's floating-point control state comes back.
@@ -49,12 +58,21 @@
  *          with bit 6 of byte 1, then the weight decay and the learning
  *          rate, alike
  *   then   the cut points (u32 each): position = value % (elements + 1)
- *   then per variable 3 bytes: class (bits 0-1), L (u16): length L % 64,
- *          L % 1100, 65,536 + L % 70,000, or 0
+ *   then per variable 3 bytes: class (bits 0-1; bits 2-7 reading
+ *          SPARSE_MARK make the gradient sparse, any other value dense),
+ *          L (u16): length L % 64, L % 1100, 65,536 + L % 70,000, or 0;
+ *          a sparse gradient's 4 more: the row length's byte (bits 6-7 both
+ *          set: bits 0-5 as they are, 0 and lengths that do not divide
+ *          among them; else the (bits 0-6 % d)-th smallest of the length's
+ *          d divisors, 1 + bits 0-2 for length 0), the slices (u16, % (2 *
+ *          rows + 2)) and a byte: bits 0-2 its fault (enum sparse_fault),
+ *          bit 3 grad NULL when there are no slices, bits 4-5 the indices'
+ *          order (see draw_indices), bits 6-7 the fault's choice
  *   then the content, handed out in order and repeated from its start
- *   (zero bytes when there is none): per variable its gradient, m and v
- *   (and its term, and the variable when decayed), each value a 2-byte
- *   code (4 raw bytes with bit 7 of byte 0).
+ *   (zero bytes when there is none): per variable its gradient (a sparse
+ *   one's slices), m and v (and its term, and the variable when decayed),
+ *   each value a 2-byte code (4 raw bytes with bit 7 of byte 0), then a
+ *   sparse gradient's indices, a u32 each.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -68,6 +86,11 @@
 
 enum { MAX_VARS = 3, MAX_CUTS = 7 };
 
+/* The value of the class byte's bits 2-7 that makes a gradient sparse (any
+ * other leaves it dense): one that no dense input of fuzz/corpus/lamb
+ * holds, so that each of them reads as a dense one. */
+enum { SPARSE_MARK = 30 };
+
 enum fault {
     FAULT_NONE = 0,
     FAULT_NULL_CONFIG, /* no configuration: refused */
@@ -77,6 +100,23 @@ enum fault {
     FAULT_U_ON_M,      /* its u is its m: refused when it has values */
     FAULT_U_IS_GRAD,   /* its u is its gradient: valid, u written over g */
     FAULT_HUGE_LENGTH  /* a length past SIZE_MAX / 4: refused, unread */
+};
+
+/* A sparse gradient's own fault; "refused" is when its variable has
+ * values. */
+enum sparse_fault {
+    SPARSE_NONE = 0,
+    SPARSE_U_OVER,         /* u in the slices' buffer, at the choice's place (0, the last
+                              slice value, just past the slices, half way): refused when
+                              it overlaps a slice */
+    SPARSE_INDEX_HIGH,     /* the last (choice bit 1: first) index rows (bit 0: INT64_MAX):
+                              refused when there are slices */
+    SPARSE_INDEX_NEGATIVE, /* likewise -1 (bit 0: INT64_MIN) */
+    SPARSE_NO_INDICES,     /* indices NULL: refused when there are slices (else none) */
+    SPARSE_MISALIGNED,     /* the indices 4 bytes off their alignment: refused, unread */
+    SPARSE_ON_OTHER,       /* the slices at m, v, the variable (m when none) or m's last
+                              element, by the choice: refused when there are slices */
+    SPARSE_HUGE_SLICES     /* slices * row_length * 8 past SIZE_MAX: refused, unread */
 };
 
 static char detail[240];
@@ -94,6 +134,7 @@ typedef struct state {
     float *grad[MAX_VARS], *m[MAX_VARS], *v[MAX_VARS], *u[MAX_VARS];
     float *term[MAX_VARS]; /* NULL where the variable takes none */
     float *var[MAX_VARS];  /* NULL where the variable is not decayed */
+    int64_t *indices[MAX_VARS]; /* a sparse gradient's, slices + 1; NULL where dense */
 } state;
 
 typedef struct fuzz_case {
@@ -105,6 +146,11 @@ typedef struct fuzz_case {
     enum fault fault;
     uint32_t cuts[MAX_CUTS];
     size_t length[MAX_VARS];
+    size_t glen[MAX_VARS]; /* floats in the gradient's buffer */
+    int sparse[MAX_VARS], order[MAX_VARS], choice[MAX_VARS], null_grad[MAX_VARS];
+    size_t row_length[MAX_VARS], slices[MAX_VARS];
+    enum sparse_fault sfault[MAX_VARS];
+    size_t u_shift[MAX_VARS]; /* u at the gradient's buffer + u_shift; SIZE_MAX: apart */
     state init;
 } fuzz_case;
 
@@ -120,6 +166,91 @@ static float *floats(size_t n)
     if (p == NULL)
         fail("out of memory");
     return p;
+}
+
+/* n values from the content. */
+static void draw(stream *content, const fuzz_case *c, float *to, size_t n)
+{
+    for (size_t k = 0; k < n; k++)
+        to[k] = c->raw ? from_bits((uint32_t)stream_le(content, 4))
+                       : value_of((uint16_t)stream_le(content, 2), c->wild);
+}
+
+/* The (pick % d)-th smallest of n's d divisors (n > 0). */
+static size_t divisor(size_t n, unsigned pick)
+{
+    size_t low[512], high[512], nlow = 0, nhigh = 0;
+    for (size_t d = 1; d * d <= n; d++)
+        if (n % d == 0) {
+            low[nlow++] = d;
+            if (d != n / d)
+                high[nhigh++] = n / d;
+        }
+    const size_t k = pick % (nlow + nhigh);
+    return k < nlow ? low[k] : high[nhigh - 1 - (k - nlow)];
+}
+
+/* A sparse gradient's 4 header bytes (see the layout above); its buffer
+ * holds the slices, and u's length after them when u is put there. */
+static void decode_sparse(reader *r, fuzz_case *c, size_t i)
+{
+    const size_t n = c->length[i];
+    const uint8_t shape = next_byte(r);
+    const size_t code = (size_t)next_le(r, 2);
+    const uint8_t how = next_byte(r);
+    c->sparse[i] = 1;
+    c->row_length[i] = shape >> 6 == 3 ? shape & 63u
+                       : n == 0        ? 1 + (shape & 7u)
+                                       : divisor(n, shape & 127u);
+    const size_t rows = c->row_length[i] > 0 ? n / c->row_length[i] : 0;
+    c->slices[i] = code % (2 * rows + 2);
+    c->sfault[i] = (enum sparse_fault)(how & 7);
+    c->order[i] = (how >> 4) & 3;
+    c->choice[i] = how >> 6;
+    const size_t values = c->slices[i] * c->row_length[i];
+    const int u_is_grad = i == 0 && c->fault == FAULT_U_IS_GRAD;
+    if (u_is_grad || c->sfault[i] == SPARSE_U_OVER) {
+        const size_t at[4] = {0, values > 0 ? values - 1 : 0, values, values / 2};
+        c->u_shift[i] = u_is_grad ? 0 : at[c->choice[i]];
+        c->glen[i] = values + n;
+    } else {
+        c->glen[i] = values;
+    }
+    c->null_grad[i] = (how >> 3) & 1 && c->slices[i] == 0 && c->u_shift[i] == SIZE_MAX;
+}
+
+/* A sparse gradient's indices, one u32 of the content d each, by its
+ * order: d % rows, d % min(rows, 3) (crowded), k * rows / slices
+ * (ascending) or rows - 1 less that (descending); d itself when there are
+ * no whole rows.  Then its index fault.  One more index, 0, ends the
+ * buffer, so that the indices 4 bytes off their alignment stay in it. */
+static void draw_indices(stream *content, fuzz_case *c, size_t i)
+{
+    const size_t s = c->slices[i];
+    const size_t rows = c->row_length[i] > 0 ? c->length[i] / c->row_length[i] : 0;
+    int64_t *idx = malloc((s + 1) * sizeof(int64_t));
+    if (idx == NULL)
+        fail("out of memory");
+    for (size_t k = 0; k < s; k++) {
+        const size_t d = (size_t)stream_le(content, 4);
+        size_t row = d;
+        if (rows > 0)
+            switch (c->order[i]) {
+            case 0: row = d % rows; break;
+            case 1: row = d % (rows < 3 ? rows : 3); break;
+            case 2: row = k * rows / s; break;
+            default: row = rows - 1 - k * rows / s; break;
+            }
+        idx[k] = (int64_t)row;
+    }
+    idx[s] = 0;
+    const int extreme = c->choice[i] & 1;
+    const size_t at = c->choice[i] >> 1 ? 0 : s - 1;
+    if (s > 0 && c->sfault[i] == SPARSE_INDEX_HIGH)
+        idx[at] = extreme ? INT64_MAX : (int64_t)rows;
+    if (s > 0 && c->sfault[i] == SPARSE_INDEX_NEGATIVE)
+        idx[at] = extreme ? INT64_MIN : -1;
+    c->init.indices[i] = idx;
 }
 
 static void decode(const uint8_t *data, size_t size, fuzz_case *c)
@@ -160,22 +291,34 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     for (size_t i = 0; i < MAX_CUTS; i++)
         c->cuts[i] = (uint32_t)next_le(&r, 4);
     for (size_t i = 0; i < c->count; i++) {
-        const uint8_t cls = next_byte(&r) & 3;
+        const uint8_t cls = next_byte(&r);
         const size_t l = (size_t)next_le(&r, 2);
-        c->length[i] = cls == 0 ? l % 64 : cls == 1 ? l % 1100 : cls == 2 ? 65536 + l % 70000 : 0;
+        const int form = cls & 3;
+        c->length[i] = form == 0   ? l % 64
+                       : form == 1 ? l % 1100
+                       : form == 2 ? 65536 + l % 70000
+                                   : 0;
+        c->glen[i] = c->length[i];
+        c->u_shift[i] = SIZE_MAX;
+        if (cls >> 2 == SPARSE_MARK)
+            decode_sparse(&r, c, i);
     }
     stream content = {data + (r.at < size ? r.at : size), r.at < size ? size - r.at : 0, 0};
     for (size_t i = 0; i < c->count; i++) {
-        float **bufs[5] = {&c->init.grad[i], &c->init.m[i], &c->init.v[i],
+        const size_t values = c->sparse[i] ? c->slices[i] * c->row_length[i] : c->length[i];
+        c->init.grad[i] = floats(c->glen[i]);
+        draw(&content, c, c->init.grad[i], values);
+        memset(c->init.grad[i] + values, 0xA5, (c->glen[i] - values) * sizeof(float));
+        float **bufs[4] = {&c->init.m[i], &c->init.v[i],
                            c->termed[i] ? &c->init.term[i] : &c->init.var[i], &c->init.var[i]};
-        for (int b = 0; b < 3 + c->termed[i] + c->decayed; b++) {
+        for (int b = 0; b < 2 + c->termed[i] + c->decayed; b++) {
             *bufs[b] = floats(c->length[i]);
-            for (size_t k = 0; k < c->length[i]; k++)
-                (*bufs[b])[k] = c->raw ? from_bits((uint32_t)stream_le(&content, 4))
-                                       : value_of((uint16_t)stream_le(&content, 2), c->wild);
+            draw(&content, c, *bufs[b], c->length[i]);
         }
         c->init.u[i] = floats(c->length[i]);
         memset(c->init.u[i], 0xA5, c->length[i] * sizeof(float));
+        if (c->sparse[i])
+            draw_indices(&content, c, i);
     }
 }
 
@@ -184,11 +327,11 @@ static void copy_state(const fuzz_case *c, state *to)
 {
     for (size_t i = 0; i < c->count; i++) {
         const size_t bytes = c->length[i] * sizeof(float);
-        to->grad[i] = floats(c->length[i]);
+        to->grad[i] = floats(c->glen[i]);
         to->m[i] = floats(c->length[i]);
         to->v[i] = floats(c->length[i]);
         to->u[i] = floats(c->length[i]);
-        memcpy(to->grad[i], c->init.grad[i], bytes);
+        memcpy(to->grad[i], c->init.grad[i], c->glen[i] * sizeof(float));
         memcpy(to->m[i], c->init.m[i], bytes);
         memcpy(to->v[i], c->init.v[i], bytes);
         memcpy(to->u[i], c->init.u[i], bytes);
@@ -202,6 +345,14 @@ static void copy_state(const fuzz_case *c, state *to)
             to->var[i] = floats(c->length[i]);
             memcpy(to->var[i], c->init.var[i], bytes);
         }
+        to->indices[i] = NULL;
+        if (c->sparse[i]) {
+            const size_t words = (c->slices[i] + 1) * sizeof(int64_t);
+            to->indices[i] = malloc(words);
+            if (to->indices[i] == NULL)
+                fail("out of memory");
+            memcpy(to->indices[i], c->init.indices[i], words);
+        }
     }
 }
 
@@ -214,15 +365,52 @@ static void free_state(const fuzz_case *c, state *s)
         free(s->u[i]);
         free(s->term[i]);
         free(s->var[i]);
+        free(s->indices[i]);
+    }
+}
+
+/* A sparse gradient's parameters over `s`, with its own fault. */
+static void sparse_params(const fuzz_case *c, const state *s, size_t i, ls_lamb_param *q)
+{
+    const size_t n = c->length[i], rl = c->row_length[i];
+    q->indices = s->indices[i];
+    q->slices = c->slices[i];
+    q->row_length = rl;
+    if (c->null_grad[i])
+        q->grad = NULL;
+    if (c->u_shift[i] != SIZE_MAX)
+        q->u = s->grad[i] + c->u_shift[i];
+    switch (c->sfault[i]) {
+    case SPARSE_NO_INDICES:
+        if (c->slices[i] > 0)
+            q->indices = NULL;
+        break;
+    case SPARSE_MISALIGNED:
+        q->indices = (const int64_t *)(const void *)((const char *)s->indices[i] + 4);
+        break;
+    case SPARSE_ON_OTHER: {
+        float *const on[4] = {q->m, q->v, q->var != NULL ? q->var : q->m,
+                              q->m + (n > 0 ? n - 1 : 0)};
+        q->grad = on[c->choice[i]];
+        break;
+    }
+    case SPARSE_HUGE_SLICES:
+        q->slices = rl > 0 ? SIZE_MAX / sizeof(int64_t) / rl + 1 : SIZE_MAX;
+        break;
+    default: break;
     }
 }
 
 /* The parameters over `s`, with the case's fault. */
 static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
 {
-    for (size_t i = 0; i < c->count; i++)
+    for (size_t i = 0; i < c->count; i++) {
         p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i], s->term[i],
-                               s->var[i], s->var[i] != NULL ? 1 + (int)(i % 3) : LS_DECAY_NONE};
+                               s->var[i], s->var[i] != NULL ? 1 + (int)(i % 3) : LS_DECAY_NONE,
+                               NULL, 0, 0};
+        if (c->sparse[i])
+            sparse_params(c, s, i, &p[i]);
+    }
     if (c->count == 0)
         return;
     if (c->decayed && c->bad_decay)
@@ -239,6 +427,27 @@ static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
     }
 }
 
+/* ls_lamb_problem's rules for a sparse gradient's variable, restated
+ * (variable 0 with the case's fault too): whether they refuse it. */
+static int ref_sparse_problem(const fuzz_case *c, size_t i)
+{
+    const size_t n = c->length[i], rl = c->row_length[i], s = c->slices[i];
+    const enum fault f = i == 0 ? c->fault : FAULT_NONE;
+    const enum sparse_fault sf = c->sfault[i];
+    if (n == 0)
+        return 0;
+    if (f == FAULT_NULL_M || f == FAULT_U_ON_M || (i == 0 && c->decayed && c->bad_decay))
+        return 1;
+    if (c->termed[i] || rl == 0 || n % rl != 0 || sf == SPARSE_MISALIGNED
+        || sf == SPARSE_HUGE_SLICES)
+        return 1;
+    if (s == 0) /* no slices to overlap; but u on the gradient is then on m, v or the variable */
+        return f == FAULT_U_IS_GRAD && sf == SPARSE_ON_OTHER;
+    return f == FAULT_NULL_GRAD || f == FAULT_U_IS_GRAD || sf == SPARSE_NO_INDICES
+           || sf == SPARSE_INDEX_HIGH || sf == SPARSE_INDEX_NEGATIVE || sf == SPARSE_ON_OTHER
+           || (sf == SPARSE_U_OVER && c->u_shift[i] < s * rl);
+}
+
 /* ls_lamb_problem's rules, restated: whether it refuses the call. */
 static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
 {
@@ -250,13 +459,40 @@ static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
         return 0;
     if (c->fault == FAULT_HUGE_LENGTH)
         return 1;
-    return p[0].length > 0 && (c->fault == FAULT_NULL_GRAD || c->fault == FAULT_NULL_M
-                               || c->fault == FAULT_U_ON_M || (c->termed[0] && c->term_on_m)
-                               || (c->decayed && c->bad_decay));
+    for (size_t i = 0; i < c->count; i++)
+        if (c->sparse[i] && ref_sparse_problem(c, i))
+            return 1;
+    return !c->sparse[0] && p[0].length > 0
+           && (c->fault == FAULT_NULL_GRAD || c->fault == FAULT_NULL_M || c->fault == FAULT_U_ON_M
+               || (c->termed[0] && c->term_on_m) || (c->decayed && c->bad_decay));
+}
+
+/* A sparse gradient made dense as lossscale.h says, in the floating-point
+ * state ref_pass sets: each slice value unscaled as a dense gradient's
+ * (divided by the scale), added in slice order onto +0 at its row's
+ * place in g, its square (rounded) likewise in t. */
+static void densify(const fuzz_case *c, const state *s, size_t i, float *g, float *t)
+{
+    const size_t rl = c->row_length[i];
+    for (size_t e = 0; e < c->length[i]; e++) {
+        g[e] = 0.0f;
+        t[e] = 0.0f;
+    }
+    for (size_t k = 0; k < c->slices[i]; k++) {
+        const size_t row = (size_t)s->indices[i][k];
+        for (size_t col = 0; col < rl; col++) {
+            const float value = s->grad[i][k * rl + col];
+            const float x = c->config.unscale == LS_UNSCALE_DIVIDE ? value / c->config.scale
+                                                                   : value;
+            const size_t e = row * rl + col;
+            g[e] = g[e] + x;
+            t[e] = t[e] + x * x;
+        }
+    }
 }
 
 /* The pass, restated one element at a time in the flags' state. */
-static void ref_pass(const fuzz_case *c, state *s, int in_place0)
+static void ref_pass(const fuzz_case *c, state *s)
 {
 #ifdef HAVE_MXCSR
     const unsigned saved = _mm_getcsr();
@@ -266,9 +502,19 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
     const float wd = k->weight_decay, lr = k->learning_rate;
     const float wd_lr = wd * lr;
     for (size_t i = 0; i < c->count; i++) {
-        float *u = i == 0 && in_place0 ? s->grad[0] : s->u[i];
-        const float *t = s->term[i];
+        float *u = c->u_shift[i] != SIZE_MAX                  ? s->grad[i] + c->u_shift[i]
+                   : i == 0 && c->fault == FAULT_U_IS_GRAD ? s->grad[0]
+                                                           : s->u[i];
+        const float *grad = s->grad[i], *t = s->term[i];
         float *w = s->var[i];
+        float *dense_g = NULL, *dense_t = NULL;
+        if (c->sparse[i] && c->length[i] > 0) {
+            dense_g = floats(c->length[i]);
+            dense_t = floats(c->length[i]);
+            densify(c, s, i, dense_g, dense_t);
+            grad = dense_g;
+            t = dense_t;
+        }
         for (size_t e = 0; e < c->length[i]; e++) {
             if (w != NULL) {
                 const int form = 1 + (int)(i % 3);
@@ -276,7 +522,7 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
                        : form == 2 ? w[e] - w[e] * wd_lr
                                    : w[e] - w[e] * wd;
             }
-            const float g = s->grad[i][e];
+            const float g = grad[e];
             const float x = t == NULL && k->unscale == LS_UNSCALE_DIVIDE ? g / k->scale : g;
             const float m = s->m[i][e] + (x - s->m[i][e]) * k->one_minus_beta_1;
             const float v = s->v[i][e] + ((t != NULL ? t[e] : x * x) - s->v[i][e])
@@ -285,6 +531,8 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
             s->v[i][e] = v;
             u[e] = (m / k->bias_1) / (sqrtf(v / k->bias_2) + k->epsilon);
         }
+        free(dense_g);
+        free(dense_t);
     }
 #ifdef HAVE_MXCSR
     _mm_setcsr(saved);
@@ -293,17 +541,22 @@ static void ref_pass(const fuzz_case *c, state *s, int in_place0)
 
 static void compare(const fuzz_case *c, const state *a, const state *b, const char *what)
 {
-    for (size_t i = 0; i < c->count; i++)
-        for (size_t e = 0; e < c->length[i]; e++) {
-            const float *pa[6] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i], a->var[i]};
-            const float *pb[6] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i], b->var[i]};
-            for (int t = 0; t < 6; t++)
-                if (pa[t] != NULL && !same(pa[t][e], pb[t][e])) {
+    for (size_t i = 0; i < c->count; i++) {
+        const float *pa[6] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i], a->var[i]};
+        const float *pb[6] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i], b->var[i]};
+        for (int t = 0; t < 6; t++)
+            for (size_t e = 0; pa[t] != NULL && e < (t == 0 ? c->glen[i] : c->length[i]); e++)
+                if (!same(pa[t][e], pb[t][e])) {
                     snprintf(detail, sizeof detail, "(variable %zu, buffer %d, element %zu: "
                              "%08x against %08x)", i, t, e, bits_of(pa[t][e]), bits_of(pb[t][e]));
                     fail(what);
                 }
+        if (a->indices[i] != NULL
+            && memcmp(a->indices[i], b->indices[i], (c->slices[i] + 1) * sizeof(int64_t)) != 0) {
+            snprintf(detail, sizeof detail, "(variable %zu, its indices)", i);
+            fail(what);
         }
+    }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -364,7 +617,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         compare(&c, &hosted, &c.init, "a refused call wrote");
     } else {
         compare(&c, &hosted, &own, "the host's pieces and the library's threads differ");
-        ref_pass(&c, &ref, c.fault == FAULT_U_IS_GRAD);
+        ref_pass(&c, &ref);
         compare(&c, &own, &ref, "the pass differs from the reference");
     }
     free_state(&c, &own);

@@ -40,7 +40,13 @@ variables with the host's cut points in order and reversed, both unscales
 with powers of two (subnormal, past the largest float) and raw scales,
 its numbers ordinary, zero, special or raw bits, u over the gradient
 itself, flushing on and off (by the flags and by the caller), special
-values; and every refusal.  Deterministic: rerunning
+values; and every refusal; then sparse gradients (rows of 1 element to
+the whole variable, rows across a block of the gather, fewer slices than
+rows and more, no slices, indices drawn, crowded, ascending and
+descending) beside dense ones, and their refusals (a term, a row length
+that does not divide or 0, an index one row too far or negative, no
+indices, misaligned ones, slices on m, v or the variable, u on the slices,
+too many slices).  Deterministic: rerunning
 rewrites the same files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
@@ -840,6 +846,9 @@ LAMB_NONE, LAMB_DIVIDE, LAMB_DIVIDE_POW2, LAMB_UNKNOWN = 0, 1, 2, 3
 LAMB_FLUSH, LAMB_UNKNOWN_FLAG, LAMB_CALLER_FLUSH = 4, 8, 16
 LAMB_FAULTS = dict(null_config=1, null_params=2, null_grad=3, null_m=4, u_on_m=5,
                    u_is_grad=6, huge_length=7)
+LAMB_SPARSE_MARK = 30  # a class byte's bits 2-7 for a sparse gradient
+LAMB_SPARSE_FAULTS = dict(u_over=1, index_high=2, index_negative=3, no_indices=4, misaligned=5,
+                          on_other=6, huge_slices=7)
 
 
 def lamb_code(value):
@@ -853,9 +862,29 @@ def lamb_code(value):
 LAMB_DEFAULT = [0.1, 0.00390625, 0.00390625, 0.25, 0.0078125]
 
 
+def lamb_sparse(n, row_length, slices, fault=0, null_grad=False, order=0, choice=0,
+                ragged=False):
+    """A sparse gradient's 4 header bytes in fuzz_lamb.c's layout for a
+    variable of n elements: rows of row_length (ragged: taken as it is,
+    0 to 63, else one of n's divisors), `slices` slices."""
+    if ragged:
+        shape = 0xC0 | row_length
+    elif n == 0:
+        shape = row_length - 1
+    else:
+        shape = [d for d in range(1, n + 1) if n % d == 0].index(row_length)
+    rows = n // row_length if row_length else 0
+    assert shape < 256 and slices < 2 * rows + 2
+    how = fault | null_grad << 3 | order << 4 | choice << 6
+    return bytes([shape]) + struct.pack("<H", slices) + bytes([how])
+
+
 def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_threads=1,
                 fault=0, wild=False, raw=False, cuts=(), reverse=False, numbers=None,
-                data=b"", termed=(), term_on_m=False, decay=None, bad_decay=False):
+                data=b"", termed=(), term_on_m=False, decay=None, bad_decay=False,
+                sparse=None):
+    """sparse: {variable: its lamb_sparse bytes} for the sparse gradients."""
+    sparse = sparse or {}
     terms = sum(1 << (4 + i) for i in termed)
     out = bytearray([unscale | flags | (lib_threads - 1) << 5 | raw << 7,
                      len(lengths) | fault << 2 | wild << 5 | (decay is not None) << 6
@@ -865,9 +894,12 @@ def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_thr
     for n in (numbers or [lamb_code(x) for x in LAMB_DEFAULT]) + list(decay or ()):
         out += struct.pack("<I", n)
     out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
-    for n in lengths:
+    for i, n in enumerate(lengths):
         cls, l = (0, n) if n < 64 else (1, n) if n < 1100 else (2, n - 65536)
-        out += bytes([cls]) + struct.pack("<H", l)
+        if i in sparse:
+            out += bytes([cls | LAMB_SPARSE_MARK << 2]) + struct.pack("<H", l) + sparse[i]
+        else:
+            out += bytes([cls]) + struct.pack("<H", l)
     return bytes(out) + data
 
 
@@ -946,6 +978,91 @@ def lamb_seeds():
                                         bad_decay=True, data=content(small)))
     yield ("decay-unknown-empty", encode_lamb([0, 9], decay=(lamb_code(0.01), lamb_code(0.1)),
                                               bad_decay=True, data=content([9])))
+    # Sparse gradients: rows of 1 to 48 elements, fewer slices than rows and
+    # more (so repeated), each unscale, flushing on and off.
+    for k, (row_length, slices) in enumerate(((1, 97), (3, 5), (8, 13), (48, 3))):
+        for unscale, scale in ((LAMB_DIVIDE, 0x40400000), (LAMB_DIVIDE_POW2, 149 + 10),
+                               (LAMB_NONE, 0)):
+            yield (f"sparse-rows-{row_length}-u{unscale}",
+                   encode_lamb([48], unscale, scale, LAMB_FLUSH if k % 2 else 0,
+                               sparse={0: lamb_sparse(48, row_length, slices)},
+                               data=content([3 * 48])))
+    for order in range(4):
+        yield (f"sparse-order-{order}",
+               encode_lamb([60], lib_threads=2, cuts=(7, 30),
+                           sparse={0: lamb_sparse(60, 4, 31, order=order)},
+                           data=content([3 * 60])))
+    for null_grad in (False, True):
+        yield (f"sparse-no-slices-g{int(null_grad)}",
+               encode_lamb([33], sparse={0: lamb_sparse(33, 3, 0, null_grad=null_grad)},
+                           data=content([66])))
+    yield ("sparse-length-0", encode_lamb([0, 9], sparse={0: lamb_sparse(0, 2, 1)},
+                                          data=content([9])))
+    # Rows across the gather's blocks of 4096 and the threads' shares: rows
+    # of 3 (a block ends inside one), of 5000 (one spans two blocks) and
+    # of 1, with many slices.
+    for name, n, row_length, slices in (("rows-3", 65538, 3, 30000),
+                                        ("rows-5000", 70000, 5000, 29),
+                                        ("rows-1", 65536 + 999, 1, 50000)):
+        yield (f"sparse-big-{name}",
+               encode_lamb([n], flags=LAMB_FLUSH, lib_threads=4, cuts=(4095, 4097, 40000),
+                           sparse={0: lamb_sparse(n, row_length, slices)},
+                           data=content([3000])))
+    # Dense and sparse variables together, decayed, the host's pieces.
+    mixed = [40, 65600, 9]
+    for reverse in (False, True):
+        yield (f"sparse-mixed-r{int(reverse)}",
+               encode_lamb(mixed, flags=LAMB_FLUSH, lib_threads=3, cuts=(3, 41, 4137, 65641),
+                           reverse=reverse, decay=(lamb_code(0.01), lamb_code(0.005)),
+                           sparse={1: lamb_sparse(65600, 41, 2000, order=1),
+                                   2: lamb_sparse(9, 3, 7, order=3)},
+                           data=content([3000])))
+    for flags in (0, LAMB_FLUSH, LAMB_CALLER_FLUSH):
+        yield (f"sparse-specials-f{flags}",
+               encode_lamb([24, 9], flags=flags, wild=True,
+                           sparse={0: lamb_sparse(24, 2, 20), 1: lamb_sparse(9, 1, 12)},
+                           data=content([200], specials=0.3)))
+    yield ("sparse-raw", encode_lamb([24], raw=True, sparse={0: lamb_sparse(24, 4, 9)},
+                                     data=bytes(rng.getrandbits(8) for _ in range(1024))))
+    # Refusals: a row length that does not divide, or 0 (and one that does).
+    for row_length in (0, 5, 6):
+        yield (f"sparse-ragged-{row_length}",
+               encode_lamb([48], sparse={0: lamb_sparse(48, row_length, 3 if row_length else 1,
+                                                         ragged=True)},
+                           data=content([100])))
+    # Each fault of a sparse gradient's own, by each choice; with slices and
+    # (where that makes it valid) without.
+    small = [33, 12]
+    for fault, number in LAMB_SPARSE_FAULTS.items():
+        choices = range(4) if fault in ("u_over", "index_high", "index_negative",
+                                        "on_other") else (0,)
+        decay = (lamb_code(0.01), lamb_code(0.1)) if fault == "on_other" else None
+        for choice in choices:
+            yield (f"sparse-fault-{fault}-{choice}",
+                   encode_lamb(small, decay=decay,
+                               sparse={0: lamb_sparse(33, 11, 4),
+                                       1: lamb_sparse(12, 3, 6, fault=number, choice=choice)},
+                               data=content([150])))
+        yield (f"sparse-fault-{fault}-no-slices",
+               encode_lamb(small, decay=decay,
+                           sparse={1: lamb_sparse(12, 3, 0, fault=number)},
+                           data=content([100])))
+    # The target's faults on a sparse gradient's variable, with slices and
+    # without; a term.
+    for fault in ("null_grad", "null_m", "u_on_m", "u_is_grad", "huge_length"):
+        for slices in (0, 5):
+            yield (f"sparse-{fault}-s{slices}",
+                   encode_lamb(small, fault=LAMB_FAULTS[fault],
+                               sparse={0: lamb_sparse(33, 3, slices)}, data=content([150])))
+    yield ("sparse-term", encode_lamb(small, termed=(0,), sparse={0: lamb_sparse(33, 3, 5)},
+                                      data=content([150])))
+    yield ("sparse-term-on-m", encode_lamb(small, termed=(0,), term_on_m=True,
+                                           sparse={0: lamb_sparse(33, 3, 5)},
+                                           data=content([150])))
+    yield ("sparse-decay-unknown", encode_lamb(small, decay=(lamb_code(0.01), lamb_code(0.1)),
+                                               bad_decay=True,
+                                               sparse={0: lamb_sparse(33, 3, 5)},
+                                               data=content([150])))
 
 
 def main():

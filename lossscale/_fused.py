@@ -369,8 +369,10 @@ BY_OWN_UPDATE = SparseForm()
 # A sparse gradient that Keras' Lamb densifies twice: its slices (the
 # subtraction from m densifies them) and their squares (``ops.square`` of an
 # IndexedSlices squares its slices, a row's duplicates apart, and the
-# subtraction from v densifies those).  The Lamb op takes the first as the
-# gradient and the second as v's term (``Plan._own_op_gradients``).
+# subtraction from v densifies those).  The Lamb op takes the slices and
+# makes both a block at a time in its pass, as TensorFlow's conversion adds
+# them (lossscale.h, ls_lamb_param.indices), never whole
+# (``Plan._own_op_gradients``).
 DENSIFIED_WITH_SQUARES = SparseForm()
 
 # A clip the kernels do not take, run as the inner optimizer's own ops on
@@ -659,12 +661,12 @@ class Plan:
         whose norm takes in every gradient, ``which`` is every variable: it
         densifies the sparse ones, which then take the op.
 
-        With ``squares`` (Lamb's, whose update takes ``square(gradient)``):
-        a sparse gradient the clip leaves sparse is densified as Keras'
-        ops densify it, and its term is its slices' squares densified
-        alike (a row's duplicates' squares summed, as Keras squares the
-        slices before its subtraction densifies them); the op takes it as
-        it is, and dense float32 gradients, with no clip, as they came."""
+        With ``squares`` (Lamb's, whose op takes a sparse gradient as its
+        slices and densifies them, and their squares, as Keras' ops do): a
+        sparse gradient the clip leaves sparse stays so, its values
+        float32 (scaled as they came where the op unscales them), after
+        the slices' checks; dense float32 gradients, with no clip, as they
+        came."""
         variables = [self.variables[i] for i in which]
         grads = [self.grads[i] for i in which]
         sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
@@ -674,9 +676,7 @@ class Plan:
             if not any(sparse):
                 return grads, unscale, {}
             with tf.control_dependencies(self.checks):
-                grads = [_unscaled_slices(g, v, scale, unscale) if s else g
-                         for g, v, s in zip(grads, variables, sparse)]
-                return self._densified_with_squares(grads, unscale)
+                return [_after_checks(g) if s else g for g, s in zip(grads, sparse)], unscale, {}
         with tf.control_dependencies(self.checks):
             grads = [_unscaled_slices(g, v, scale, unscale)
                      if isinstance(g, tf.IndexedSlices)
@@ -684,19 +684,9 @@ class Plan:
                      for g, v in zip(grads, variables)]
             if self.clip is not None:
                 grads = list(_compat.clip_gradients(self.inner, grads))
-            if squares:
-                return self._densified_with_squares(grads, "none")
-            grads = [tf.convert_to_tensor(g) for g in grads]
+            if not squares:
+                grads = [tf.convert_to_tensor(g) for g in grads]
         return grads, "none", {}
-
-    @staticmethod
-    def _densified_with_squares(grads, unscale):
-        """``grads`` with each ``tf.IndexedSlices`` densified (``_densify``),
-        the unscale, and the densified squares of those (``{position:
-        term}``)."""
-        terms = {k: _densify(_map_values(tf.square, g)) for k, g in enumerate(grads)
-                 if isinstance(g, tf.IndexedSlices)}
-        return [_densify(g) if k in terms else g for k, g in enumerate(grads)], unscale, terms
 
     def _launch_lamb(self, library, should_apply, scale, unscale, which):
         """Lamb's step of the variables ``which`` (positions in the plan),
@@ -709,7 +699,8 @@ class Plan:
         inner = self.inner
         line = self.family.line
         variables = [self.variables[i] for i in which]
-        grads, unscale, terms = self._own_op_gradients(which, scale, unscale, squares=True)
+        grads, unscale, _ = self._own_op_gradients(which, scale, unscale, squares=True)
+        sparse = [k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         bias_1, bias_2 = self.scalars
         learning_rate = self.learning_rate
         decay = [self.decay[i] for i in which]
@@ -719,11 +710,12 @@ class Plan:
             us = library.loss_scale_lamb_moments(
                 [local_copy(m).handle for m in line.slots(inner, "m", variables)],
                 [local_copy(v).handle for v in line.slots(inner, "v", variables)],
-                grads, scale, tf.cast(bias_1, tf.float32), tf.cast(bias_2, tf.float32),
-                [terms[k] for k in sorted(terms)],
+                [g.values if k in sparse else g for k, g in enumerate(grads)], scale,
+                tf.cast(bias_1, tf.float32), tf.cast(bias_2, tf.float32),
                 [local_copy(variables[k]).handle for k in decayed],
                 tf.cast(learning_rate, tf.float32), tf.cast(weight_decay, tf.float32),
-                termed=sorted(terms), decayed=decayed, decay=[decay[k] for k in decayed],
+                [tf.cast(grads[k].indices, tf.int64) for k in sparse],
+                decayed=decayed, decay=[decay[k] for k in decayed], sparse=sparse,
                 one_minus_beta_1=float(np.float32(1 - inner.beta_1)),
                 one_minus_beta_2=float(np.float32(1 - inner.beta_2)),
                 epsilon=float(np.float32(inner.epsilon)), unscale=unscale)
@@ -1157,6 +1149,13 @@ def _densify(slices):
 
 def _map_values(fn, slices):
     return tf.IndexedSlices(fn(slices.values), slices.indices, slices.dense_shape)
+
+
+def _after_checks(slices):
+    """``slices`` as they are, read after the ops in the context's control
+    dependencies (the slices' checks)."""
+    return tf.IndexedSlices(tf.identity(slices.values), tf.identity(slices.indices),
+                            slices.dense_shape)
 
 
 # ------------------------------------------------------------- families

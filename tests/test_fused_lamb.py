@@ -4,13 +4,13 @@
 Lamb's update takes two norms between its moments and the variable's move:
 the variable's and its step's ``u``.  The fused step decays each variable
 and makes m, v and u in one pass (the LossScaleLambMoments op, the
-gradients unscaled on the fly; a sparse gradient densified, with its
-squares as v's term); then, in a graph where the probe finds stock's lines
+gradients unscaled on the fly; a sparse gradient taken as its slices,
+densified with their squares a block at a time in the pass); then, in a graph where the probe finds stock's lines
 rewritten as the native ops compute them, the norms by
 LossScaleSquaredNorms and the move by the fused SGD op, else Keras' own
 lines on that u.  The op's pass is checked against numpy's float32
 arithmetic element by element (every way of taking the gradient: as it is,
-divided by a scale, times a power of two's exact reciprocal, with a term;
+divided by a scale, times a power of two's exact reciprocal, as slices;
 each decay form; m, v and u over float32's range), the step against stock
 over shapes of every rank, variables that split over the threads, sparse
 gradients, eagerly and in a ``tf.function``, overflow steps among them; the
@@ -164,9 +164,10 @@ def test_one_variable_moves_as_stock(config):
 def test_sparse_gradient_bit_identical_to_stock(graph, dtype, kw):
     """An embedding table's slices (a row named twice, rows never named)
     beside dense variables: Keras densifies the slices, and apart from them
-    their squares (a row's duplicates' squares summed); the op takes both
-    (under ``global_clipnorm`` Keras densifies the gradient first, and the
-    op squares it).  A step with an overflow is skipped by both."""
+    their squares (a row's duplicates' squares summed); the op takes the
+    slices and makes both (under ``global_clipnorm`` Keras densifies the
+    gradient first, and the op squares it).  A step with an overflow is
+    skipped by both."""
     sparse_lockstep(keras.optimizers.Lamb, graph, 2.0**10, kw, dtype=dtype, steps=10)
 
 
@@ -181,6 +182,30 @@ def test_sparse_gradient_takes_the_op():
     assert sparse_form(keras.optimizers.Lamb)[0] is _fused.DENSIFIED_WITH_SQUARES
 
 
+def test_sparse_gradient_is_never_made_whole_in_a_graph():
+    """The op takes a sparse gradient's slices and indices, and the step's
+    graph densifies nothing (no UnsortedSegmentSum: stock's graph has two,
+    one for the slices and one for their squares)."""
+    table = keras.Variable(np.ones((10, 4), np.float32), name="table")
+    dense = keras.Variable(np.ones((3, 4), np.float32), name="kernel")
+    grads = [tf.IndexedSlices(tf.ones((3, 4)), tf.constant([1, 7, 1]), tf.constant([10, 4])),
+             tf.ones((3, 4))]
+
+    def graph_of(cls):
+        opt = cls(keras.optimizers.Lamb(0.01), initial_scale=4.0)
+        apply = tf.function(lambda: opt.apply(grads, [table, dense]))
+        graph = apply.get_concrete_function().graph
+        return op_types(apply), graph, opt
+
+    types, graph, ours = graph_of(Ours)
+    assert_fused(ours)
+    moments = [op for g in [graph] + [f.graph for f in graph._functions.values()]
+               for op in g.get_operations() if op.type == "LossScaleLambMoments"]
+    assert [op.get_attr("sparse") for op in moments] == [[0]]
+    assert "UnsortedSegmentSum" not in types
+    assert "UnsortedSegmentSum" in graph_of(Stock)[0]
+
+
 # ------------------------------------------------------- the op's pass
 
 def op_case(shape=(3, 4), seed=0, scale=2.0):
@@ -191,8 +216,8 @@ def op_case(shape=(3, 4), seed=0, scale=2.0):
     made = {"m": tf.Variable(m, name="m"), "v": tf.Variable(v, name="v")}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(scale), bias_1=tf.constant(np.float32(0.271)),
-                bias_2=tf.constant(np.float32(0.00299)), terms=[], variables=[],
-                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0),
+                bias_2=tf.constant(np.float32(0.00299)), variables=[],
+                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0), indices=[],
                 one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     return made, args, (m, v, g)
 
@@ -238,8 +263,8 @@ def test_op_pass_of_special_values_against_numpy():
     made = {"m": tf.Variable(m), "v": tf.Variable(v)}
     args = dict(m=[made["m"].handle], v=[made["v"].handle], grads=[tf.constant(g)],
                 scale=tf.constant(np.float32(0.5)), bias_1=tf.constant(np.float32(0.1)),
-                bias_2=tf.constant(np.float32(0.001)), terms=[], variables=[],
-                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0),
+                bias_2=tf.constant(np.float32(0.001)), variables=[],
+                learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0), indices=[],
                 one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     with np.errstate(all="ignore"):
         want = numpy_pass(m, v, g, args)
@@ -250,25 +275,76 @@ def test_op_pass_of_special_values_against_numpy():
         assert bits(got[~nan]) == bits(expected[~nan])
 
 
-@pytest.mark.parametrize("length", [1, 37, 70001])
-def test_op_pass_with_a_term_against_numpy(length):
-    """Three variables, the middle one given a term (a sparse gradient
-    densified, its squares densified apart): it takes its gradient as it
-    is and the term in place of g * g, while the others are divided by the
-    scale; each against numpy's float32 arithmetic."""
-    rng = np.random.default_rng(length)
-    cases = [op_case((length,), seed=k, scale=512.0) for k in range(3)]
-    term = rng.uniform(0.0, 3.0, length).astype(np.float32)
-    first = cases[0][1]
-    args = {**first, "m": [c[1]["m"][0] for c in cases], "v": [c[1]["v"][0] for c in cases],
-            "grads": [tf.constant(c[2][2]) for c in cases], "scale": tf.constant(512.0),
-            "terms": [tf.constant(term)], "termed": [1]}
+def densified(values, index, rows, scale, unscale):
+    """TensorFlow's conversion of slices unscaled as the op unscales them
+    (numpy's float32 division), and of their squares: each row's slices
+    added in their order onto 0, one rounding each."""
+    f = np.float32
+    x = values / f(scale) if unscale == "divide" else values
+    g = np.zeros((rows,) + values.shape[1:], np.float32)
+    t = np.zeros_like(g)
+    for k, row in enumerate(index):
+        g[row] = g[row] + x[k]
+        t[row] = t[row] + x[k] * x[k]
+    return g, t
+
+
+@pytest.mark.parametrize("rows,cols,slices", [(5, 3, 0), (6, 1, 9), (40, 37, 120),
+                                              (3, 5000, 7), (700, 100, 1500)])
+@pytest.mark.parametrize("unscale,scale", [("divide", 512.0), ("divide", 1000.0),
+                                           ("none", 1.0)])
+def test_op_pass_with_a_sparse_gradient_against_numpy(rows, cols, slices, unscale, scale):
+    """Three variables, the middle one's gradient slices (rows named twice
+    and more, rows never named; no slice at all): the op makes their dense
+    form and their squares' a block at a time as Keras' Lamb densifies
+    them, then the pass; the others as dense ones.  Each against numpy's
+    float32 arithmetic, the sparse one's m, v and u over every row."""
+    rng = np.random.default_rng(rows * cols + slices)
+    f = np.float32
+    cases = [op_case((211,), seed=0, scale=scale), op_case((rows, cols), seed=1, scale=scale),
+             op_case((64,), seed=2, scale=scale)]
+    index = rng.integers(0, rows, slices)
+    values = (rng.standard_normal((slices, cols)) * scale).astype(np.float32)
+    values[:, 0] = -0.0  # onto +0: +0, as TensorFlow's sum makes it
+    args = {**cases[0][1], "m": [c[1]["m"][0] for c in cases],
+            "v": [c[1]["v"][0] for c in cases],
+            "grads": [tf.constant(cases[0][2][2]), tf.constant(values), tf.constant(cases[2][2][2])],
+            "scale": tf.constant(f(scale)), "unscale": unscale,
+            "indices": [tf.constant(index, tf.int64)], "sparse": [1]}
     out = library().loss_scale_lamb_moments(**args)
-    for k, ((made, _, (m, v, g)), u) in enumerate(zip(cases, out)):
-        m1, v1, u1 = numpy_pass(m, v, g, args, term=term if k == 1 else None)
+    g, t = densified(values, index, rows, scale, unscale)
+    for k, ((made, _, (m, v, dense)), u) in enumerate(zip(cases, out)):
+        if k == 1:
+            m1, v1, u1 = numpy_pass(m, v, g, args, term=t)
+        else:
+            m1, v1, u1 = numpy_pass(m, v, dense, args)
+        assert u.shape == m.shape
         assert bits(made["m"].numpy()) == bits(m1), k
         assert bits(made["v"].numpy()) == bits(v1), k
         assert bits(u.numpy()) == bits(u1), k
+
+
+def test_op_pass_with_a_sparse_gradient_and_a_decay_against_numpy():
+    """A decayed table with a sparse gradient: every row decays, named or
+    not, before its moments, as Keras decays the variable first."""
+    rng = np.random.default_rng(4)
+    made, args, (m, v, _) = op_case((50, 8), scale=512.0)
+    start = rng.standard_normal((50, 8)).astype(np.float32)
+    weight = tf.Variable(start)
+    index = np.array([3, 3, 49, 0, 3], np.int64)
+    values = (rng.standard_normal((5, 8)) * 512).astype(np.float32)
+    wd, lr = np.float32(0.037), np.float32(0.29)
+    args = {**args, "grads": [tf.constant(values)], "scale": tf.constant(512.0),
+            "indices": [tf.constant(index)], "sparse": [0], "variables": [weight.handle],
+            "learning_rate": tf.constant(lr), "weight_decay": tf.constant(wd),
+            "decayed": [0], "decay": [1]}
+    out = library().loss_scale_lamb_moments(**args)
+    g, t = densified(values, index, 50, 512.0, "divide")
+    m1, v1, u1 = numpy_pass(m, v, g, args, term=t)
+    assert bits(weight.numpy()) == bits(start - (start * wd) * lr)
+    assert bits(made["m"].numpy()) == bits(m1)
+    assert bits(made["v"].numpy()) == bits(v1)
+    assert bits(out[0].numpy()) == bits(u1)
 
 
 def test_op_decays_each_variable_as_its_form_says_against_numpy():
@@ -310,12 +386,20 @@ def snapshot(made):
     (lambda made, a: {**a, "v": [made["m"].handle]}, "passed twice"),
     (lambda made, a: {**a, "grads": [tf.ones((4, 3))]}, "has shape [3,4], expected [4,3]"),
     (lambda made, a: {**a, "bias_1": tf.constant([0.5, 0.5])}, "must be a scalar"),
-    (lambda made, a: {**a, "terms": [tf.ones((4, 3))], "termed": [0]},
-     "the term of gradient 0 has shape [4,3], expected [3,4]"),
-    (lambda made, a: {**a, "terms": [tf.ones((3, 4))], "termed": [1]},
-     "termed must be ascending positions of variables, below 1"),
-    (lambda made, a: {**a, "terms": [tf.ones((3, 4))], "termed": []},
-     "1 terms for 0 termed variables"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 4))], "sparse": [0],
+                      "indices": [tf.constant([0, 3], tf.int64)]}, "has index 3, outside [0, 3)"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 4))], "sparse": [0],
+                      "indices": [tf.constant([0, -1], tf.int64)]}, "has index -1, outside [0, 3)"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 5))], "sparse": [0],
+                      "indices": [tf.constant([0, 1], tf.int64)]},
+     "has slices of shape [2,5] for rows of the variable of shape [3,4]"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 4))], "sparse": [0],
+                      "indices": [tf.constant([0, 1, 2], tf.int64)]}, "has 3 indices for 2 slices"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 4))], "sparse": [1],
+                      "indices": [tf.constant([0, 1], tf.int64)]},
+     "sparse must be ascending positions of variables, below 1"),
+    (lambda made, a: {**a, "grads": [tf.ones((2, 4))], "sparse": [],
+                      "indices": [tf.constant([0, 1], tf.int64)]}, "1 indices for 0 sparse"),
     (lambda made, a: {**a, "variables": [made["m"].handle], "decayed": [0], "decay": [1]},
      "passed twice"),
     (lambda made, a: {**a, "variables": [tf.Variable(np.ones(12, np.float32)).handle],
@@ -325,8 +409,8 @@ def snapshot(made):
     (lambda made, a: {**a, "variables": [tf.Variable(np.ones((3, 4), np.float32)).handle],
                       "decayed": [0], "decay": []}, "1 variables and 0 decays"),
     (lambda made, a: {**a, "weight_decay": tf.constant([0.5, 0.5])}, "must be a scalar"),
-], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape", "term_shape", "termed_range",
-        "terms_count", "variable_twice", "variable_shape", "decay_form", "decay_count",
+], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape", "index_above", "index_below",
+        "slice_shape", "indices_count", "sparse_range", "sparse_count", "variable_twice", "variable_shape", "decay_form", "decay_count",
         "weight_decay_shape"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args, _ = op_case()

@@ -619,10 +619,19 @@ int ls_adafactor_update_with(const ls_adafactor_param *params, size_t count,
  * as it is, whatever the unscale.  A variable given with a decay (Keras'
  * weight decay, which its step applies before any update and so before
  * the norms) is decayed in the same pass, w = w - (w * weight_decay) *
- * learning_rate and its other ls_decay forms, and written in place.
- * bias_1 and bias_2 are Keras' 1 - beta ** step, made as Keras makes them;
- * the norms of the variable and of u, their ratio and the variable's move
- * by u are the caller's (TensorFlow's reductions, as Keras takes them).
+ * learning_rate and its other ls_decay forms, and written in place.  A
+ * sparse gradient (TensorFlow's IndexedSlices, `indices` not NULL) is
+ * taken as Keras' Lamb densifies it, never made whole: `grad` holds
+ * `slices` slices of `row_length` float32 values, slice k the gradient of
+ * row indices[k] (`length` is rows * row_length, every index in [0,
+ * rows), repeats allowed); each slice value is unscaled as a dense
+ * gradient is, then g is a row's slices added in their order onto 0
+ * (TensorFlow's UnsortedSegmentSum: 0 for a row no slice names) and t
+ * their squares added alike (Keras squares the slices, then its
+ * subtraction densifies them), a block at a time in cache.  bias_1 and
+ * bias_2 are Keras' 1 - beta ** step, made as Keras makes them; the norms
+ * of the variable and of u, their ratio and the variable's move by u are
+ * the caller's (TensorFlow's reductions, as Keras takes them).
  * LS_FLUSH_DENORMALS computes as TensorFlow's CPU kernels do.
  */
 typedef struct ls_lamb_param {
@@ -633,6 +642,10 @@ typedef struct ls_lamb_param {
     const float *term; /* NULL, or v's term t for each element (read only) */
     float *var;        /* NULL, or the variable, decayed in place as `decay` says */
     int decay;         /* ls_decay; LS_DECAY_NONE without a variable */
+    /* NULL, or a sparse gradient's row of each slice (int64, aligned; then
+     * no term, and u a buffer of its own) */
+    const int64_t *indices;
+    size_t slices, row_length;
 } ls_lamb_param;
 
 typedef struct ls_lamb_config {
@@ -647,7 +660,9 @@ typedef struct ls_lamb_config {
 /* Why the pass cannot run as given (no configuration, a NULL buffer, m, v
  * and u overlapping each other or the gradient but for u being it, a term
  * overlapping m, v or u, a variable overlapping any buffer, an unknown
- * decay or one without a variable, an unknown unscale), or NULL. */
+ * decay or one without a variable, an unknown unscale; a sparse gradient
+ * with a term, not whole rows, an index outside [0, rows) or a buffer
+ * overlapping another), or NULL. */
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
                             const ls_lamb_config *config);
 
@@ -655,8 +670,8 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
  * caller decided the step applies), the elements split over `parallel`
  * (NULL: the library's threads), its loop the kernel set's LOSSSCALE_SIMD
  * names (the same bits at every level).  1; LS_ERR_ARG (ls_lamb_problem,
- * or an unknown flag) or LS_ERR_SIMD (a level this CPU lacks) with nothing
- * written. */
+ * or an unknown flag), LS_ERR_SIMD (a level this CPU lacks) or
+ * LS_ERR_MEMORY (a sparse gradient's rows) with nothing written. */
 int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
                          const ls_lamb_config *config, unsigned flags,
                          ls_parallel_fn parallel, void *host);

@@ -5,9 +5,13 @@
  * caller's: Keras takes them with TensorFlow's reductions, which the caller
  * runs as Keras runs them, on the u this pass writes.  The elements of
  * every variable are split over the threads as one concatenation; the
- * element loop is the active kernel set's (lamb_body.h).
+ * element loop is the active kernel set's (lamb_body.h).  A sparse
+ * gradient's dense form and its squares' are gathered a block at a time
+ * by the fused step's own gather (optim.c, ls_optim_gather_rows) and the
+ * loop runs on them as on a densified gradient and its term.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "internal.h"
 #include "lossscale.h"
@@ -16,6 +20,29 @@
 static int overlap(const float *a, const float *b, size_t n)
 {
     return !ls_disjoint(a, n * sizeof(float), b, n * sizeof(float));
+}
+
+/* A sparse gradient's own checks (ls_lamb_param.indices), its slices
+ * against m, v, u and the variable. */
+static const char *sparse_problem(const ls_lamb_param *p)
+{
+    if (p->term != NULL)
+        return "a sparse gradient takes no term";
+    if (p->row_length == 0 || p->length % p->row_length != 0
+        || p->slices > SIZE_MAX / sizeof(int64_t) / p->row_length
+        || (uintptr_t)p->indices % sizeof(int64_t) != 0)
+        return "a sparse gradient's rows are not whole rows of its variable";
+    const size_t bytes = p->slices * p->row_length * sizeof(float);
+    const float *const others[] = {p->m, p->v, p->u, p->var};
+    for (int k = 0; k < 4; k++)
+        if (others[k] != NULL && bytes > 0
+            && !ls_disjoint(p->grad, bytes, others[k], p->length * sizeof(float)))
+            return "a sparse gradient's slices overlap m, v, u or the variable";
+    const int64_t rows = (int64_t)(p->length / p->row_length);
+    for (size_t k = 0; k < p->slices; k++)
+        if (p->indices[k] < 0 || p->indices[k] >= rows)
+            return "a sparse gradient's index is outside its variable's rows";
+    return NULL;
 }
 
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_lamb_config *c)
@@ -28,14 +55,23 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_
         const ls_lamb_param *p = &params[i];
         if (p->length == 0)
             continue;
-        if (p->grad == NULL || p->m == NULL || p->v == NULL || p->u == NULL)
+        if ((p->grad == NULL && (p->indices == NULL || p->slices > 0)) || p->m == NULL
+            || p->v == NULL || p->u == NULL)
             return "a gradient, m, v or u buffer is NULL";
         if (p->length > SIZE_MAX / sizeof(float))
             return "a variable too large";
         const size_t n = p->length;
-        if (overlap(p->m, p->v, n) || overlap(p->m, p->grad, n) || overlap(p->v, p->grad, n)
-            || overlap(p->u, p->m, n) || overlap(p->u, p->v, n)
-            || (p->u != p->grad && overlap(p->u, p->grad, n)))
+        /* A sparse gradient's slices are checked against the other buffers
+         * by sparse_problem; a dense one's here, u allowed to be it. */
+        const int sparse = p->indices != NULL || p->slices > 0;
+        if (sparse) {
+            const char *why = p->indices != NULL ? sparse_problem(p) : "slices without indices";
+            if (why != NULL)
+                return why;
+        }
+        if (overlap(p->m, p->v, n) || overlap(p->u, p->m, n) || overlap(p->u, p->v, n)
+            || (!sparse && (overlap(p->m, p->grad, n) || overlap(p->v, p->grad, n)
+                            || (p->u != p->grad && overlap(p->u, p->grad, n)))))
             return "m, v and u overlap each other or the gradient (u may be the gradient itself)";
         if (p->term != NULL
             && (overlap(p->term, p->m, n) || overlap(p->term, p->v, n) || overlap(p->term, p->u, n)))
@@ -46,20 +82,54 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_
             return "a decay needs its variable, and a variable its decay";
         if (p->var != NULL
             && (overlap(p->var, p->m, n) || overlap(p->var, p->v, n) || overlap(p->var, p->u, n)
-                || overlap(p->var, p->grad, n)
+                || (!sparse && overlap(p->var, p->grad, n))
                 || (p->term != NULL && overlap(p->var, p->term, n))))
             return "the variable overlaps another buffer";
     }
     return NULL;
 }
 
+/* A sparse gradient's slices grouped by row (ls_sort_rows): row r's are
+ * order[start[r] .. start[r + 1]). */
+typedef struct lamb_rows {
+    size_t *start, *order;
+} lamb_rows;
+
 typedef struct lamb_job {
     const ls_lamb_param *params;
     size_t count;
     ls_lamb_span model; /* the config's numbers; buffers and n per range */
     unsigned flags;
-    ls_lamb_fn loop;
+    const ls_optim_kernels *kernels;
+    lamb_rows *rows;       /* each param's; NULL when no gradient is sparse */
+    ls_optim_args unscale; /* a slice value's unscale */
 } lamb_job;
+
+/* A block of a sparse gradient's dense form, in cache. */
+enum { BLOCK = 4096 };
+
+/* Elements [lo, hi) of a variable whose gradient is sparse: a block at a
+ * time, its g and t gathered as Keras' densified slices and their
+ * squares, then the loop on them as on a densified gradient's. */
+static void lamb_sparse(const lamb_job *j, const ls_lamb_param *p, const lamb_rows *r,
+                        ls_lamb_span s, size_t lo, size_t hi)
+{
+    float g[BLOCK], t[BLOCK];
+    s.how = LS_ADAFACTOR_AS_IS;
+    s.grad = g;
+    s.term = t;
+    for (size_t b = lo; b < hi; b += BLOCK) {
+        const size_t e = hi - b < BLOCK ? hi : b + BLOCK;
+        ls_optim_gather_rows(j->kernels, p->grad, LS_FLOAT32, p->row_length, r->start, r->order,
+                             b, e, &j->unscale, 1.0f, LS_SLICE_SQUARE, 0.0f, g, t);
+        s.var = p->var != NULL ? p->var + b : NULL;
+        s.m = p->m + b;
+        s.v = p->v + b;
+        s.u = p->u + b;
+        s.n = e - b;
+        j->kernels->lamb(&s);
+    }
+}
 
 /* Elements [begin, end) of the concatenation of every variable's. */
 static int lamb_range(const void *arg, size_t begin, size_t end)
@@ -75,20 +145,57 @@ static int lamb_range(const void *arg, size_t begin, size_t end)
         if (lo >= hi)
             continue;
         ls_lamb_span s = j->model;
+        ls_optim_decay_args(&s.decay, p->decay);
+        if (p->indices != NULL) {
+            lamb_sparse(j, p, &j->rows[i], s, lo, hi);
+            continue;
+        }
         s.grad = p->grad + lo;
         s.term = p->term != NULL ? p->term + lo : NULL;
         s.var = p->var != NULL ? p->var + lo : NULL;
-        ls_optim_decay_args(&s.decay, p->decay);
         if (p->term != NULL) /* a densified sparse gradient: as it is */
             s.how = LS_ADAFACTOR_AS_IS;
         s.m = p->m + lo;
         s.v = p->v + lo;
         s.u = p->u + lo;
         s.n = hi - lo;
-        j->loop(&s);
+        j->kernels->lamb(&s);
     }
     ls_fpenv_leave(&env);
     return 1;
+}
+
+/* Every sparse gradient's slices grouped by row: LS_OK, or LS_ERR_MEMORY
+ * with nothing allocated. */
+static int group_rows(lamb_job *j)
+{
+    size_t words = 0;
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_lamb_param *p = &j->params[i];
+        if (p->indices != NULL && p->length > 0)
+            words += p->length / p->row_length + 1 + p->slices;
+    }
+    if (words == 0)
+        return LS_OK;
+    if (words > (SIZE_MAX - j->count * sizeof(lamb_rows)) / sizeof(size_t))
+        return LS_ERR_MEMORY;
+    char *memory = malloc(j->count * sizeof(lamb_rows) + words * sizeof(size_t));
+    if (memory == NULL)
+        return LS_ERR_MEMORY;
+    j->rows = (lamb_rows *)(void *)memory;
+    size_t *next = (size_t *)(void *)(memory + j->count * sizeof(lamb_rows));
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_lamb_param *p = &j->params[i];
+        j->rows[i].start = j->rows[i].order = NULL;
+        if (p->indices == NULL || p->length == 0)
+            continue;
+        const size_t rows = p->length / p->row_length;
+        j->rows[i].start = next;
+        j->rows[i].order = next + rows + 1;
+        next += rows + 1 + p->slices;
+        ls_sort_rows(p->indices, p->slices, rows, j->rows[i].start, j->rows[i].order);
+    }
+    return LS_OK;
 }
 
 int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
@@ -133,7 +240,15 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
                                 .epsilon = config->epsilon,
                                 .bias_1 = config->bias_1,
                                 .bias_2 = config->bias_2};
-    lamb_job j = {params, count, model, flags, ls_optim_kernels_at(level)->lamb};
+    ls_optim_args unscale = {.grad_mode = how == LS_ADAFACTOR_DIVIDE     ? LS_GRAD_DIVIDE
+                                          : how == LS_ADAFACTOR_MULTIPLY ? LS_GRAD_MULTIPLY
+                                                                         : LS_GRAD_AS_IS,
+                             .factor = k,
+                             .clip = LS_CLIP_NONE};
+    lamb_job j = {params, count, model, flags, ls_optim_kernels_at(level), NULL, unscale};
+    if (group_rows(&j) != LS_OK)
+        return LS_ERR_MEMORY;
     const int rc = (parallel ? parallel : ls_own_threads)(host, lamb_range, &j, total);
+    free(j.rows);
     return rc < 0 ? rc : 1;
 }

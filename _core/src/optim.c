@@ -484,15 +484,14 @@ static void move_average(const ls_param *p, size_t lo, size_t hi, float momentum
  * so is one with a sparse gradient, each block's sums gathered first. */
 enum { BLOCK = 4096 };
 
-/* Elements [b, e) of a sparse gradient's dense form (ls_param.indices),
- * into g[0 .. e - b), and its term into t (when not NULL): each row's
- * slices, every value unscaled and clipped by `sa`, times the factor,
- * added in their order onto 0, as UnsortedSegmentSum adds them. */
-static void gather_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
-                        size_t b, size_t e, const ls_optim_args *sa, float *g, float *t)
+void ls_optim_gather_rows(const ls_optim_kernels *k, const void *grad, ls_dtype dt,
+                          size_t row_length, const size_t *start, const size_t *order,
+                          size_t b, size_t e, const ls_optim_args *sa, float factor, int kind,
+                          float term_k, float *g, float *t)
 {
-    const size_t n = p->row_length, size = ls_dtype_size(p->grad_dtype);
-    const int kind = t != NULL ? j->slice_term : LS_SLICE_NO_TERM;
+    const size_t n = row_length, size = ls_dtype_size(dt);
+    if (t == NULL)
+        kind = LS_SLICE_NO_TERM;
     for (size_t row = b / n; row * n < e; row++) {
         const size_t first = row * n < b ? b - row * n : 0;
         const size_t last = e - row * n < n ? e - row * n : n;
@@ -501,12 +500,20 @@ static void gather_rows(const optim_job *j, const ls_param *p, const sparse_rows
         memset(gd, 0, (last - first) * sizeof(float));
         if (td != NULL)
             memset(td, 0, (last - first) * sizeof(float));
-        for (size_t k = r->start[row]; k < r->start[row + 1]; k++) {
-            const char *src = (const char *)p->grad + (r->order[k] * n + first) * size;
-            j->kernels->slice_add(src, last - first, p->grad_dtype, sa, j->slice_factor, kind,
-                                  j->slice_term_k, gd, td);
+        for (size_t s = start[row]; s < start[row + 1]; s++) {
+            const char *src = (const char *)grad + (order[s] * n + first) * size;
+            k->slice_add(src, last - first, dt, sa, factor, kind, term_k, gd, td);
         }
     }
+}
+
+/* Elements [b, e) of a sparse gradient's dense form (ls_optim_gather_rows),
+ * with the family's slice factor and term. */
+static void gather_rows(const optim_job *j, const ls_param *p, const sparse_rows *r,
+                        size_t b, size_t e, const ls_optim_args *sa, float *g, float *t)
+{
+    ls_optim_gather_rows(j->kernels, p->grad, p->grad_dtype, p->row_length, r->start, r->order,
+                         b, e, sa, j->slice_factor, j->slice_term, j->slice_term_k, g, t);
 }
 
 /* Elements [lo, hi) of a variable whose gradient is sparse: a block at a

@@ -401,4 +401,16 @@ const ls_optim_kernels *ls_optim_kernels_at(int level);
 int ls_optim_run(const ls_optim_kernels *k, const ls_param *params, size_t count,
                  const ls_optim_config *config, unsigned flags, size_t begin, size_t end);
 
+/* Elements [b, e) of a sparse gradient's dense form, into g[0 .. e - b),
+ * and its term (the slice term `kind`, LS_SLICE_*) into t unless t is
+ * NULL: the gradient holds slices of row_length values in dt, the slices
+ * of row r being order[start[r] .. start[r + 1]) (ls_sort_rows); each
+ * value unscaled and clipped by `sa`, times `factor`, and a row's slices
+ * added in their order onto 0, as UnsortedSegmentSum adds them (a row no
+ * slice names is 0).  By k's slice_add, on the calling thread. */
+void ls_optim_gather_rows(const ls_optim_kernels *k, const void *grad, ls_dtype dt,
+                          size_t row_length, const size_t *start, const size_t *order,
+                          size_t b, size_t e, const ls_optim_args *sa, float factor, int kind,
+                          float term_k, float *g, float *t);
+
 #endif /* LOSSSCALE_OPTIM_H */

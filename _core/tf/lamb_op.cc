@@ -7,10 +7,14 @@
  * move by u with TensorFlow's own ops, as Keras takes them.
  *
  * Every m and v is looked up, locked, checked (initialized, float32, the
- * gradient's shape) and made its own before anything is written, so an
- * error leaves them as they were.  An output takes over its gradient's
- * buffer where TensorFlow lets it.
+ * gradient's shape, or a sparse gradient's slices and indices against
+ * m's) and made its own before anything is written, so an error leaves
+ * them as they were.  An output takes over its dense gradient's buffer
+ * where TensorFlow lets it; a large one that cannot (a sparse gradient's)
+ * reuses the buffer this kernel handed out on the last step, once that
+ * step is done with it.
  */
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -29,6 +33,10 @@ using tf::shape_inference::InferenceContext;
 // forward_input scans every output for a reservation.
 constexpr size_t kForwardBytesPerOutput = 16;
 
+// An output this large or larger that takes no gradient's buffer is kept
+// by the kernel from step to step (LambMomentsOp::KeptOutput).
+constexpr size_t kKeptBytes = size_t{1} << 20;
+
 // Ascending positions of variables, each below n.
 tf::Status Positions(const std::vector<int>& positions, int n, const char* what) {
     if (AscendingPositions(positions, n))
@@ -38,16 +46,28 @@ tf::Status Positions(const std::vector<int>& positions, int n, const char* what)
 }
 
 tf::Status LambShapes(InferenceContext* c) {
-    int n = 0, terms = 0, decayed = 0;
+    int n = 0, decayed = 0, sparse = 0;
     TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
-    TF_RETURN_IF_ERROR(c->GetAttr("num_terms", &terms));
     TF_RETURN_IF_ERROR(c->GetAttr("num_decayed", &decayed));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_sparse", &sparse));
+    std::vector<int> positions;
+    TF_RETURN_IF_ERROR(c->GetAttr("sparse", &positions));
     tf::shape_inference::ShapeHandle unused;
-    const int numbers = 3 * n + 3 + terms + decayed;
+    const int numbers = 3 * n + 3 + decayed;
     for (int i : {3 * n, 3 * n + 1, 3 * n + 2, numbers, numbers + 1})
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
-    for (int i = 0; i < n; ++i)
-        c->set_output(i, c->input(2 * n + i));
+    for (int k = 0; k < sparse; ++k)
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(numbers + 2 + k), 1, &unused));
+    for (int i = 0; i < n; ++i) {
+        if (std::find(positions.begin(), positions.end(), i) == positions.end()) {
+            c->set_output(i, c->input(2 * n + i));
+            continue;
+        }
+        // A sparse gradient's u is its variable's shape: m's, where the
+        // handle says it.
+        const auto* m = c->input_handle_shapes_and_types(i);
+        c->set_output(i, m != nullptr && !m->empty() ? (*m)[0].shape : c->UnknownShape());
+    }
     return tf::OkStatus();
 }
 
@@ -58,17 +78,17 @@ REGISTER_OP("LossScaleLambMoments")
     .Input("scale: float")
     .Input("bias_1: float")
     .Input("bias_2: float")
-    .Input("terms: num_terms * float")
     .Input("variables: num_decayed * resource")
     .Input("learning_rate: float")
     .Input("weight_decay: float")
+    .Input("indices: num_sparse * int64")
     .Output("u: num_variables * float")
     .Attr("num_variables: int >= 1")
-    .Attr("num_terms: int >= 0 = 0")
-    .Attr("termed: list(int) = []")
     .Attr("num_decayed: int >= 0 = 0")
     .Attr("decayed: list(int) = []")
     .Attr("decay: list(int) = []")
+    .Attr("num_sparse: int >= 0 = 0")
+    .Attr("sparse: list(int) = []")
     .Attr("one_minus_beta_1: float")
     .Attr("one_minus_beta_2: float")
     .Attr("epsilon: float")
@@ -81,16 +101,18 @@ gradient first divided by `scale` ('divide') or taken as it is, then
 m = m + (g - m) * one_minus_beta_1, v = v + (g * g - v) * one_minus_beta_2
 in place, and u = (m / bias_1) / (sqrt(v / bias_2) + epsilon) out, where
 bias_1 and bias_2 are Keras' 1 - beta ** step (lossscale.h,
-ls_lamb_moments_with).  `termed` (ascending positions of variables, one
-`terms` entry each, of the gradient's shape): those gradients are a sparse
-gradient as Keras densifies it (its slices summed per row), taken as they
-are, and their term is v's in place of g * g (the slices' squares summed
-alike).  `decayed` (ascending positions, one `variables` entry and one
-`decay` each): those variables are first decayed in the same pass, as
-Keras' weight decay moves them before its update, `decay` saying how (1
-var - (var * weight_decay) * learning_rate, 2 var - var * (weight_decay *
-learning_rate), 3 var - var * weight_decay: `weight_decay` the whole
-factor).  Run it only on a step that applies.
+ls_lamb_moments_with).  `decayed` (ascending positions, one `variables`
+entry and one `decay` each): those variables are first decayed in the
+same pass, as Keras' weight decay moves them before its update, `decay`
+saying how (1 var - (var * weight_decay) * learning_rate, 2 var - var *
+(weight_decay * learning_rate), 3 var - var * weight_decay:
+`weight_decay` the whole factor).  `sparse` (ascending positions, one
+`indices` entry each): those gradients are sparse (an IndexedSlices):
+their `grads` entry holds the slices, row indices[k] of the variable for
+slice k, taken as Keras' Lamb densifies them, never made whole: each
+slice value unscaled, then a row's slices added in their order onto 0
+for g, and their squares alike in place of g * g (0 for a row no slice
+names).  Run it only on a step that applies.
 )doc");
 
 class LambMomentsOp : public tf::OpKernel {
@@ -103,14 +125,6 @@ class LambMomentsOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("one_minus_beta_2", &config_.one_minus_beta_2));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &config_.epsilon));
         config_.unscale = UnscaleMode(unscale);
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("termed", &termed_));
-        int num_terms = 0;
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_terms", &num_terms));
-        OP_REQUIRES(ctx, static_cast<size_t>(num_terms) == termed_.size(),
-                    tf::errors::InvalidArgument("LossScaleLambMoments: ", num_terms,
-                                                " terms for ", termed_.size(),
-                                                " termed variables"));
-        OP_REQUIRES_OK(ctx, Positions(termed_, n_, "termed"));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decayed", &decayed_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
         int num_decayed = 0;
@@ -123,6 +137,14 @@ class LambMomentsOp : public tf::OpKernel {
                                                 " decays for ", decayed_.size(),
                                                 " decayed variables"));
         OP_REQUIRES_OK(ctx, Positions(decayed_, n_, "decayed"));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("sparse", &sparse_));
+        int num_sparse = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_sparse", &num_sparse));
+        OP_REQUIRES(ctx, static_cast<size_t>(num_sparse) == sparse_.size(),
+                    tf::errors::InvalidArgument("LossScaleLambMoments: ", num_sparse,
+                                                " indices for ", sparse_.size(),
+                                                " sparse variables"));
+        OP_REQUIRES_OK(ctx, Positions(sparse_, n_, "sparse"));
         for (const int d : decay_)
             OP_REQUIRES(ctx, d > LS_DECAY_NONE && d <= LS_DECAY_FACTOR,
                         tf::errors::InvalidArgument("LossScaleLambMoments: a decay must be 1, "
@@ -133,7 +155,7 @@ class LambMomentsOp : public tf::OpKernel {
     void Compute(tf::OpKernelContext* ctx) override {
         const int n = n_;
         const int grads_first = 2 * n, first_scalar = 3 * n;
-        const int vars_first = first_scalar + 3 + static_cast<int>(termed_.size());
+        const int vars_first = first_scalar + 3;
         const int decayed = static_cast<int>(decayed_.size());
         OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, first_scalar, 3, type_string()));
         OP_REQUIRES_OK(ctx, CheckScalarInputs(ctx, vars_first + decayed, 2, type_string()));
@@ -159,21 +181,46 @@ class LambMomentsOp : public tf::OpKernel {
                                                 VariableNameAt(ctx, inputs[twice]), ")"));
         vars.Lock();
 
+        // A sparse gradient's slices against its m's shape, which its v's
+        // and its variable's must then match; the others' shapes are their
+        // gradients'.
+        const int indices_first = vars_first + decayed + 2;
+        std::vector<ls_lamb_param> params(n);
+        std::vector<tf::TensorShape> shapes(n);
+        for (int i = 0, k = 0; i < n; ++i) {
+            const tf::Tensor& g = ctx->input(grads_first + i);
+            shapes[i] = g.shape();
+            if (k >= static_cast<int>(sparse_.size()) || sparse_[k] != i)
+                continue;
+            const tf::Tensor* m = vars.var(i)->tensor();
+            OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(i), inputs[i],
+                                                   m->shape(), m->shape()));
+            shapes[i] = m->shape();
+            SparseSlices rows;
+            OP_REQUIRES_OK(ctx, CheckSparseSlices(
+                                    type_string(), "sparse gradient " + std::to_string(i) +
+                                                       " (its m: " +
+                                                       VariableNameAt(ctx, inputs[i]) + ")",
+                                    g, ctx->input(indices_first + k), shapes[i], &rows));
+            params[i].indices = rows.indices;
+            params[i].slices = rows.slices;
+            params[i].row_length = rows.row_length;
+            ++k;
+        }
         for (int t = 0; t < grads_first + decayed; ++t) {
             const int of = t < grads_first ? t % n : decayed_[t - grads_first];
-            const tf::TensorShape& shape = ctx->input(grads_first + of).shape();
             OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(t), inputs[t],
-                                                   shape, shape));
+                                                   shapes[of], shapes[of]));
         }
         for (size_t t = 0; t < vars.size(); ++t)
             OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));
 
         const size_t forward_min_bytes = kForwardBytesPerOutput * static_cast<size_t>(n);
-        std::vector<ls_lamb_param> params(n);
         for (int i = 0; i < n; ++i) {
             const tf::Tensor& g = ctx->input(grads_first + i);
             tf::Tensor* out = nullptr;
-            if (g.RefCountIsOne() && g.TotalBytes() >= forward_min_bytes) {
+            if (params[i].indices == nullptr && g.RefCountIsOne() &&
+                g.TotalBytes() >= forward_min_bytes) {
                 std::unique_ptr<tf::Tensor> forwarded = ctx->forward_input(
                     grads_first + i, i, g.dtype(), g.shape(), ctx->output_memory_type(i),
                     ctx->output_alloc_attr(i));
@@ -183,24 +230,13 @@ class LambMomentsOp : public tf::OpKernel {
                 }
             }
             if (out == nullptr)
-                OP_REQUIRES_OK(ctx, ctx->allocate_output(i, g.shape(), &out));
+                OP_REQUIRES_OK(ctx, KeptOutput(ctx, i, shapes[i], &out));
             ls_lamb_param& p = params[i];
             p.grad = g.flat<float>().data();
             p.u = out->flat<float>().data();
             p.m = FloatsOf(vars.var(i));
             p.v = FloatsOf(vars.var(n + i));
-            p.length = static_cast<size_t>(g.NumElements());
-        }
-        for (size_t k = 0; k < termed_.size(); ++k) {
-            const int i = termed_[k];
-            const tf::Tensor& term = ctx->input(first_scalar + 3 + static_cast<int>(k));
-            const tf::Tensor& g = ctx->input(grads_first + i);
-            OP_REQUIRES(ctx, term.shape() == g.shape(),
-                        tf::errors::InvalidArgument(
-                            type_string(), ": the term of gradient ", i, " has shape ",
-                            term.shape().DebugString(), ", expected ",
-                            g.shape().DebugString()));
-            params[i].term = term.flat<float>().data();
+            p.length = static_cast<size_t>(shapes[i].num_elements());
         }
         for (int k = 0; k < decayed; ++k) {
             params[decayed_[k]].var = FloatsOf(vars.var(grads_first + k));
@@ -214,9 +250,35 @@ class LambMomentsOp : public tf::OpKernel {
     }
 
   private:
+    // Output i of `shape` where no gradient's buffer is handed over (a
+    // sparse gradient's u, or a gradient TensorFlow does not let go): a
+    // buffer this kernel keeps and hands out again once nothing else holds
+    // it (the last step's consumers are done), where it is kKeptBytes or
+    // more.  Fresh, a buffer that large is fresh pages from the system, a
+    // page fault each on every step.
+    tf::Status KeptOutput(tf::OpKernelContext* ctx, int i, const tf::TensorShape& shape,
+                          tf::Tensor** out) {
+        if (static_cast<size_t>(shape.num_elements()) * sizeof(float) < kKeptBytes)
+            return ctx->allocate_output(i, shape, out);
+        tf::mutex_lock lock(mu_);
+        if (kept_.size() < static_cast<size_t>(n_))
+            kept_.resize(n_);
+        tf::Tensor& kept = kept_[i];
+        if (kept.IsInitialized() && kept.shape() == shape && kept.RefCountIsOne()) {
+            ctx->set_output(i, kept);
+            *out = ctx->mutable_output(i);
+            return tf::OkStatus();
+        }
+        TF_RETURN_IF_ERROR(ctx->allocate_output(i, shape, out));
+        kept = **out;
+        return tf::OkStatus();
+    }
+
     int n_ = 0;
-    std::vector<int> termed_, decayed_, decay_;
+    std::vector<int> decayed_, decay_, sparse_;
     ls_lamb_config config_ = {};
+    tf::mutex mu_;
+    std::vector<tf::Tensor> kept_ TF_GUARDED_BY(mu_);
 };
 
 REGISTER_KERNEL_BUILDER(Name("LossScaleLambMoments").Device(tf::DEVICE_CPU), LambMomentsOp);

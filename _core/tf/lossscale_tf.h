@@ -244,6 +244,49 @@ inline tf::Status CheckFloatVariable(tf::OpKernelContext* ctx, const std::string
     return tf::OkStatus();
 }
 
+// A sparse gradient as the core takes it: its slices' rows, how many, and
+// the values in a row.
+struct SparseSlices {
+    const int64_t* indices = nullptr;
+    size_t slices = 0;
+    size_t row_length = 0;
+};
+
+// A sparse gradient's slices `g` and `indices` against its variable's
+// `shape` (`where` names them for `op`'s messages): one index per slice,
+// each a row, each slice a row's shape.  The rows into *out.
+inline tf::Status CheckSparseSlices(const std::string& op, const std::string& where,
+                                    const tf::Tensor& g, const tf::Tensor& indices,
+                                    const tf::TensorShape& shape, SparseSlices* out) {
+    if (shape.dims() < 1 || g.dims() != shape.dims())
+        return tf::errors::InvalidArgument(op, ": ", where, " has slices of shape ",
+                                           g.shape().DebugString(), " for a variable of shape ",
+                                           shape.DebugString());
+    for (int d = 1; d < shape.dims(); ++d)
+        if (g.dim_size(d) != shape.dim_size(d))
+            return tf::errors::InvalidArgument(op, ": ", where, " has slices of shape ",
+                                               g.shape().DebugString(),
+                                               " for rows of the variable of shape ",
+                                               shape.DebugString());
+    if (indices.dims() != 1)
+        return tf::errors::InvalidArgument(op, ": ", where, " has indices of shape ",
+                                           indices.shape().DebugString(), ", not a vector");
+    if (indices.NumElements() != g.dim_size(0))
+        return tf::errors::InvalidArgument(op, ": ", where, " has ", indices.NumElements(),
+                                           " indices for ", g.dim_size(0), " slices");
+    const int64_t rows = shape.dim_size(0);
+    const auto index = indices.flat<int64_t>();
+    for (int64_t k = 0; k < index.size(); ++k)
+        if (index(k) < 0 || index(k) >= rows)
+            return tf::errors::InvalidArgument(op, ": ", where, " has index ", index(k),
+                                               ", outside [0, ", rows, ")");
+    static const int64_t no_slices = 0; // a valid address for zero slices
+    out->indices = index.size() > 0 ? index.data() : &no_slices;
+    out->slices = static_cast<size_t>(index.size());
+    out->row_length = rows > 0 ? static_cast<size_t>(shape.num_elements() / rows) : 1;
+    return tf::OkStatus();
+}
+
 }  // namespace lossscale_tf
 
 #endif  // LOSSSCALE_TF_H

@@ -456,34 +456,17 @@ class FusedStepOp : public tf::OpKernel {
     }
 
     // A sparse gradient's slices and indices against its variable's
-    // `shape`: one index per slice, each a row, each slice a row's shape.
+    // `shape` (CheckSparseSlices), into *p.
     tf::Status CheckSlices(tf::OpKernelContext* ctx, int i, const tf::Tensor& g,
                            const tf::Tensor& indices, const tf::TensorShape& shape,
                            ls_param* p) {
-        const std::string where = "the sparse gradient of " + VariableNameAt(ctx, 1 + i);
-        if (shape.dims() < 1 || g.dims() != shape.dims())
-            return tf::errors::InvalidArgument(type_string(), ": ", where, " has slices of shape ",
-                                               g.shape().DebugString(), " for a variable of shape ",
-                                               shape.DebugString());
-        for (int d = 1; d < shape.dims(); ++d)
-            if (g.dim_size(d) != shape.dim_size(d))
-                return tf::errors::InvalidArgument(
-                    type_string(), ": ", where, " has slices of shape ", g.shape().DebugString(),
-                    " for rows of the variable of shape ", shape.DebugString());
-        if (indices.NumElements() != g.dim_size(0))
-            return tf::errors::InvalidArgument(type_string(), ": ", where, " has ",
-                                               indices.NumElements(), " indices for ",
-                                               g.dim_size(0), " slices");
-        const int64_t rows = shape.dim_size(0);
-        const auto index = indices.flat<int64_t>();
-        for (int64_t k = 0; k < index.size(); ++k)
-            if (index(k) < 0 || index(k) >= rows)
-                return tf::errors::InvalidArgument(type_string(), ": ", where, " has index ",
-                                                   index(k), ", outside [0, ", rows, ")");
-        static const int64_t no_slices = 0; // a valid address for zero slices
-        p->indices = index.size() > 0 ? index.data() : &no_slices;
-        p->slices = static_cast<size_t>(index.size());
-        p->row_length = rows > 0 ? static_cast<size_t>(shape.num_elements() / rows) : 1;
+        SparseSlices rows;
+        TF_RETURN_IF_ERROR(CheckSparseSlices(
+            type_string(), "the sparse gradient of " + VariableNameAt(ctx, 1 + i), g, indices,
+            shape, &rows));
+        p->indices = rows.indices;
+        p->slices = rows.slices;
+        p->row_length = rows.row_length;
         return tf::OkStatus();
     }
 };
