@@ -76,6 +76,14 @@ int ls_run_split(const ls_kernel_set *k, const ls_buffer *bufs, size_t count,
 void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *start,
                   size_t *order);
 
+/* optim.c: one allocation for the row groupings of a step, `head` bytes
+ * then `words` size_t's (NULL when that is too large or not there), and
+ * one grouping placed at `next` (start, then order: rows + 1 + slices
+ * words) and sorted by ls_sort_rows; the words after it. */
+void *ls_rows_memory(size_t head, size_t words);
+size_t *ls_rows_place(const int64_t *indices, size_t slices, size_t rows, size_t *next,
+                      size_t **start, size_t **order);
+
 /* norms.c: TensorFlow's Sum of float32 values on CPU, in its order (see
  * norms.c), of the values or (square) of their squares, in the caller's
  * floating-point state:

@@ -177,9 +177,7 @@ static int group_rows(lamb_job *j)
     }
     if (words == 0)
         return LS_OK;
-    if (words > (SIZE_MAX - j->count * sizeof(lamb_rows)) / sizeof(size_t))
-        return LS_ERR_MEMORY;
-    char *memory = malloc(j->count * sizeof(lamb_rows) + words * sizeof(size_t));
+    char *memory = ls_rows_memory(j->count * sizeof(lamb_rows), words);
     if (memory == NULL)
         return LS_ERR_MEMORY;
     j->rows = (lamb_rows *)(void *)memory;
@@ -187,13 +185,9 @@ static int group_rows(lamb_job *j)
     for (size_t i = 0; i < j->count; i++) {
         const ls_lamb_param *p = &j->params[i];
         j->rows[i].start = j->rows[i].order = NULL;
-        if (p->indices == NULL || p->length == 0)
-            continue;
-        const size_t rows = p->length / p->row_length;
-        j->rows[i].start = next;
-        j->rows[i].order = next + rows + 1;
-        next += rows + 1 + p->slices;
-        ls_sort_rows(p->indices, p->slices, rows, j->rows[i].start, j->rows[i].order);
+        if (p->indices != NULL && p->length > 0)
+            next = ls_rows_place(p->indices, p->slices, p->length / p->row_length, next,
+                                 &j->rows[i].start, &j->rows[i].order);
     }
     return LS_OK;
 }

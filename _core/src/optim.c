@@ -399,9 +399,7 @@ static int group_rows(optim_job *j)
     j->rows = NULL;
     if (!any)
         return LS_OK;
-    if (words > (SIZE_MAX - j->count * sizeof(sparse_rows)) / sizeof(size_t))
-        return LS_ERR_MEMORY;
-    char *memory = malloc(j->count * sizeof(sparse_rows) + words * sizeof(size_t));
+    char *memory = ls_rows_memory(j->count * sizeof(sparse_rows), words);
     if (memory == NULL)
         return LS_ERR_MEMORY;
     j->rows = (sparse_rows *)(void *)memory;
@@ -414,10 +412,7 @@ static int group_rows(optim_job *j)
         if (p->indices == NULL || p->length == 0)
             continue;
         const size_t rows = p->length / p->row_length;
-        r->start = next;
-        r->order = next + rows + 1;
-        next += rows + 1 + p->slices;
-        ls_sort_rows(p->indices, p->slices, rows, r->start, r->order);
+        next = ls_rows_place(p->indices, p->slices, rows, next, &r->start, &r->order);
         if (j->sparse1 == NULL)
             continue;
         r->rank = next;
@@ -449,6 +444,22 @@ static int job_init(optim_job *j, const ls_optim_kernels *k, const ls_param *par
 }
 
 static void job_free(optim_job *j) { free(j->rows); }
+
+void *ls_rows_memory(size_t head, size_t words)
+{
+    if (head > SIZE_MAX / 2 || words > (SIZE_MAX - head) / sizeof(size_t))
+        return NULL;
+    return malloc(head + words * sizeof(size_t));
+}
+
+size_t *ls_rows_place(const int64_t *indices, size_t slices, size_t rows, size_t *next,
+                      size_t **start, size_t **order)
+{
+    *start = next;
+    *order = next + rows + 1;
+    ls_sort_rows(indices, slices, rows, *start, *order);
+    return next + rows + 1 + slices;
+}
 
 void ls_sort_rows(const int64_t *indices, size_t slices, size_t rows, size_t *start,
                   size_t *order)
