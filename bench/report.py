@@ -343,7 +343,9 @@ def case_label(case):
               "bert_classifier_rmsprop": "KerasHub BERT classifier, RMSprop",
               "bert_classifier_adamw_accumulate": "KerasHub BERT classifier, AdamW "
               "(polynomial decay) + global_clipnorm, gradient accumulation over 4 "
-              "steps"}.get(name, name)
+              "steps",
+              "bert_classifier_lamb": "KerasHub BERT classifier, Lamb (polynomial decay, "
+                                      "weight decay)"}.get(name, name)
     return " ".join([pretty, dtype] + [OPTIMIZER_LABELS.get(v, v) for v in variant])
 
 

@@ -25,7 +25,9 @@
   kernel's scatter, as Keras' update scatters it), and with the fine-tuning
   recipe under gradient accumulation (``PolynomialDecay``, 4 steps an
   update: one sample is 4 ``train_on_batch`` calls, 3 that accumulate and
-  1 that updates, and the report divides by them).  Its ``grads_only``
+  1 that updates, and the report divides by them), and with BERT
+  pretraining's ``Lamb`` (TF Model Garden: ``PolynomialDecay``, weight
+  decay 0.01 but for LayerNorm and biases).  Its ``grads_only``
   peer runs the same forward and backward pass without the optimizer (a
   ``tf.function`` returning the scaled gradients), so that the report can
   say what share of the step the optimizer is.  The weights after a few
@@ -57,7 +59,8 @@ def mlp_peers():
 BERT_CASES = {"bert_classifier_adam/mixed_float16": "adam",
               "bert_classifier_adamw_clip/mixed_float16": "adamw_clip",
               "bert_classifier_rmsprop/mixed_float16": "rmsprop",
-              "bert_classifier_adamw_accumulate/mixed_float16": "adamw_accumulate"}
+              "bert_classifier_adamw_accumulate/mixed_float16": "adamw_accumulate",
+              "bert_classifier_lamb/mixed_float16": "lamb"}
 # The accumulating recipe's gradient_accumulation_steps: the steps of one call.
 BERT_ACCUMULATION = 4
 BERT_CONFIG = dict(vocabulary_size=30522, num_layers=4, num_heads=8, hidden_dim=512,
@@ -185,6 +188,12 @@ def bert_model(recipe, peer):
         # The TensorFlow mixed-precision guide's RMSprop(): the kernel
         # scatters the word embeddings' slices as its update does.
         inner = keras.optimizers.RMSprop()
+    elif recipe == "lamb":
+        # TF Model Garden's BERT pretraining optimizer.
+        inner = keras.optimizers.Lamb(
+            keras.optimizers.schedules.PolynomialDecay(1e-4, 1_000_000, end_learning_rate=0.0),
+            epsilon=1e-6, weight_decay=0.01)
+        inner.exclude_from_weight_decay(var_names=["LayerNorm", "layer_norm", "bias"])
     elif recipe == "adamw_clip":
         inner = keras.optimizers.AdamW(2e-5, weight_decay=0.01, epsilon=1e-6,
                                        global_clipnorm=1.0)

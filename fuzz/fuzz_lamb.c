@@ -7,7 +7,10 @@
  * gradient dense or sparse (rows of any length that divides the
  * variable's, one that does not or 0; no slices, fewer than rows or more,
  * indices drawn, crowded onto three rows, ascending or descending, so
- * repeated; at most one fault of its own), the
+ * repeated; at most one fault of its own), each asking for its two sums
+ * or not (of a length past Eigen's shards too; the variable read from
+ * `var` when decayed, else from `weights`; at most one fault of their
+ * own), the
  * unscale mode (and an unknown one), the scale (raw bits, or a power of
  * two: subnormal, normal or past the largest float), 1 - beta_1,
  * 1 - beta_2, epsilon and the two bias corrections (2-byte value codes or
@@ -27,11 +30,17 @@
  *     in slice order onto +0 at its row's place, its square alike, the
  *     two taken as a dense gradient as it is and its term; u written into
  *     the slices' buffer past the slices when the input puts it there;
+ *   - a variable's two sums, when it asks for them, equal bit for bit (a
+ *     NaN need only be a NaN) ls_eigen_full_sum of the squares of the
+ *     reference's final variable (`var` after its decay, or `weights`)
+ *     and of its u, on the configuration's eigen_threads, in the flags'
+ *     floating-point state; {0, 0} for a variable of length 0; the
+ *     weights keep every bit;
  *   - the call is refused (LS_ERR_ARG) exactly when this file's
  *     restatement of the rules refuses it, a valid one (LS_ERR_SIMD)
  *     exactly when LOSSSCALE_SIMD names a level this CPU lacks, and then
- *     every buffer (a sparse gradient's indices too) keeps every bit and
- *     the parallel-for never runs;
+ *     every buffer (a sparse gradient's indices, the weights and the two
+ *     sums too) keeps every bit and the parallel-for never runs;
  *   - the library's threads and a host's parallel-for that runs the job
  *     in uneven pieces, in order or last to first, give the same bits;
  *   - the caller's floating-point control state comes back.
@@ -59,8 +68,17 @@
  *          rate, alike
  *   then   the cut points (u32 each): position = value % (elements + 1)
  *   then per variable 3 bytes: class (bits 0-1; bits 2-7 reading
- *          SPARSE_MARK make the gradient sparse, any other value dense),
- *          L (u16): length L % 64, L % 1100, 65,536 + L % 70,000, or 0;
+ *          SPARSE_MARK make the gradient sparse, SUMS_MARK see below, any
+ *          other value dense), L (u16): length L % 64, L % 1100, 65,536 +
+ *          L % 70,000, or 0;
+ *          with SUMS_MARK and a next byte whose bits 4-7 read SUMS_KEY,
+ *          the variable asks for its sums, in 2 more bytes: that byte,
+ *          bits 0-1 eigen_threads less 1 (the configuration takes the
+ *          first such variable's; 0 with no variable asking), bit 2 the
+ *          gradient is sparse, bit 3 length 250,000 + 4 * L + class bits
+ *          0-1 (from 1 to 4 of Eigen's shards); then a byte: bits 0-2 the
+ *          sums' fault (enum sums_fault), bits 3-4 its choice; without
+ *          SUMS_KEY that byte is not read and the gradient is dense;
  *          a sparse gradient's 4 more: the row length's byte (bits 6-7 both
  *          set: bits 0-5 as they are, 0 and lengths that do not divide
  *          among them; else the (bits 0-6 % d)-th smallest of the length's
@@ -70,9 +88,10 @@
  *          order (see draw_indices), bits 6-7 the fault's choice
  *   then the content, handed out in order and repeated from its start
  *   (zero bytes when there is none): per variable its gradient (a sparse
- *   one's slices), m and v (and its term, and the variable when decayed),
- *   each value a 2-byte code (4 raw bytes with bit 7 of byte 0), then a
- *   sparse gradient's indices, a u32 each.
+ *   one's slices), m and v (and its term, and the variable when decayed,
+ *   and its weights when it has them), each value a 2-byte code (4 raw
+ *   bytes with bit 7 of byte 0), then a sparse gradient's indices, a u32
+ *   each.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -90,6 +109,12 @@ enum { MAX_VARS = 3, MAX_CUTS = 7 };
  * other leaves it dense): one that no dense input of fuzz/corpus/lamb
  * holds, so that each of them reads as a dense one. */
 enum { SPARSE_MARK = 30 };
+
+/* The class byte's bits 2-7 reading SUMS_MARK and the next byte's bits 4-7
+ * reading SUMS_KEY make a variable ask for its sums (either alone leaves
+ * the input as it was): no input of fuzz/corpus/lamb holds the pair, so
+ * that each reads as it did. */
+enum { SUMS_MARK = 29, SUMS_KEY = 10 };
 
 enum fault {
     FAULT_NONE = 0,
@@ -119,6 +144,24 @@ enum sparse_fault {
     SPARSE_HUGE_SLICES     /* slices * row_length * 8 past SIZE_MAX: refused, unread */
 };
 
+/* A sums-asking variable's own fault; "refused" is when it has values.  A
+ * variable not decayed is given weights of its own (its values, from the
+ * content), a decayed one none. */
+enum sums_fault {
+    SUMS_NONE = 0,
+    SUMS_ON_M,          /* the sums at m (choice bit 1: v), on its first float (bit 0: its
+                           last, the second sum past it): refused */
+    SUMS_ON_U,          /* likewise at u (bit 1: the term, u where none): refused */
+    SUMS_ON_GRAD,       /* likewise at the gradient's values (bit 1: the variable, var or
+                           the weights): refused; apart where the gradient has no values */
+    SUMS_WEIGHTS_ON,    /* the weights at u, m, v or (a dense one's) the gradient (u for a
+                           sparse one) by the choice: refused unless decayed (then unread)
+                           or on a gradient that u is not */
+    SUMS_NO_WEIGHTS,    /* weights NULL: refused unless decayed */
+    SUMS_NO_THREADS,    /* the configuration's eigen_threads 0: refused */
+    SUMS_WEIGHTS_BESIDE /* weights of their own beside a decayed variable: unread */
+};
+
 static char detail[240];
 
 static void fail(const char *what)
@@ -135,6 +178,8 @@ typedef struct state {
     float *term[MAX_VARS]; /* NULL where the variable takes none */
     float *var[MAX_VARS];  /* NULL where the variable is not decayed */
     int64_t *indices[MAX_VARS]; /* a sparse gradient's, slices + 1; NULL where dense */
+    float *weights[MAX_VARS];   /* NULL where the variable has none */
+    float *sums[MAX_VARS];      /* 2 floats; NULL where the variable asks for none */
 } state;
 
 typedef struct fuzz_case {
@@ -151,6 +196,9 @@ typedef struct fuzz_case {
     size_t row_length[MAX_VARS], slices[MAX_VARS];
     enum sparse_fault sfault[MAX_VARS];
     size_t u_shift[MAX_VARS]; /* u at the gradient's buffer + u_shift; SIZE_MAX: apart */
+    int sums[MAX_VARS], sums_choice[MAX_VARS];
+    int weighted[MAX_VARS]; /* given weights of its own */
+    enum sums_fault sums_fault[MAX_VARS];
     state init;
 } fuzz_case;
 
@@ -290,19 +338,37 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
     }
     for (size_t i = 0; i < MAX_CUTS; i++)
         c->cuts[i] = (uint32_t)next_le(&r, 4);
+    int asked = 0; /* whether a variable before asked for its sums */
     for (size_t i = 0; i < c->count; i++) {
         const uint8_t cls = next_byte(&r);
         const size_t l = (size_t)next_le(&r, 2);
         const int form = cls & 3;
-        c->length[i] = form == 0   ? l % 64
+        int sparse = cls >> 2 == SPARSE_MARK, past_shards = 0;
+        if (cls >> 2 == SUMS_MARK && r.at < r.n && r.p[r.at] >> 4 == SUMS_KEY) {
+            const uint8_t ask = next_byte(&r), fault = next_byte(&r);
+            c->sums[i] = 1;
+            if (!asked)
+                c->config.eigen_threads = 1 + (ask & 3);
+            asked = 1;
+            sparse = (ask >> 2) & 1;
+            past_shards = (ask >> 3) & 1;
+            c->sums_fault[i] = (enum sums_fault)(fault & 7);
+            c->sums_choice[i] = (fault >> 3) & 3;
+            c->weighted[i] = !c->decayed || c->sums_fault[i] == SUMS_WEIGHTS_BESIDE;
+        }
+        c->length[i] = past_shards ? 250000 + 4 * l + (size_t)form
+                       : form == 0 ? l % 64
                        : form == 1 ? l % 1100
                        : form == 2 ? 65536 + l % 70000
                                    : 0;
         c->glen[i] = c->length[i];
         c->u_shift[i] = SIZE_MAX;
-        if (cls >> 2 == SPARSE_MARK)
+        if (sparse)
             decode_sparse(&r, c, i);
     }
+    for (size_t i = 0; i < c->count; i++)
+        if (c->sums[i] && c->sums_fault[i] == SUMS_NO_THREADS)
+            c->config.eigen_threads = 0;
     stream content = {data + (r.at < size ? r.at : size), r.at < size ? size - r.at : 0, 0};
     for (size_t i = 0; i < c->count; i++) {
         const size_t values = c->sparse[i] ? c->slices[i] * c->row_length[i] : c->length[i];
@@ -314,6 +380,14 @@ static void decode(const uint8_t *data, size_t size, fuzz_case *c)
         for (int b = 0; b < 2 + c->termed[i] + c->decayed; b++) {
             *bufs[b] = floats(c->length[i]);
             draw(&content, c, *bufs[b], c->length[i]);
+        }
+        if (c->weighted[i]) {
+            c->init.weights[i] = floats(c->length[i]);
+            draw(&content, c, c->init.weights[i], c->length[i]);
+        }
+        if (c->sums[i]) {
+            c->init.sums[i] = floats(2);
+            memset(c->init.sums[i], 0xA5, 2 * sizeof(float));
         }
         c->init.u[i] = floats(c->length[i]);
         memset(c->init.u[i], 0xA5, c->length[i] * sizeof(float));
@@ -345,6 +419,16 @@ static void copy_state(const fuzz_case *c, state *to)
             to->var[i] = floats(c->length[i]);
             memcpy(to->var[i], c->init.var[i], bytes);
         }
+        to->weights[i] = NULL;
+        if (c->weighted[i]) {
+            to->weights[i] = floats(c->length[i]);
+            memcpy(to->weights[i], c->init.weights[i], bytes);
+        }
+        to->sums[i] = NULL;
+        if (c->sums[i]) {
+            to->sums[i] = floats(2);
+            memcpy(to->sums[i], c->init.sums[i], 2 * sizeof(float));
+        }
         to->indices[i] = NULL;
         if (c->sparse[i]) {
             const size_t words = (c->slices[i] + 1) * sizeof(int64_t);
@@ -366,6 +450,8 @@ static void free_state(const fuzz_case *c, state *s)
         free(s->term[i]);
         free(s->var[i]);
         free(s->indices[i]);
+        free(s->weights[i]);
+        free(s->sums[i]);
     }
 }
 
@@ -401,13 +487,48 @@ static void sparse_params(const fuzz_case *c, const state *s, size_t i, ls_lamb_
     }
 }
 
+/* A sums-asking variable's sums and weights over `s` (after every other
+ * fault, so that they fall on the buffers the call is given), with its
+ * own fault. */
+static void sums_params(const fuzz_case *c, const state *s, size_t i, ls_lamb_param *q)
+{
+    const size_t n = c->length[i];
+    const size_t values = c->sparse[i] ? c->slices[i] * c->row_length[i] : n;
+    const int last = c->sums_choice[i] & 1, other = c->sums_choice[i] >> 1;
+    float *on = NULL; /* the buffer the sums fall on, of `span` floats */
+    size_t span = n;
+    q->sums = s->sums[i];
+    q->weights = s->weights[i];
+    switch (c->sums_fault[i]) {
+    case SUMS_ON_M: on = other ? s->v[i] : s->m[i]; break;
+    case SUMS_ON_U: on = other && q->term != NULL ? (float *)q->term : q->u; break;
+    case SUMS_ON_GRAD:
+        if (other)
+            on = s->var[i] != NULL ? s->var[i] : s->weights[i];
+        else if (values > 0) {
+            on = s->grad[i];
+            span = values;
+        }
+        break;
+    case SUMS_WEIGHTS_ON: {
+        const float *const at[4] = {q->u, s->m[i], s->v[i], c->sparse[i] ? q->u : s->grad[i]};
+        q->weights = at[c->sums_choice[i]];
+        break;
+    }
+    case SUMS_NO_WEIGHTS: q->weights = NULL; break;
+    default: break;
+    }
+    if (on != NULL && n > 0)
+        q->sums = on + (last ? span - 1 : 0);
+}
+
 /* The parameters over `s`, with the case's fault. */
 static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
 {
     for (size_t i = 0; i < c->count; i++) {
         p[i] = (ls_lamb_param){s->grad[i], s->m[i], s->v[i], s->u[i], c->length[i], s->term[i],
                                s->var[i], s->var[i] != NULL ? 1 + (int)(i % 3) : LS_DECAY_NONE,
-                               NULL, 0, 0};
+                               NULL, 0, 0, NULL, NULL};
         if (c->sparse[i])
             sparse_params(c, s, i, &p[i]);
     }
@@ -425,6 +546,9 @@ static void params_of(const fuzz_case *c, const state *s, ls_lamb_param *p)
     case FAULT_HUGE_LENGTH: p[0].length = SIZE_MAX / 2; break;
     default: break;
     }
+    for (size_t i = 0; i < c->count; i++)
+        if (c->sums[i])
+            sums_params(c, s, i, &p[i]);
 }
 
 /* ls_lamb_problem's rules for a sparse gradient's variable, restated
@@ -448,6 +572,27 @@ static int ref_sparse_problem(const fuzz_case *c, size_t i)
            || (sf == SPARSE_U_OVER && c->u_shift[i] < s * rl);
 }
 
+/* ls_lamb_problem's rules for a variable's sums, restated (with its
+ * own fault): whether they refuse it. */
+static int ref_sums_problem(const fuzz_case *c, size_t i)
+{
+    const size_t values = c->sparse[i] ? c->slices[i] * c->row_length[i] : c->length[i];
+    const int u_is_grad = i == 0 && c->fault == FAULT_U_IS_GRAD && !c->sparse[i];
+    if (!c->sums[i] || c->length[i] == 0)
+        return 0;
+    if (c->config.eigen_threads < 1)
+        return 1;
+    switch (c->sums_fault[i]) {
+    case SUMS_ON_M:
+    case SUMS_ON_U: return 1;
+    case SUMS_ON_GRAD: return c->sums_choice[i] >> 1 || values > 0;
+    case SUMS_WEIGHTS_ON:
+        return !c->decayed && (c->sums_choice[i] < 3 || c->sparse[i] || u_is_grad);
+    case SUMS_NO_WEIGHTS: return !c->decayed;
+    default: return 0;
+    }
+}
+
 /* ls_lamb_problem's rules, restated: whether it refuses the call. */
 static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
 {
@@ -460,7 +605,7 @@ static int ref_problem(const fuzz_case *c, const ls_lamb_param *p)
     if (c->fault == FAULT_HUGE_LENGTH)
         return 1;
     for (size_t i = 0; i < c->count; i++)
-        if (c->sparse[i] && ref_sparse_problem(c, i))
+        if ((c->sparse[i] && ref_sparse_problem(c, i)) || ref_sums_problem(c, i))
             return 1;
     return !c->sparse[0] && p[0].length > 0
            && (c->fault == FAULT_NULL_GRAD || c->fault == FAULT_NULL_M || c->fault == FAULT_U_ON_M
@@ -491,8 +636,10 @@ static void densify(const fuzz_case *c, const state *s, size_t i, float *g, floa
     }
 }
 
-/* The pass, restated one element at a time in the flags' state. */
-static void ref_pass(const fuzz_case *c, state *s)
+/* The pass, restated one element at a time in the flags' state, then
+ * each variable's sums (at p's sums, which are s's in a valid call) by
+ * ls_eigen_full_sum over p's variable and u, which are s's buffers. */
+static void ref_pass(const fuzz_case *c, state *s, const ls_lamb_param *p)
 {
 #ifdef HAVE_MXCSR
     const unsigned saved = _mm_getcsr();
@@ -534,18 +681,32 @@ static void ref_pass(const fuzz_case *c, state *s)
         free(dense_g);
         free(dense_t);
     }
+    for (size_t i = 0; i < c->count; i++) {
+        const size_t n = c->length[i];
+        const float *w = p[i].var != NULL ? p[i].var : p[i].weights;
+        if (p[i].sums == NULL)
+            continue;
+        p[i].sums[0] = n > 0 ? ls_eigen_full_sum(w, n, 1, k->eigen_threads) : 0.0f;
+        p[i].sums[1] = n > 0 ? ls_eigen_full_sum(p[i].u, n, 1, k->eigen_threads) : 0.0f;
+    }
 #ifdef HAVE_MXCSR
     _mm_setcsr(saved);
 #endif
 }
 
+/* Every buffer of a and b: 0 the gradient's, m, v, u, the term, the
+ * variable, the weights, 7 the sums. */
 static void compare(const fuzz_case *c, const state *a, const state *b, const char *what)
 {
     for (size_t i = 0; i < c->count; i++) {
-        const float *pa[6] = {a->grad[i], a->m[i], a->v[i], a->u[i], a->term[i], a->var[i]};
-        const float *pb[6] = {b->grad[i], b->m[i], b->v[i], b->u[i], b->term[i], b->var[i]};
-        for (int t = 0; t < 6; t++)
-            for (size_t e = 0; pa[t] != NULL && e < (t == 0 ? c->glen[i] : c->length[i]); e++)
+        const float *pa[8] = {a->grad[i], a->m[i],   a->v[i],       a->u[i],
+                              a->term[i], a->var[i], a->weights[i], a->sums[i]};
+        const float *pb[8] = {b->grad[i], b->m[i],   b->v[i],       b->u[i],
+                              b->term[i], b->var[i], b->weights[i], b->sums[i]};
+        const size_t n = c->length[i];
+        const size_t length[8] = {c->glen[i], n, n, n, n, n, n, 2};
+        for (int t = 0; t < 8; t++)
+            for (size_t e = 0; pa[t] != NULL && e < length[t]; e++)
                 if (!same(pa[t][e], pb[t][e])) {
                     snprintf(detail, sizeof detail, "(variable %zu, buffer %d, element %zu: "
                              "%08x against %08x)", i, t, e, bits_of(pa[t][e]), bits_of(pb[t][e]));
@@ -617,7 +778,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         compare(&c, &hosted, &c.init, "a refused call wrote");
     } else {
         compare(&c, &hosted, &own, "the host's pieces and the library's threads differ");
-        ref_pass(&c, &ref);
+        ref_pass(&c, &ref, ref_p);
         compare(&c, &own, &ref, "the pass differs from the reference");
     }
     free_state(&c, &own);

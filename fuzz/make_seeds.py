@@ -46,7 +46,14 @@ rows and more, no slices, indices drawn, crowded, ascending and
 descending) beside dense ones, and their refusals (a term, a row length
 that does not divide or 0, an index one row too far or negative, no
 indices, misaligned ones, slices on m, v or the variable, u on the slices,
-too many slices).  Deterministic: rerunning
+too many slices); then the sums of the variable and of u (lengths within a
+leaf, past a thread's share (several leaves) and across Eigen's 1 to 4
+shards, each eigen_threads, the variable decayed or given as weights, sparse
+gradients, the host's cut points on and around leaf edges, special
+values, flushing on and off) and their refusals (the sums on m, v, u, the
+term, the gradient or the variable, the weights on u, m or v or missing,
+eigen_threads 0; and where these are valid: a decayed variable, a
+variable of length 0, a gradient with no values).  Deterministic: rerunning
 rewrites the same files.  Inputs the fuzzers add later (merged into fuzz/corpus/*) keep their
 hash names.
 
@@ -849,6 +856,10 @@ LAMB_FAULTS = dict(null_config=1, null_params=2, null_grad=3, null_m=4, u_on_m=5
 LAMB_SPARSE_MARK = 30  # a class byte's bits 2-7 for a sparse gradient
 LAMB_SPARSE_FAULTS = dict(u_over=1, index_high=2, index_negative=3, no_indices=4, misaligned=5,
                           on_other=6, huge_slices=7)
+LAMB_SUMS_MARK, LAMB_SUMS_KEY = 29, 10  # a class byte's bits 2-7, the next byte's bits 4-7
+LAMB_SUMS_FAULTS = dict(on_m=1, on_u=2, on_grad=3, weights_on=4, no_weights=5, no_threads=6,
+                        weights_beside=7)
+LAMB_PAST_SHARDS = 250000  # the first length a sums-asking variable's bit 3 gives
 
 
 def lamb_code(value):
@@ -882,9 +893,14 @@ def lamb_sparse(n, row_length, slices, fault=0, null_grad=False, order=0, choice
 def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_threads=1,
                 fault=0, wild=False, raw=False, cuts=(), reverse=False, numbers=None,
                 data=b"", termed=(), term_on_m=False, decay=None, bad_decay=False,
-                sparse=None):
-    """sparse: {variable: its lamb_sparse bytes} for the sparse gradients."""
+                sparse=None, sums=None):
+    """sparse: {variable: its lamb_sparse bytes} for the sparse gradients;
+    sums: {variable: (eigen_threads, fault, choice)} for the variables that
+    ask for their sums (the configuration takes the first one's threads; a
+    length from LAMB_PAST_SHARDS on takes the sums' own length form, and
+    lengths from 1,100 to 65,535 have none)."""
     sparse = sparse or {}
+    sums = sums or {}
     terms = sum(1 << (4 + i) for i in termed)
     out = bytearray([unscale | flags | (lib_threads - 1) << 5 | raw << 7,
                      len(lengths) | fault << 2 | wild << 5 | (decay is not None) << 6
@@ -896,7 +912,17 @@ def encode_lamb(lengths, unscale=LAMB_DIVIDE, scale=0x40400000, flags=0, lib_thr
     out += struct.pack("<7I", *(list(cuts) + [0] * (7 - len(cuts))))
     for i, n in enumerate(lengths):
         cls, l = (0, n) if n < 64 else (1, n) if n < 1100 else (2, n - 65536)
-        if i in sparse:
+        if i in sums:
+            threads, fault, choice = sums[i]
+            past = n >= LAMB_PAST_SHARDS
+            if past:
+                cls, l = (n - LAMB_PAST_SHARDS) % 4, (n - LAMB_PAST_SHARDS) // 4
+            assert 1 <= threads <= 4 and l < 65536
+            assert past or n < 1100 or 65536 <= n < 65536 + 70000
+            ask = LAMB_SUMS_KEY << 4 | (threads - 1) | (i in sparse) << 2 | past << 3
+            out += bytes([cls | LAMB_SUMS_MARK << 2]) + struct.pack("<H", l)
+            out += bytes([ask, fault | choice << 3]) + sparse.get(i, b"")
+        elif i in sparse:
             out += bytes([cls | LAMB_SPARSE_MARK << 2]) + struct.pack("<H", l) + sparse[i]
         else:
             out += bytes([cls]) + struct.pack("<H", l)
@@ -1062,6 +1088,136 @@ def lamb_seeds():
     yield ("sparse-decay-unknown", encode_lamb(small, decay=(lamb_code(0.01), lamb_code(0.1)),
                                                bad_decay=True,
                                                sparse={0: lamb_sparse(33, 3, 5)},
+                                               data=content([150])))
+    # The sums of the variable and of u (appended: the seeds above keep their
+    # bytes).  Lengths within a leaf (8,192 values), from a thread's share
+    # (65,536: eight leaves) on, each eigen_threads, the library's threads.
+    for k, (n, threads) in enumerate(((0, 1), (1, 2), (31, 1), (33, 3), (1099, 4), (65536, 1),
+                                      (65537, 2), (65536 + 8193, 2), (65536 + 32771, 3),
+                                      (65536 + 65535, 4))):
+        yield (f"sums-length-{n}-t{threads}",
+               encode_lamb([n], flags=LAMB_FLUSH if k % 2 else 0, lib_threads=1 + k % 4,
+                           sums={0: (threads, 0, 0)}, data=content([2 * n])))
+    # Eigen's shards: 2 from 258,462 values at eigen_threads 2 or more, 3
+    # from 381,539, 4 from 504,616; the host's cuts on and around leaf edges.
+    for n, threads in ((250000, 4), (258461, 2), (258462, 2), (300001, 3), (381539, 3),
+                       (450003, 4), (504616, 4), (512143, 2)):
+        yield (f"sums-shards-{n}-t{threads}",
+               encode_lamb([n], flags=LAMB_FLUSH, lib_threads=2,
+                           cuts=(8191, 8192, 129231, n // 2 + 3, n - 1),
+                           sums={0: (threads, 0, 0)}, data=content([1000])))
+    yield ("sums-shards-decay",
+           encode_lamb([400000, 33], flags=LAMB_FLUSH, lib_threads=3, cuts=(8193, 200003),
+                       decay=(lamb_code(0.01), lamb_code(0.005)),
+                       sums={0: (4, 0, 0), 1: (4, 0, 0)}, data=content([1000])))
+    yield ("sums-shards-sparse",
+           encode_lamb([504620], lib_threads=2, cuts=(4096, 252310),
+                       sparse={0: lamb_sparse(504620, 20, 30000, order=2)},
+                       sums={0: (4, 0, 0)}, data=content([1000])))
+    # Several variables, the host's pieces in order and reversed, cut at
+    # and beside the leaves' edges (the second's leaves hold 4,100 values).
+    mixed = [100, 65600, 66000]
+    for reverse in (False, True):
+        yield (f"sums-mixed-r{int(reverse)}",
+               encode_lamb(mixed, flags=LAMB_FLUSH, lib_threads=4,
+                           cuts=(99, 100 + 4099, 100 + 4100, 100 + 4101, 100 + 32800,
+                                 65700 + 8199, 10 ** 9), reverse=reverse,
+                           sums={0: (2, 0, 0), 1: (3, 0, 0), 2: (1, 0, 0)},
+                           data=content([3000])))
+    yield ("sums-some", encode_lamb(mixed, lib_threads=2, cuts=(5000,),
+                                    sums={1: (2, 0, 0)}, data=content([3000])))
+    for unscale, scale in ((LAMB_NONE, 0), (LAMB_DIVIDE_POW2, 149 - 130)):
+        yield (f"sums-unscale-{unscale}",
+               encode_lamb([40, 9], unscale, scale, sums={0: (1, 0, 0), 1: (1, 0, 0)},
+                           data=content([150])))
+    # Decayed variables: the sums read the variable after its decay.
+    three = [40, 65600, 9]
+    for k, (wd, lr) in enumerate(((0.01, 0.005), (0.05, 0.37), (1.5, 2.0))):
+        for termed in ((), (1,)):
+            yield (f"sums-decay-{k}-t{len(termed)}",
+                   encode_lamb(three, flags=LAMB_FLUSH, lib_threads=2, termed=termed,
+                               cuts=(5, 40, 4140, 70000), decay=(lamb_code(wd), lamb_code(lr)),
+                               sums={0: (2, 0, 0), 1: (2, 0, 0), 2: (2, 0, 0)},
+                               data=content([40 * 5, 4000, 9 * 5])))
+    # Sparse gradients with sums.
+    for k, (row_length, slices) in enumerate(((1, 97), (3, 5), (8, 13), (48, 3))):
+        yield (f"sums-sparse-rows-{row_length}",
+               encode_lamb([48], flags=LAMB_FLUSH if k % 2 else 0,
+                           sparse={0: lamb_sparse(48, row_length, slices)},
+                           sums={0: (1 + k % 4, 0, 0)}, data=content([3 * 48])))
+    for name, n, row_length, slices in (("rows-3", 65538, 3, 30000),
+                                        ("rows-5000", 70000, 5000, 29)):
+        yield (f"sums-sparse-big-{name}",
+               encode_lamb([n], flags=LAMB_FLUSH, lib_threads=4, cuts=(4095, 4097, 8192, 40000),
+                           sparse={0: lamb_sparse(n, row_length, slices)},
+                           sums={0: (2, 0, 0)}, data=content([3000])))
+    for reverse in (False, True):
+        yield (f"sums-sparse-mixed-r{int(reverse)}",
+               encode_lamb(three, flags=LAMB_FLUSH, lib_threads=3, cuts=(3, 41, 4137, 65641),
+                           reverse=reverse, decay=(lamb_code(0.01), lamb_code(0.005)),
+                           sparse={1: lamb_sparse(65600, 41, 2000, order=1),
+                                   2: lamb_sparse(9, 3, 7, order=3)},
+                           sums={0: (3, 0, 0), 1: (3, 0, 0), 2: (3, 0, 0)},
+                           data=content([3000])))
+    for null_grad in (False, True):
+        yield (f"sums-sparse-no-slices-g{int(null_grad)}",
+               encode_lamb([33], sparse={0: lamb_sparse(33, 3, 0, null_grad=null_grad)},
+                           sums={0: (1, 0, 0)}, data=content([99])))
+    yield ("sums-sparse-u-past-slices",
+           encode_lamb([33, 12], sparse={1: lamb_sparse(12, 3, 6, fault=1, choice=2)},
+                       sums={0: (1, 0, 0), 1: (1, 0, 0)}, data=content([150])))
+    yield ("sums-u-is-grad", encode_lamb([65536 + 31, 17], fault=LAMB_FAULTS["u_is_grad"],
+                                         lib_threads=2, sums={0: (2, 0, 0), 1: (1, 0, 0)},
+                                         data=content([600, 17])))
+    # Special values (squares subnormal or underflowing, inf, NaN), flushing
+    # by the flags and by the caller; raw bits.
+    for flags in (0, LAMB_FLUSH, LAMB_CALLER_FLUSH, LAMB_FLUSH | LAMB_CALLER_FLUSH):
+        yield (f"sums-specials-f{flags}",
+               encode_lamb([33, 9], flags=flags, wild=flags != LAMB_FLUSH,
+                           sums={0: (1, 0, 0), 1: (1, 0, 0)},
+                           data=content([33 * 3, 27], specials=0.3)))
+    yield ("sums-raw", encode_lamb([33, 9], raw=True, numbers=[rng.getrandbits(32)
+                                                               for _ in range(5)],
+                                   sums={0: (1, 0, 0), 1: (2, 0, 0)},
+                                   data=bytes(rng.getrandbits(8) for _ in range(2048))))
+    # The sums' faults, by each choice, the variable decayed and not (its
+    # weights then unread): the second variable's, given a term.
+    small = [33, 12]
+    decay = (lamb_code(0.01), lamb_code(0.1))
+    for fault, number in LAMB_SUMS_FAULTS.items():
+        choices = range(4) if fault in ("on_m", "on_u", "on_grad", "weights_on") else (0,)
+        for choice in choices:
+            for decayed in (False, True):
+                yield (f"sums-fault-{fault}-{choice}-d{int(decayed)}",
+                       encode_lamb(small, termed=(1,), decay=decay if decayed else None,
+                                   sums={0: (1, 0, 0), 1: (2, number, choice)},
+                                   data=content([33 * 5, 12 * 6])))
+        # on a variable of length 0 (its sums {0, 0}, whatever the fault)
+        yield (f"sums-fault-{fault}-empty",
+               encode_lamb([0, 9], sums={0: (1, number, 1)}, data=content([9])))
+    yield ("sums-no-threads-all-empty",
+           encode_lamb([0, 0], sums={0: (1, 0, 0), 1: (1, LAMB_SUMS_FAULTS["no_threads"], 0)}))
+    # on a sparse gradient's slices, and on one with none (then apart)
+    for slices in (0, 6):
+        for choice in (0, 1):
+            yield (f"sums-fault-on_grad-sparse-s{slices}-{choice}",
+                   encode_lamb(small, sparse={1: lamb_sparse(12, 3, slices)},
+                               sums={1: (1, LAMB_SUMS_FAULTS["on_grad"], choice)},
+                               data=content([150])))
+    yield ("sums-fault-weights_on-sparse",
+           encode_lamb(small, sparse={1: lamb_sparse(12, 3, 6)},
+                       sums={1: (1, LAMB_SUMS_FAULTS["weights_on"], 3)}, data=content([150])))
+    yield ("sums-fault-weights_on-u-is-grad",
+           encode_lamb(small, fault=LAMB_FAULTS["u_is_grad"],
+                       sums={0: (1, LAMB_SUMS_FAULTS["weights_on"], 3)}, data=content([150])))
+    # Calls refused for another reason: the sums keep their bits too.
+    for fault in ("null_config", "null_params", "null_m", "u_on_m", "huge_length"):
+        yield (f"sums-other-{fault}", encode_lamb(small, fault=LAMB_FAULTS[fault],
+                                                  sums={0: (1, 0, 0), 1: (1, 0, 0)},
+                                                  data=content([150])))
+    yield ("sums-unknown-flag", encode_lamb(small, flags=LAMB_UNKNOWN_FLAG,
+                                            sums={0: (1, 0, 0)}, data=content([150])))
+    yield ("sums-unknown-unscale", encode_lamb(small, LAMB_UNKNOWN, sums={1: (1, 0, 0)},
                                                data=content([150])))
 
 

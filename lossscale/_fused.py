@@ -9,8 +9,9 @@ optimizer options it supports.  One native op runs every family by name,
 but Adafactor, whose slots are not shaped as its variables and whose update
 takes means over each one, and Lamb, whose update divides by two norms
 between its moments and its move: each has an op of its own
-(``OWN_OP_FAMILIES``, ``Plan.run``; Lamb's makes its moments and step, and
-the norms and the move follow as Keras takes them, ``_lamb_moves``).
+(``OWN_OP_FAMILIES``, ``Plan.run``; Lamb's makes its moments and step and
+the sums for its norms, and the move follows as Keras takes it,
+``_lamb_moves``).
 ``decide`` is the one function that turns an optimizer and a step into either a ``Plan``
 (what ``apply`` runs) or the reason the step takes the stock path, which a
 user reads in ``LossScaleOptimizer.step_path``.
@@ -615,7 +616,7 @@ class Plan:
         variable: it densifies the sparse ones, which then take the op."""
         inner = self.inner
         variables = [self.variables[i] for i in which]
-        grads, unscale, _ = self._own_op_gradients(which, scale, unscale)
+        grads, unscale = self._own_op_gradients(which, scale, unscale)
         factored = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
 
         def handles(kind, which):
@@ -652,9 +653,8 @@ class Plan:
 
     def _own_op_gradients(self, which, scale, unscale, squares=False):
         """The gradients of the variables ``which`` as an op of a family of
-        its own (``OWN_OP_FAMILIES``) takes them, the unscale it then
-        applies, and the terms of the sparse ones (``{position: term}``):
-        float32 ones as they came; a clip, another unscale, another dtype
+        its own (``OWN_OP_FAMILIES``) takes them, and the unscale it then
+        applies: float32 ones as they came; a clip, another unscale, another dtype
         or slices by Keras' own ops on the gradients unscaled as stock
         unscales them (a slice at a time) and cast as the family's update
         casts them (the op then unscales nothing).  Under a global clip,
@@ -674,9 +674,9 @@ class Plan:
                 and all(g.dtype == tf.float32 and (not s or squares)
                         for g, s in zip(grads, sparse))):
             if not any(sparse):
-                return grads, unscale, {}
+                return grads, unscale
             with tf.control_dependencies(self.checks):
-                return [_after_checks(g) if s else g for g, s in zip(grads, sparse)], unscale, {}
+                return [_after_checks(g) if s else g for g, s in zip(grads, sparse)], unscale
         with tf.control_dependencies(self.checks):
             grads = [_unscaled_slices(g, v, scale, unscale)
                      if isinstance(g, tf.IndexedSlices)
@@ -686,7 +686,7 @@ class Plan:
                 grads = list(_compat.clip_gradients(self.inner, grads))
             if not squares:
                 grads = [tf.convert_to_tensor(g) for g in grads]
-        return grads, "none", {}
+        return grads, "none"
 
     def _launch_lamb(self, library, should_apply, scale, unscale, which):
         """Lamb's step of the variables ``which`` (positions in the plan),
@@ -699,15 +699,17 @@ class Plan:
         inner = self.inner
         line = self.family.line
         variables = [self.variables[i] for i in which]
-        grads, unscale, _ = self._own_op_gradients(which, scale, unscale, squares=True)
+        grads, unscale = self._own_op_gradients(which, scale, unscale, squares=True)
         sparse = [k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         bias_1, bias_2 = self.scalars
         learning_rate = self.learning_rate
         decay = [self.decay[i] for i in which]
 
+        normed = _lamb_native(library, variables, shared_rate=len(self.variables) > 1)
+
         def update(decay, weight_decay):
             decayed = [k for k, d in enumerate(decay) if d]
-            us = library.loss_scale_lamb_moments(
+            us, sums = library.loss_scale_lamb_moments(
                 [local_copy(m).handle for m in line.slots(inner, "m", variables)],
                 [local_copy(v).handle for v in line.slots(inner, "v", variables)],
                 [g.values if k in sparse else g for k, g in enumerate(grads)], scale,
@@ -715,12 +717,13 @@ class Plan:
                 [local_copy(variables[k]).handle for k in decayed],
                 tf.cast(learning_rate, tf.float32), tf.cast(weight_decay, tf.float32),
                 [tf.cast(grads[k].indices, tf.int64) for k in sparse],
-                decayed=decayed, decay=[decay[k] for k in decayed], sparse=sparse,
+                [local_copy(variables[k]).handle for k in normed if k not in decayed],
+                decayed=decayed, decay=[decay[k] for k in decayed], sparse=sparse, normed=normed,
                 one_minus_beta_1=float(np.float32(1 - inner.beta_1)),
                 one_minus_beta_2=float(np.float32(1 - inner.beta_2)),
                 epsilon=float(np.float32(inner.epsilon)), unscale=unscale)
             _lamb_moves(library, [local_copy(v) for v in variables], us, learning_rate,
-                        inner.iterations, shared_rate=len(self.variables) > 1)
+                        inner.iterations, normed, sums)
 
         with tf.control_dependencies(self.checks):
             _step.cond(should_apply,
@@ -1597,37 +1600,45 @@ def _lamb_move(variable, update, learning_rate):
         variable.assign_sub(ratio * lr * update)
 
 
-def _lamb_moves(library, variables, updates, learning_rate, iterations, shared_rate):
-    """``_lamb_move`` for every variable and its update, the variables of
-    more than one element in a graph by native ops where these compute
-    stock's bits (``_lamb_native_moves``); the rest by Keras' own ops.
-    ``iterations``: the optimizer's step counter, which the probe reads.
+def _lamb_native(library, variables, shared_rate):
+    """The positions of ``variables`` whose Lamb lines after the update run
+    natively (``_lamb_native_moves``): in a graph, those of more than one
+    float32 element, where the native sums agree with TensorFlow's here.
     ``shared_rate``: whether stock's step hands its learning rate to more
     than one update (then the graph optimizer keeps it out of each chain
     of products, as here)."""
-    native = []
-    if (shared_rate and not tf.executing_eagerly() and _grappler_reassociates_products()
+    if not (shared_rate and not tf.executing_eagerly() and _grappler_reassociates_products()
             and _native_norms_agree(library)):
-        native = [k for k, v in enumerate(variables)
-                  if _more_than_one(v) and tf.as_dtype(v.dtype) == tf.float32]
+        return []
+    return [k for k, v in enumerate(variables)
+            if _more_than_one(v) and tf.as_dtype(v.dtype) == tf.float32]
+
+
+def _lamb_moves(library, variables, updates, learning_rate, iterations, native, sums):
+    """``_lamb_move`` for every variable and its update, the variables
+    ``native`` (``_lamb_native``) by native ops where these compute stock's
+    bits (``_lamb_native_moves``, on their ``sums``); the rest by Keras'
+    own ops.  ``iterations``: the optimizer's step counter, which the
+    probe reads."""
     for k, (variable, update) in enumerate(zip(variables, updates)):
         if k not in native:
             _lamb_move(variable, update, learning_rate)
     if native:
         _lamb_native_moves(library, [variables[k] for k in native],
-                           [updates[k] for k in native], learning_rate, iterations)
+                           [updates[k] for k in native], learning_rate, iterations, sums)
 
 
-def _lamb_native_moves(library, variables, updates, learning_rate, iterations):
+def _lamb_native_moves(library, variables, updates, learning_rate, iterations, sums):
     """Keras' Lamb lines after its update (``_lamb_move``) for variables of
-    more than one element, in a graph, by two native ops: the squares of
-    every variable and update summed in TensorFlow's Sum order
-    (LossScaleSquaredNorms, one read of each), and each variable moved by
-    its ``ratio * lr`` times its update (LossScaleApplyOptimizer's SGD at a
-    learning rate of 1, the factor its variable's clip scalar: w - (u * c)
-    * 1 is w - u * c), one read of each pair.  Stock's Keras ops make three
-    passes more over each.  The norms and ratios are Keras' ops on the
-    stacked sums, element for element the same float32 operations.
+    more than one element, in a graph: the squares of every variable and
+    update summed in TensorFlow's Sum order, ``sums`` (a row per variable,
+    [variable's, update's]: LossScaleLambMoments takes them in its pass,
+    each leaf while in cache), and each variable moved by its ``ratio *
+    lr`` times its update (LossScaleApplyOptimizer's SGD at a learning
+    rate of 1, the factor its variable's clip scalar: w - (u * c) * 1 is w
+    - u * c), one read of each pair.  Stock's Keras ops make four passes
+    more over each.  The norms and ratios are Keras' ops on the sums,
+    element for element the same float32 operations.
 
     Both rest on the graph optimizer's rewrites of stock's lines, which a
     probe in the step reads: ``power(x, 2)`` must become ``Square`` (x *
@@ -1636,14 +1647,9 @@ def _lamb_native_moves(library, variables, updates, learning_rate, iterations):
     Should either not hold, every variable moves by Keras' own ops."""
     from keras import ops
 
-    names = [str(getattr(v, "path", None) or v.name) for v in variables]
     count = len(variables)
-    sums = library.loss_scale_squared_norms(
-        [tf.convert_to_tensor(v) for v in variables] + list(updates), [],
-        tf.constant(1.0, tf.float32), names=names + [n + " (update)" for n in names],
-        unscale="none")
-    w_norm = ops.sqrt(tf.stack(sums[:count]))
-    g_norm = ops.sqrt(tf.stack(sums[count:]))
+    w_norm = ops.sqrt(sums[:, 0])
+    g_norm = ops.sqrt(sums[:, 1])
     ratio = ops.where(
         ops.greater(w_norm, 0),
         ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),

@@ -7,7 +7,8 @@ and makes m, v and u in one pass (the LossScaleLambMoments op, the
 gradients unscaled on the fly; a sparse gradient taken as its slices,
 densified with their squares a block at a time in the pass); then, in a graph where the probe finds stock's lines
 rewritten as the native ops compute them, the norms by
-LossScaleSquaredNorms and the move by the fused SGD op, else Keras' own
+the op's own sums of squares (each leaf taken in its pass) and the move by
+the fused SGD op, else Keras' own
 lines on that u.  The op's pass is checked against numpy's float32
 arithmetic element by element (every way of taking the gradient: as it is,
 divided by a scale, times a power of two's exact reciprocal, as slices;
@@ -102,7 +103,7 @@ def op_types(function, *args):
 
 def test_graph_step_takes_its_norms_and_move_by_native_ops():
     """In a tf.function, the variables of more than one element have their
-    norms summed by LossScaleSquaredNorms and move by LossScaleApplyOptimizer
+    norms summed in the Lamb op's pass and move by LossScaleApplyOptimizer
     where the probe finds stock's lines rewritten as those compute them
     (Pow(x, 2) as Square, ``(ratio * lr) * u``); the probe says so in a
     graph and not eagerly, where Pow stays TensorFlow's Pow."""
@@ -114,7 +115,9 @@ def test_graph_step_takes_its_norms_and_move_by_native_ops():
     grads = [tf.ones(v.shape) for v in variables]
     apply(grads)
     assert_fused(ours)
-    assert {"LossScaleSquaredNorms", "LossScaleApplyOptimizer"} <= op_types(apply, grads)
+    types = op_types(apply, grads)
+    assert {"LossScaleLambMoments", "LossScaleApplyOptimizer"} <= types
+    assert "LossScaleSquaredNorms" not in types
     assert _fused._pow_lanes().size > 0  # TensorFlow's Pow differs from x * x here
     rate, iterations = tf.Variable(0.01), tf.Variable(3, dtype=tf.int64)
     assert bool(tf.function(lambda: _fused._lamb_probe(rate, iterations))())
@@ -218,6 +221,7 @@ def op_case(shape=(3, 4), seed=0, scale=2.0):
                 scale=tf.constant(scale), bias_1=tf.constant(np.float32(0.271)),
                 bias_2=tf.constant(np.float32(0.00299)), variables=[],
                 learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0), indices=[],
+                weights=[],
                 one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     return made, args, (m, v, g)
 
@@ -243,7 +247,7 @@ def test_op_pass_against_numpy(shape, unscale, scale):
     args = {**args, "unscale": unscale, "scale": tf.constant(np.float32(scale))}
     with np.errstate(all="ignore"):
         m1, v1, u = numpy_pass(m, v, g, args)
-    out = library().loss_scale_lamb_moments(**args)
+    out, _ = library().loss_scale_lamb_moments(**args)
     assert bits(made["m"].numpy()) == bits(m1)
     assert bits(made["v"].numpy()) == bits(v1)
     assert bits(out[0].numpy()) == bits(u)
@@ -265,10 +269,11 @@ def test_op_pass_of_special_values_against_numpy():
                 scale=tf.constant(np.float32(0.5)), bias_1=tf.constant(np.float32(0.1)),
                 bias_2=tf.constant(np.float32(0.001)), variables=[],
                 learning_rate=tf.constant(0.01), weight_decay=tf.constant(0.0), indices=[],
+                weights=[],
                 one_minus_beta_1=0.1, one_minus_beta_2=0.001, epsilon=1e-6, unscale="divide")
     with np.errstate(all="ignore"):
         want = numpy_pass(m, v, g, args)
-    out = library().loss_scale_lamb_moments(**args)
+    out, _ = library().loss_scale_lamb_moments(**args)
     for got, expected in zip((made["m"].numpy(), made["v"].numpy(), out[0].numpy()), want):
         nan = np.isnan(expected)
         assert np.array_equal(np.isnan(got), nan)
@@ -311,7 +316,7 @@ def test_op_pass_with_a_sparse_gradient_against_numpy(rows, cols, slices, unscal
             "grads": [tf.constant(cases[0][2][2]), tf.constant(values), tf.constant(cases[2][2][2])],
             "scale": tf.constant(f(scale)), "unscale": unscale,
             "indices": [tf.constant(index, tf.int64)], "sparse": [1]}
-    out = library().loss_scale_lamb_moments(**args)
+    out, _ = library().loss_scale_lamb_moments(**args)
     g, t = densified(values, index, rows, scale, unscale)
     for k, ((made, _, (m, v, dense)), u) in enumerate(zip(cases, out)):
         if k == 1:
@@ -338,7 +343,7 @@ def test_op_pass_with_a_sparse_gradient_and_a_decay_against_numpy():
             "indices": [tf.constant(index)], "sparse": [0], "variables": [weight.handle],
             "learning_rate": tf.constant(lr), "weight_decay": tf.constant(wd),
             "decayed": [0], "decay": [1]}
-    out = library().loss_scale_lamb_moments(**args)
+    out, _ = library().loss_scale_lamb_moments(**args)
     g, t = densified(values, index, 50, 512.0, "divide")
     m1, v1, u1 = numpy_pass(m, v, g, args, term=t)
     assert bits(weight.numpy()) == bits(start - (start * wd) * lr)
@@ -363,7 +368,7 @@ def test_op_decays_each_variable_as_its_form_says_against_numpy():
             "scale": tf.constant(512.0), "variables": [w.handle for w in weights[:3]],
             "learning_rate": tf.constant(lr), "weight_decay": tf.constant(wd),
             "decayed": [0, 1, 2], "decay": [1, 2, 3]}
-    out = library().loss_scale_lamb_moments(**args)
+    out, _ = library().loss_scale_lamb_moments(**args)
     want = [start[0] - (start[0] * wd) * lr, start[1] - start[1] * (wd * lr),
             start[2] - start[2] * wd, start[3]]
     for w, expected in zip(weights, want):
@@ -372,6 +377,42 @@ def test_op_decays_each_variable_as_its_form_says_against_numpy():
         m1, v1, u1 = numpy_pass(m, v, g, args)
         assert bits(made["m"].numpy()) == bits(m1)
         assert bits(u.numpy()) == bits(u1)
+
+
+@pytest.mark.parametrize("length", [13, 8195, 70001, 300007])
+def test_op_sums_of_squares_are_tensorflows(length):
+    """Four variables asking for sums: one decayed (its sum is of the
+    decayed values), one read as given, a sparse table's (its u from the
+    densified slices) and a decayed table of rows; each sum bit for bit
+    TensorFlow's Sum of Square over the whole tensor (a short tail, one
+    leaf, a tree, two shards), leaves split over the threads or not."""
+    rng = np.random.default_rng(length)
+    rows = max(length // 64, 1)
+    cases = [op_case((length,), seed=0, scale=512.0), op_case((length,), seed=1, scale=512.0),
+             op_case((rows, 64), seed=2, scale=512.0), op_case((rows, 64), seed=3, scale=512.0)]
+    start = [rng.standard_normal(c[2][0].shape).astype(np.float32) for c in cases]
+    weights = [tf.Variable(w) for w in start]
+    index = rng.integers(0, rows, 2 * rows)
+    values = (rng.standard_normal((2 * rows, 64)) * 512).astype(np.float32)
+    args = {**cases[0][1], "m": [c[1]["m"][0] for c in cases],
+            "v": [c[1]["v"][0] for c in cases],
+            "grads": [tf.constant(cases[0][2][2]), tf.constant(cases[1][2][2]),
+                      tf.constant(values), tf.constant(cases[3][2][2])],
+            "scale": tf.constant(512.0), "learning_rate": tf.constant(np.float32(0.29)),
+            "weight_decay": tf.constant(np.float32(0.037)),
+            "variables": [weights[0].handle, weights[3].handle], "decayed": [0, 3],
+            "decay": [1, 2], "indices": [tf.constant(index, tf.int64)], "sparse": [2],
+            "weights": [weights[1].handle, weights[2].handle], "normed": [0, 1, 2, 3]}
+    us, sums = library().loss_scale_lamb_moments(**args)
+    assert sums.shape == (4, 2)
+    for k, (w, u) in enumerate(zip(weights, us)):
+        want_w = tf.reduce_sum(tf.square(tf.reshape(w, [-1])))
+        want_u = tf.reduce_sum(tf.square(tf.reshape(u, [-1])))
+        assert bits(sums[k, 0].numpy()) == bits(want_w.numpy()), k
+        assert bits(sums[k, 1].numpy()) == bits(want_u.numpy()), k
+    assert bits(weights[1].numpy()) == bits(start[1])  # read only
+    assert bits(weights[0].numpy()) == bits(start[0] - (start[0] * np.float32(0.037))
+                                            * np.float32(0.29))
 
 
 def snapshot(made):
@@ -409,12 +450,47 @@ def snapshot(made):
     (lambda made, a: {**a, "variables": [tf.Variable(np.ones((3, 4), np.float32)).handle],
                       "decayed": [0], "decay": []}, "1 variables and 0 decays"),
     (lambda made, a: {**a, "weight_decay": tf.constant([0.5, 0.5])}, "must be a scalar"),
+    (lambda made, a: {**a, "normed": [1]}, "normed must be ascending positions of variables"),
+    (lambda made, a: {**a, "normed": [0]}, "0 weights for 1 normed variables not decayed"),
+    (lambda made, a: {**a, "normed": [0], "weights": [tf.Variable(np.ones(12, np.float32)).handle]},
+     "has shape [12], expected [3,4]"),
+    (lambda made, a: {**a, "normed": [0], "weights": [made["m"].handle]}, "passed twice"),
 ], ids=["v_shape", "dtype", "twice", "grad_shape", "bias_shape", "index_above", "index_below",
         "slice_shape", "indices_count", "sparse_range", "sparse_count", "variable_twice", "variable_shape", "decay_form", "decay_count",
-        "weight_decay_shape"])
+        "weight_decay_shape", "normed_range", "weights_count", "weights_shape",
+        "weights_twice"])
 def test_op_refuses_bad_input_and_changes_nothing(bad, message):
     made, args, _ = op_case()
     before = snapshot(made)
     with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
         library().loss_scale_lamb_moments(**bad(made, args))
     assert snapshot(made) == before
+
+
+def test_op_keeps_a_sparse_gradients_u_buffer_only_once_released():
+    """A sparse gradient's u (no gradient buffer can hold it) goes into a
+    buffer the kernel keeps: handed out again once the last step's u is
+    released, never while something still holds it (then a fresh one, and
+    the u held keeps its values)."""
+    from lossscale import ops
+
+    rows, cols = 600, 512  # past the 1 MiB from which the kernel keeps u
+    made, args, _ = op_case((rows, cols), scale=512.0)
+    rng = np.random.default_rng(5)
+
+    def step():
+        values = (rng.standard_normal((40, cols)) * 512).astype(np.float32)
+        index = rng.integers(0, rows, 40)
+        out, _ = library().loss_scale_lamb_moments(
+            **{**args, "grads": [tf.constant(values)], "indices": [tf.constant(index, tf.int64)],
+               "sparse": [0]})
+        u, address = ops._debug_buffer_address(out[0])
+        return u, int(address)
+
+    held, first = step()
+    kept = held.numpy().tobytes()
+    second_u, second = step()
+    assert second != first  # the first u is still held
+    assert held.numpy().tobytes() == kept
+    del held, second_u
+    assert step()[1] == second  # released: the kept buffer again

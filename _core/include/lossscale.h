@@ -646,6 +646,13 @@ typedef struct ls_lamb_param {
      * no term, and u a buffer of its own) */
     const int64_t *indices;
     size_t slices, row_length;
+    /* NULL, or where the pass writes two sums of squares in the order of
+     * TensorFlow's Sum over the whole tensor on the configuration's
+     * eigen_threads (ls_eigen_full_sum): [0] the variable's (`var` after
+     * its decay, or `weights`), [1] u's, each leaf of a sum taken from
+     * cache as the pass makes it */
+    float *sums;
+    const float *weights; /* the variable, read only, where `var` is NULL */
 } ls_lamb_param;
 
 typedef struct ls_lamb_config {
@@ -655,6 +662,7 @@ typedef struct ls_lamb_config {
     float bias_1, bias_2;
     float weight_decay, learning_rate; /* the decay's numbers: any values (IEEE
                                           arithmetic, as Keras') */
+    int eigen_threads; /* >= 1 where a param asks for sums: TensorFlow's threads */
 } ls_lamb_config;
 
 /* Why the pass cannot run as given (no configuration, a NULL buffer, m, v
@@ -662,7 +670,9 @@ typedef struct ls_lamb_config {
  * overlapping m, v or u, a variable overlapping any buffer, an unknown
  * decay or one without a variable, an unknown unscale; a sparse gradient
  * with a term, not whole rows, an index outside [0, rows) or a buffer
- * overlapping another), or NULL. */
+ * overlapping another; sums without eigen_threads or a variable to read,
+ * weights overlapping m, v or u, sums overlapping any buffer of their
+ * variable's), or NULL. */
 const char *ls_lamb_problem(const ls_lamb_param *params, size_t count,
                             const ls_lamb_config *config);
 

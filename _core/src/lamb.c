@@ -8,7 +8,13 @@
  * element loop is the active kernel set's (lamb_body.h).  A sparse
  * gradient's dense form and its squares' are gathered a block at a time
  * by the fused step's own gather (optim.c, ls_optim_gather_rows) and the
- * loop runs on them as on a densified gradient and its term.
+ * loop runs on them as on a densified gradient and its term.  A variable
+ * that asks for its sums of squares (the norms Keras' Lamb takes next) is
+ * passed leaf by leaf, the leaves of TensorFlow's Sum (norms.c), each
+ * leaf's sums taken by the kernel set's leaf order right after its u is
+ * made, while the leaf is in cache; a leaf two ranges share is summed
+ * after the pass, and the leaves' sums are combined in TensorFlow's
+ * order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,6 +48,32 @@ static const char *sparse_problem(const ls_lamb_param *p)
     for (size_t k = 0; k < p->slices; k++)
         if (p->indices[k] < 0 || p->indices[k] >= rows)
             return "a sparse gradient's index is outside its variable's rows";
+    return NULL;
+}
+
+/* A variable's sums' checks (ls_lamb_param.sums): the variable to read,
+ * apart from what the pass writes, and the two sums apart from every
+ * buffer. */
+static const char *sums_problem(const ls_lamb_param *p, const ls_lamb_config *c)
+{
+    const size_t n = p->length;
+    if (c->eigen_threads < 1)
+        return "sums need eigen_threads of at least 1";
+    const float *w = p->var != NULL ? p->var : p->weights;
+    if (w == NULL)
+        return "sums need the variable (var or weights)";
+    if (p->var == NULL && (overlap(w, p->m, n) || overlap(w, p->v, n) || overlap(w, p->u, n)))
+        return "the weights overlap m, v or u";
+    const size_t grad = p->indices != NULL ? p->slices * p->row_length : n;
+    const float *const bufs[] = {p->m, p->v, p->u, w, p->term, p->grad};
+    const size_t lengths[] = {n, n, n, n, n, grad};
+    for (int k = 0; k < 6; k++)
+        if (bufs[k] != NULL && lengths[k] > 0
+            && !ls_disjoint(p->sums, 2 * sizeof(float), bufs[k], lengths[k] * sizeof(float)))
+            return "the sums overlap another buffer";
+    if (p->indices != NULL && p->slices > 0
+        && !ls_disjoint(p->sums, 2 * sizeof(float), p->indices, p->slices * sizeof(int64_t)))
+        return "the sums overlap another buffer";
     return NULL;
 }
 
@@ -85,6 +117,11 @@ const char *ls_lamb_problem(const ls_lamb_param *params, size_t count, const ls_
                 || (!sparse && overlap(p->var, p->grad, n))
                 || (p->term != NULL && overlap(p->var, p->term, n))))
             return "the variable overlaps another buffer";
+        if (p->sums != NULL) {
+            const char *why = sums_problem(p, c);
+            if (why != NULL)
+                return why;
+        }
     }
     return NULL;
 }
@@ -95,6 +132,17 @@ typedef struct lamb_rows {
     size_t *start, *order;
 } lamb_rows;
 
+/* A variable's sums (ls_lamb_param.sums): the leaves of TensorFlow's Sum
+ * over its values (ls_eigen_full_leaves), each leaf's sum of the
+ * variable's squares and of u's, and whether the pass took them (a leaf
+ * that two ranges share is taken after the pass). */
+typedef struct lamb_leaves {
+    size_t count;
+    size_t *first, *length;
+    float *w, *u;
+    unsigned char *taken;
+} lamb_leaves;
+
 typedef struct lamb_job {
     const ls_lamb_param *params;
     size_t count;
@@ -103,6 +151,7 @@ typedef struct lamb_job {
     const ls_optim_kernels *kernels;
     lamb_rows *rows;       /* each param's; NULL when no gradient is sparse */
     ls_optim_args unscale; /* a slice value's unscale */
+    lamb_leaves *leaves;   /* each param's; NULL when none asks for sums */
 } lamb_job;
 
 /* A block of a sparse gradient's dense form, in cache. */
@@ -131,6 +180,39 @@ static void lamb_sparse(const lamb_job *j, const ls_lamb_param *p, const lamb_ro
     }
 }
 
+/* Elements [lo, hi) of params[i]. */
+static void lamb_span(const lamb_job *j, size_t i, size_t lo, size_t hi)
+{
+    const ls_lamb_param *p = &j->params[i];
+    ls_lamb_span s = j->model;
+    ls_optim_decay_args(&s.decay, p->decay);
+    if (p->indices != NULL) {
+        lamb_sparse(j, p, &j->rows[i], s, lo, hi);
+        return;
+    }
+    s.grad = p->grad + lo;
+    s.term = p->term != NULL ? p->term + lo : NULL;
+    s.var = p->var != NULL ? p->var + lo : NULL;
+    if (p->term != NULL) /* a densified sparse gradient: as it is */
+        s.how = LS_ADAFACTOR_AS_IS;
+    s.m = p->m + lo;
+    s.v = p->v + lo;
+    s.u = p->u + lo;
+    s.n = hi - lo;
+    j->kernels->lamb(&s);
+}
+
+/* Leaf k's sums of squares, of the variable's values and of u's, by the
+ * kernel set's leaf (adafactor_body.h: Eigen's leaf order on its vector
+ * lanes). */
+static void leaf_sums(const lamb_job *j, const ls_lamb_param *p, const lamb_leaves *l, size_t k)
+{
+    const float *w = p->var != NULL ? p->var : p->weights;
+    const size_t a = l->first[k], n = l->length[k];
+    l->w[k] = j->kernels->adafactor.sumsq(w + a, n);
+    l->u[k] = j->kernels->adafactor.sumsq(p->u + a, n);
+}
+
 /* Elements [begin, end) of the concatenation of every variable's. */
 static int lamb_range(const void *arg, size_t begin, size_t end)
 {
@@ -144,22 +226,29 @@ static int lamb_range(const void *arg, size_t begin, size_t end)
         const size_t hi = p->length < end - offset ? p->length : end - offset;
         if (lo >= hi)
             continue;
-        ls_lamb_span s = j->model;
-        ls_optim_decay_args(&s.decay, p->decay);
-        if (p->indices != NULL) {
-            lamb_sparse(j, p, &j->rows[i], s, lo, hi);
+        if (p->sums == NULL) {
+            lamb_span(j, i, lo, hi);
             continue;
         }
-        s.grad = p->grad + lo;
-        s.term = p->term != NULL ? p->term + lo : NULL;
-        s.var = p->var != NULL ? p->var + lo : NULL;
-        if (p->term != NULL) /* a densified sparse gradient: as it is */
-            s.how = LS_ADAFACTOR_AS_IS;
-        s.m = p->m + lo;
-        s.v = p->v + lo;
-        s.u = p->u + lo;
-        s.n = hi - lo;
-        j->kernels->lamb(&s);
+        /* Leaf by leaf, each leaf's sums taken while it is in cache where
+         * the range holds all of it. */
+        const lamb_leaves *l = &j->leaves[i];
+        size_t k = 0, top = l->count; /* the first leaf that ends past lo */
+        while (k < top) {
+            const size_t mid = k + (top - k) / 2;
+            if (l->first[mid] + l->length[mid] <= lo)
+                k = mid + 1;
+            else
+                top = mid;
+        }
+        for (; k < l->count && l->first[k] < hi; k++) {
+            const size_t a = l->first[k], b = a + l->length[k];
+            lamb_span(j, i, a > lo ? a : lo, b < hi ? b : hi);
+            if (a >= lo && b <= hi) {
+                leaf_sums(j, p, l, k);
+                l->taken[k] = 1;
+            }
+        }
     }
     ls_fpenv_leave(&env);
     return 1;
@@ -192,6 +281,69 @@ static int group_rows(lamb_job *j)
     return LS_OK;
 }
 
+/* Every sums-asking variable's leaves: LS_OK, or LS_ERR_MEMORY with
+ * nothing allocated. */
+static int place_leaves(lamb_job *j, int threads)
+{
+    size_t total = 0;
+    int any = 0;
+    for (size_t i = 0; i < j->count; i++)
+        if (j->params[i].sums != NULL) {
+            total += ls_eigen_full_leaves(j->params[i].length, threads, NULL, NULL);
+            any = 1;
+        }
+    if (!any)
+        return LS_OK;
+    /* per leaf: first and length (size_t), two sums (float), a flag */
+    const size_t each = 2 * sizeof(size_t) + 2 * sizeof(float) + 1;
+    if (total > (SIZE_MAX - j->count * sizeof(lamb_leaves)) / each)
+        return LS_ERR_MEMORY;
+    char *memory = calloc(1, j->count * sizeof(lamb_leaves) + total * each);
+    if (memory == NULL)
+        return LS_ERR_MEMORY;
+    j->leaves = (lamb_leaves *)(void *)memory;
+    size_t *sizes = (size_t *)(void *)(memory + j->count * sizeof(lamb_leaves));
+    float *sums = (float *)(void *)(sizes + 2 * total);
+    unsigned char *taken = (unsigned char *)(sums + 2 * total);
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_lamb_param *p = &j->params[i];
+        lamb_leaves *l = &j->leaves[i];
+        if (p->sums == NULL)
+            continue;
+        l->count = ls_eigen_full_leaves(p->length, threads, NULL, NULL);
+        l->first = sizes;
+        l->length = sizes + l->count;
+        l->w = sums;
+        l->u = sums + l->count;
+        l->taken = taken;
+        ls_eigen_full_leaves(p->length, threads, l->first, l->length);
+        sizes += 2 * l->count;
+        sums += 2 * l->count;
+        taken += l->count;
+    }
+    return LS_OK;
+}
+
+/* After the pass: the leaves no range held whole, then each variable's
+ * two sums from its leaves', in TensorFlow's order. */
+static void finish_sums(const lamb_job *j, int threads)
+{
+    ls_fpenv env;
+    ls_fpenv_enter(&env, (j->flags & LS_FLUSH_DENORMALS) != 0);
+    for (size_t i = 0; i < j->count; i++) {
+        const ls_lamb_param *p = &j->params[i];
+        if (p->sums == NULL)
+            continue;
+        const lamb_leaves *l = &j->leaves[i];
+        for (size_t k = 0; k < l->count; k++)
+            if (!l->taken[k])
+                leaf_sums(j, p, l, k);
+        p->sums[0] = ls_eigen_full_combine(p->length, threads, l->w);
+        p->sums[1] = ls_eigen_full_combine(p->length, threads, l->u);
+    }
+    ls_fpenv_leave(&env);
+}
+
 int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
                          const ls_lamb_config *config, unsigned flags,
                          ls_parallel_fn parallel, void *host)
@@ -208,8 +360,12 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
             return LS_ERR_ARG;
         total += params[i].length;
     }
-    if (total == 0)
+    if (total == 0) {
+        for (size_t i = 0; i < count; i++)
+            if (params[i].sums != NULL)
+                params[i].sums[0] = params[i].sums[1] = 0.0f;
         return 1;
+    }
     /* Dividing by a power of two whose reciprocal is normal is multiplying
      * by that reciprocal: the same real number, rounded once. */
     int how = LS_ADAFACTOR_AS_IS;
@@ -239,10 +395,16 @@ int ls_lamb_moments_with(const ls_lamb_param *params, size_t count,
                                                                          : LS_GRAD_AS_IS,
                              .factor = k,
                              .clip = LS_CLIP_NONE};
-    lamb_job j = {params, count, model, flags, ls_optim_kernels_at(level), NULL, unscale};
-    if (group_rows(&j) != LS_OK)
+    lamb_job j = {params, count, model, flags, ls_optim_kernels_at(level), NULL, unscale, NULL};
+    const int threads = config->eigen_threads;
+    if (group_rows(&j) != LS_OK || place_leaves(&j, threads) != LS_OK) {
+        free(j.rows);
         return LS_ERR_MEMORY;
+    }
     const int rc = (parallel ? parallel : ls_own_threads)(host, lamb_range, &j, total);
+    if (rc >= 0 && j.leaves != NULL)
+        finish_sums(&j, threads);
     free(j.rows);
+    free(j.leaves);
     return rc < 0 ? rc : 1;
 }

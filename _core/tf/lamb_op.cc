@@ -47,6 +47,8 @@ tf::Status Positions(const std::vector<int>& positions, int n, const char* what)
 
 tf::Status LambShapes(InferenceContext* c) {
     int n = 0, decayed = 0, sparse = 0;
+    std::vector<int> normed;
+    TF_RETURN_IF_ERROR(c->GetAttr("normed", &normed));
     TF_RETURN_IF_ERROR(c->GetAttr("num_variables", &n));
     TF_RETURN_IF_ERROR(c->GetAttr("num_decayed", &decayed));
     TF_RETURN_IF_ERROR(c->GetAttr("num_sparse", &sparse));
@@ -68,6 +70,7 @@ tf::Status LambShapes(InferenceContext* c) {
         const auto* m = c->input_handle_shapes_and_types(i);
         c->set_output(i, m != nullptr && !m->empty() ? (*m)[0].shape : c->UnknownShape());
     }
+    c->set_output(n, c->Matrix(static_cast<int64_t>(normed.size()), 2));
     return tf::OkStatus();
 }
 
@@ -82,13 +85,17 @@ REGISTER_OP("LossScaleLambMoments")
     .Input("learning_rate: float")
     .Input("weight_decay: float")
     .Input("indices: num_sparse * int64")
+    .Input("weights: num_weights * resource")
     .Output("u: num_variables * float")
+    .Output("sums: float")
     .Attr("num_variables: int >= 1")
     .Attr("num_decayed: int >= 0 = 0")
     .Attr("decayed: list(int) = []")
     .Attr("decay: list(int) = []")
     .Attr("num_sparse: int >= 0 = 0")
     .Attr("sparse: list(int) = []")
+    .Attr("normed: list(int) = []")
+    .Attr("num_weights: int >= 0 = 0")
     .Attr("one_minus_beta_1: float")
     .Attr("one_minus_beta_2: float")
     .Attr("epsilon: float")
@@ -112,7 +119,12 @@ their `grads` entry holds the slices, row indices[k] of the variable for
 slice k, taken as Keras' Lamb densifies them, never made whole: each
 slice value unscaled, then a row's slices added in their order onto 0
 for g, and their squares alike in place of g * g (0 for a row no slice
-names).  Run it only on a step that applies.
+names).  `normed` (ascending positions): `sums` row k is
+[sum(w * w), sum(u * u)] of variable normed[k], each in the order of
+TensorFlow's Sum over the whole tensor on this device's threads, w after
+its decay, each leaf of the sum taken in the pass while in cache; the
+variable is the decayed one where normed[k] is decayed, else the next of
+`weights` (read only).  Run it only on a step that applies.
 )doc");
 
 class LambMomentsOp : public tf::OpKernel {
@@ -145,6 +157,17 @@ class LambMomentsOp : public tf::OpKernel {
                                                 " indices for ", sparse_.size(),
                                                 " sparse variables"));
         OP_REQUIRES_OK(ctx, Positions(sparse_, n_, "sparse"));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("normed", &normed_));
+        OP_REQUIRES_OK(ctx, Positions(normed_, n_, "normed"));
+        int num_weights = 0;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("num_weights", &num_weights));
+        size_t undecayed = 0;
+        for (const int i : normed_)
+            undecayed += std::find(decayed_.begin(), decayed_.end(), i) == decayed_.end();
+        OP_REQUIRES(ctx, static_cast<size_t>(num_weights) == undecayed,
+                    tf::errors::InvalidArgument("LossScaleLambMoments: ", num_weights,
+                                                " weights for ", undecayed,
+                                                " normed variables not decayed"));
         for (const int d : decay_)
             OP_REQUIRES(ctx, d > LS_DECAY_NONE && d <= LS_DECAY_FACTOR,
                         tf::errors::InvalidArgument("LossScaleLambMoments: a decay must be 1, "
@@ -166,12 +189,20 @@ class LambMomentsOp : public tf::OpKernel {
         config.learning_rate = ctx->input(vars_first + decayed).scalar<float>()();
         config.weight_decay = ctx->input(vars_first + decayed + 1).scalar<float>()();
 
-        // m, v, then the decayed variables: vars.var(t) in this order.
+        // m, v, the decayed variables, then the weights (read only):
+        // vars.var(t) in this order.
+        const int weights_first = vars_first + decayed + 2 + static_cast<int>(sparse_.size());
         std::vector<int> inputs;
         for (int i = 0; i < grads_first; ++i)
             inputs.push_back(i);
         for (int k = 0; k < decayed; ++k)
             inputs.push_back(vars_first + k);
+        std::vector<int> weighted; // the variable of each weights input
+        for (const int i : normed_)
+            if (std::find(decayed_.begin(), decayed_.end(), i) == decayed_.end()) {
+                inputs.push_back(weights_first + static_cast<int>(weighted.size()));
+                weighted.push_back(i);
+            }
         UpdatedVariables vars;
         int twice = -1;
         OP_REQUIRES_OK(ctx, vars.LookUp(ctx, inputs, &twice));
@@ -207,13 +238,20 @@ class LambMomentsOp : public tf::OpKernel {
             params[i].row_length = rows.row_length;
             ++k;
         }
-        for (int t = 0; t < grads_first + decayed; ++t) {
-            const int of = t < grads_first ? t % n : decayed_[t - grads_first];
+        for (size_t t = 0; t < vars.size(); ++t) {
+            const int at = static_cast<int>(t);
+            const int of = at < grads_first           ? at % n
+                           : at < grads_first + decayed ? decayed_[at - grads_first]
+                                                        : weighted[at - grads_first - decayed];
             OP_REQUIRES_OK(ctx, CheckFloatVariable(ctx, type_string(), vars.var(t), inputs[t],
                                                    shapes[of], shapes[of]));
         }
-        for (size_t t = 0; t < vars.size(); ++t)
+        for (int t = 0; t < grads_first + decayed; ++t)
             OP_REQUIRES_OK(ctx, vars.PrepareToUpdate(ctx, t));
+        tf::Tensor* sums = nullptr;
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                                n, tf::TensorShape({static_cast<int64_t>(normed_.size()), 2}),
+                                &sums));
 
         const size_t forward_min_bytes = kForwardBytesPerOutput * static_cast<size_t>(n);
         for (int i = 0; i < n; ++i) {
@@ -238,6 +276,12 @@ class LambMomentsOp : public tf::OpKernel {
             p.v = FloatsOf(vars.var(n + i));
             p.length = static_cast<size_t>(shapes[i].num_elements());
         }
+        for (size_t k = 0; k < weighted.size(); ++k)
+            params[weighted[k]].weights = FloatsOf(vars.var(grads_first + decayed + k));
+        for (size_t k = 0; k < normed_.size(); ++k)
+            params[normed_[k]].sums = sums->flat<float>().data() + 2 * k;
+        const int threads = ctx->eigen_cpu_device().numThreads();
+        config.eigen_threads = threads < 1 ? 1 : threads;
         for (int k = 0; k < decayed; ++k) {
             params[decayed_[k]].var = FloatsOf(vars.var(grads_first + k));
             params[decayed_[k]].decay = decay_[k];
@@ -275,7 +319,7 @@ class LambMomentsOp : public tf::OpKernel {
     }
 
     int n_ = 0;
-    std::vector<int> decayed_, decay_, sparse_;
+    std::vector<int> decayed_, decay_, sparse_, normed_;
     ls_lamb_config config_ = {};
     tf::mutex mu_;
     std::vector<tf::Tensor> kept_ TF_GUARDED_BY(mu_);
