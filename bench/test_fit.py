@@ -72,7 +72,9 @@ BERT_PEERS = ["ours", "stock", "grads_only"]
 
 def items(settings):
     bert = [] if settings.quick else [(c, p) for c in BERT_CASES for p in BERT_PEERS]
-    return [(DIGITS, p) for p in DIGITS_PEERS] + [(MLP, p) for p in mlp_peers()] + bert
+    chosen = [(DIGITS, p) for p in DIGITS_PEERS] + [(MLP, p) for p in mlp_peers()] + bert
+    kept = harness.wanted(list(dict.fromkeys(c for c, _ in chosen)), settings)
+    return [(c, p) for c, p in chosen if c in kept]
 
 
 class DigitsData:
