@@ -1323,7 +1323,11 @@ class Report:
                 "minutes and peak resident size (of the process and its children): "
                 + ", ".join(f"{layer} {r['wall_s'] / 60:.1f} min {r['peak_rss_gib']:.1f} GiB"
                             + ("" if r.get("exit") in (0, 5) else f" (exit {r['exit']})")
-                            for layer, r in runs.items())]
+                            + (" (after a resume)" if r.get("resumed") else "")
+                            for layer, r in runs.items())
+                + ("; the run was stopped and resumed (`bench/run.py --resume`): the layers "
+                   "marked ran in the second invocation, the others in the first"
+                   if any(r.get("resumed") for r in runs.values()) else "")]
 
     def headline(self):
         t = self.threads

@@ -1,14 +1,16 @@
 """Runs the benchmark suite one layer at a time, each layer in a ``pytest``
 process of its own, and joins the layers' raw JSON into one.
 
-    python bench/run.py OUT.json [pytest arguments ...]
+    python bench/run.py OUT.json [--resume] [pytest arguments ...]
 
 A full run builds workloads of gigabytes, layer after layer: TensorFlow's
 and torch's native caches keep part of what one layer used after its
 workloads are dropped, so in one process a full run's resident size grows
 from layer to layer until a 24 GB machine runs out.  A process per layer
 gives every layer the whole machine.  After each layer the joined JSON is
-written again, so a run that is stopped keeps every layer that finished.
+written again, so a run that is stopped keeps every layer that finished;
+``--resume`` (with the same pytest arguments) runs only the layers that it
+did not finish and joins them to those it did.
 
 Each layer's own JSON is kept beside ``OUT.json`` in ``layers/``.  The
 ``pytest`` arguments go to every layer (``-k core --threads 1``); a layer
@@ -85,17 +87,42 @@ def join(parts, wall_s, runs):
     return joined
 
 
+def finished(out, layers_dir):
+    """What a stopped run left at ``out``: ``({layer: process}, wall_s)``,
+    each layer whose process the joined JSON records as passed and whose own
+    JSON is still in ``layers_dir``, and the seconds the run had taken.
+    Nothing, if there is no joined JSON."""
+    try:
+        with open(out) as f:
+            facts = json.load(f)["lossscale"]["facts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, 0.0
+    done = {layer: ran for layer, ran in facts.get("layer_processes", {}).items()
+            if ran.get("exit") in (0, NO_TESTS_COLLECTED)
+            and os.path.exists(os.path.join(layers_dir, f"{layer}.json"))}
+    return done, facts.get("wall_s", 0.0)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
         sys.exit(__doc__)
     out, args = os.path.abspath(argv[0]), argv[1:]
+    resume = "--resume" in args
+    args = [a for a in args if a != "--resume"]
     layers_dir = os.path.join(os.path.dirname(out), "layers")
     os.makedirs(layers_dir, exist_ok=True)
-    t0 = time.perf_counter()
+    done, wall_before = finished(out, layers_dir) if resume else ({}, 0.0)
+    t0 = time.perf_counter() - wall_before
     parts, failed, runs = [], [], {}
     for layer, path in layer_modules(args):
         part = os.path.join(layers_dir, f"{layer}.json")
+        if layer in done:
+            print(f"=== layer {layer}: kept from the stopped run", flush=True)
+            runs[layer] = done[layer]
+            with open(part) as f:
+                parts.append(json.load(f))
+            continue
         if os.path.exists(part):
             os.remove(part)
         print(f"=== layer {layer} ({time.strftime('%H:%M:%S')})", flush=True)
@@ -109,6 +136,8 @@ def main(argv=None):
         # ru_maxrss: KiB, the largest of the layer's process and its children.
         ran = {"wall_s": round(time.perf_counter() - t, 1),
                "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2), "exit": rc}
+        if done:
+            ran["resumed"] = True
         print(f"=== layer {layer}: {ran['wall_s'] / 60:.1f} min, "
               f"peak resident {ran['peak_rss_gib']:.1f} GiB, exit {rc}", flush=True)
         runs[layer] = ran

@@ -99,3 +99,23 @@ def test_cases_keeps_the_names_that_contain_a_part(run):
     finally:
         settings.configure(saved["quick"], saved["threads"], saved["rounds"],
                            ",".join(saved["cases"]))
+
+
+def test_resume_keeps_only_the_layers_a_stopped_run_passed_and_kept(run, tmp_path):
+    layers = tmp_path / "layers"
+    layers.mkdir()
+    out = tmp_path / "raw.json"
+    assert run.finished(str(out), str(layers)) == ({}, 0.0)
+    processes = {"core": {"wall_s": 60.0, "peak_rss_gib": 1.0, "exit": 0},
+                 "check": {"wall_s": 5.0, "peak_rss_gib": 1.0, "exit": 5},
+                 "fit": {"wall_s": 30.0, "peak_rss_gib": 2.0, "exit": 1},
+                 "memory": {"wall_s": 9.0, "peak_rss_gib": 1.0, "exit": 0}}
+    joined = run.join([_part("core", ["a"], {}, 0.1, 0.2)], 104.0, processes)
+    out.write_text(json.dumps(joined))
+    for layer in ("core", "check", "fit"):   # memory's own JSON is gone
+        (layers / f"{layer}.json").write_text(json.dumps(_part(layer, [], {}, 0, 0)))
+    done, wall_s = run.finished(str(out), str(layers))
+    assert done == {"core": processes["core"], "check": processes["check"]}
+    assert wall_s == 104.0
+    out.write_text("{not json")
+    assert run.finished(str(out), str(layers)) == ({}, 0.0)
