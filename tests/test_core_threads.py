@@ -5,6 +5,7 @@ many Python threads calling at once, every thread count, a list split
 across the pool or not, and the GIL released during a call.
 """
 
+import os
 import sys
 import threading
 
@@ -203,3 +204,47 @@ def test_two_calls_overlap():
         sys.setswitchinterval(old)
     assert overlap[0] or overlap[1]
     assert (a == 1.0).all() and (b == 1.0).all()
+
+
+def _workers():
+    """The Linux task ids of the core's own worker threads."""
+    tasks = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "lossscale":
+                    tasks.append(int(tid))
+        except FileNotFoundError:
+            pass
+    return tasks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="worker placement: Linux with two CPUs or more")
+def test_workers_are_kept_off_the_callers_cpu():
+    # Woken on the caller's CPU, a worker would wait there behind it: every
+    # worker may run on the caller's CPUs but the one the caller is on.
+    x = make(np.float32, 3_000_017, 5)
+    want = oracle(x, 2.0)
+    saved = os.sched_getaffinity(0)
+    core.set_num_threads(2)
+    try:
+        for callers in (saved, set(sorted(saved)[:2])):
+            os.sched_setaffinity(0, callers)
+            got = x.copy()
+            assert core.unscale_([got], 2.0) is True
+            assert same_bits(got, want)
+            workers = _workers()
+            assert workers, "no worker thread named lossscale"
+            for tid in workers:
+                allowed = os.sched_getaffinity(tid)
+                assert allowed < callers and len(allowed) == len(callers) - 1, (callers, allowed)
+        # A caller with one CPU leaves the workers where they were.
+        before = {tid: os.sched_getaffinity(tid) for tid in _workers()}
+        os.sched_setaffinity(0, {min(saved)})
+        got = x.copy()
+        assert core.unscale_([got], 2.0) is True
+        assert same_bits(got, want)
+        assert {tid: os.sched_getaffinity(tid) for tid in _workers()} == before
+    finally:
+        os.sched_setaffinity(0, saved)
