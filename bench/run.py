@@ -90,7 +90,7 @@ def join(parts, wall_s, runs):
 def finished(out, layers_dir):
     """What a stopped run left at ``out``: ``({layer: process}, wall_s)``,
     each layer whose process the joined JSON records as passed and whose own
-    JSON is still in ``layers_dir``, and the seconds the run had taken.
+    JSON is still in ``layers_dir``, and the seconds those layers took.
     Nothing, if there is no joined JSON."""
     try:
         with open(out) as f:
@@ -100,7 +100,7 @@ def finished(out, layers_dir):
     done = {layer: ran for layer, ran in facts.get("layer_processes", {}).items()
             if ran.get("exit") in (0, NO_TESTS_COLLECTED)
             and os.path.exists(os.path.join(layers_dir, f"{layer}.json"))}
-    return done, facts.get("wall_s", 0.0)
+    return done, sum(ran.get("wall_s", 0.0) for ran in done.values())
 
 
 def main(argv=None):
@@ -148,7 +148,11 @@ def main(argv=None):
                 parts.append(json.load(f))
             with open(out, "w") as f:
                 json.dump(join(parts, time.perf_counter() - t0, runs), f)
-    if not parts:
+    if parts:
+        # Kept layers after the last one run are joined too.
+        with open(out, "w") as f:
+            json.dump(join(parts, time.perf_counter() - t0, runs), f)
+    else:
         failed.append("no layer timed anything")
     if failed:
         print("bench/run.py: failed: " + ", ".join(failed), file=sys.stderr)

@@ -7,13 +7,13 @@
  * lossscale_chunks.h plans it, the planner a host's pool uses too.
  *
  * The workers are kept off the CPU the caller runs on (place_workers).
- * After an idle spell the scheduler wakes a worker on its waker's CPU
- * whenever that was the worker's last CPU too; there it waits behind the
- * caller, or takes the CPU from it, until a balancing pass moves one of
- * them (milliseconds on a virtual machine, whose idle CPUs halt), so a job
- * after a pause ran on one core: measured on two cores, a ResNet-50-sized
- * float16 unscale called after 20 ms of sleep took 5.6-6.0 ms, called
- * back to back 2.2-3.2 ms.
+ * After an idle spell the scheduler was seen to wake a worker on the
+ * caller's own CPU, where it waited behind the caller, or took the CPU
+ * from it, until a balancing pass moved one of them (1.5-2 ms later on a
+ * virtual machine whose idle CPUs halt): the job ran on one core.  On two
+ * cores, a ResNet-50-sized float16 unscale called after 20 ms of sleep
+ * took 5.6-6.0 ms, called back to back 2.2-3.2 ms; with the workers kept
+ * off the caller's CPU, 3.2 ms after the same sleep.
  */
 #define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np, pthread_setname_np */
 #ifdef __linux__
