@@ -1241,15 +1241,23 @@ class Report:
             text = (f"{label} steps {self._span(ups, lambda x: f'{x:.1f}')}× faster than "
                     "stock Keras on ResNet-50 and BERT-base")
             if torch:
-                verdict = ("faster than" if max(torch) < FASTER else
-                           "level with" if max(torch) <= SLOWER else "slower than")
-                text += f", {verdict} torch's fused CPU optimizer ({self._span(torch, _r)})"
+                span = f"(ours ÷ torch {self._span(torch, _r)})"
+                if max(torch) < FASTER:
+                    text += f", faster than torch's fused CPU optimizer {span}"
+                elif min(torch) > SLOWER:
+                    text += f", slower than torch's fused CPU optimizer {span}"
+                elif FASTER <= min(torch) and max(torch) <= SLOWER:
+                    text += f", level with torch's fused CPU optimizer {span}"
+                else:
+                    text += (", and against torch's fused CPU optimizer faster on one of "
+                             f"them and slower on the other {span}")
             parts.append(text)
         lines = []
         if parts:
             lines += ["; ".join(parts) + ".", ""]
         losses = []
-        for case in tiny:
+        big = [f"{w}/float32/{o}" for w in STEP_GOAL_WORKLOADS for o in ("adam", "sgdm")]
+        for case in big + list(tiny):
             for peer in ("torch_fused", "torch_foreach"):
                 r = ratio(self.step_get(case, "ours"), self.step_get(case, peer))
                 if r is not None and r.value > SLOWER:
