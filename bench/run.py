@@ -115,6 +115,11 @@ def main(argv=None):
     done, wall_before = finished(out, layers_dir) if resume else ({}, 0.0)
     t0 = time.perf_counter() - wall_before
     parts, failed, runs = [], [], {}
+
+    def save():
+        with open(out, "w") as f:
+            json.dump(join(parts, time.perf_counter() - t0, runs), f)
+
     for layer, path in layer_modules(args):
         part = os.path.join(layers_dir, f"{layer}.json")
         if layer in done:
@@ -146,12 +151,9 @@ def main(argv=None):
         if os.path.exists(part):
             with open(part) as f:
                 parts.append(json.load(f))
-            with open(out, "w") as f:
-                json.dump(join(parts, time.perf_counter() - t0, runs), f)
+            save()
     if parts:
-        # Kept layers after the last one run are joined too.
-        with open(out, "w") as f:
-            json.dump(join(parts, time.perf_counter() - t0, runs), f)
+        save()  # kept layers after the last one run are joined too
     else:
         failed.append("no layer timed anything")
     if failed:
