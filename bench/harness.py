@@ -381,6 +381,14 @@ def live(layer, key, build):
     return _cases.setdefault(layer, LiveCase()).get(key, build)
 
 
+def timed_here(config, layer, case):
+    """The peers of ``layer``'s ``case`` that this process times
+    (``conftest.py`` keeps the run's items)."""
+    return {i.callspec.params["peer"] for i in config._lossscale_items
+            if getattr(i, "callspec", None) and i.callspec.params.get("case") == case
+            and getattr(i.module, "LAYER", None) == layer}
+
+
 def drop_all():
     for c in _cases.values():
         c.key = c.value = None

@@ -8,15 +8,21 @@ timing of the peer running beside them (torch's OpenMP workers spin after
 each op; TensorFlow's pools hold their threads), so every figure the report
 leads with for the step and the recipes comes from here: each item starts
 a child ``pytest`` that runs the same benchmark items of one layer, every
-case and round, for one peer alone, at the same thread count, and hands
-back its samples.  The
-child's benchmarks enter this run's raw JSON under the layer
-``"<layer>/alone"`` (``conftest.py``), so that the report reads them as it
-reads any other.
+case, for one peer and one round alone, at the same thread count, and
+hands back its samples.  A layer's children run round by round, the peers'
+order rotated each round (``conftest.py``), as the side-by-side layers
+interleave their peers: load that drifts on the machine over the minutes a
+layer takes then lands on every peer alike, not on the one whose rounds
+all ran while it lasted.  The child's benchmarks enter this run's raw JSON
+under the layer ``"<layer>/alone"`` (``conftest.py``), so that the report
+reads them as it reads any other.
 
 Full runs only (a child pays TensorFlow's start-up and the workload's set-up
-again: ``--quick`` has no time for it).  The 2,000-tensor step is left out:
-it is the tracing benchmark, and tracing does not depend on the process.
+again: ``--quick`` has no time for it).  The children leave out the recipes'
+and the tf_keras step's exactness locksteps, which need ours and stock in
+one process: the side-by-side layers run them.  The 2,000-tensor step is
+left out: it is the tracing benchmark, and tracing does not depend on the
+process.
 """
 
 import os
@@ -59,8 +65,8 @@ _LAYERS = {
 
 
 def items(settings):
-    """One item per (layer, peer): its child runs every case of the layer
-    for that peer."""
+    """One item per (layer, peer), and per round (``ROUNDS``): its child
+    runs every case of the layer for that peer and round."""
     if settings.quick:
         return []
     pairs = [("step", p) for p in STEP_PEERS if p in test_step.peers()]
@@ -70,29 +76,34 @@ def items(settings):
     return [(layer, p) for layer, p in pairs if node_ids(layer, p, settings)]
 
 
-def child_rounds(settings):
+def ROUNDS(settings):
     return min(CHILD_ROUNDS, settings.rounds)
 
 
-def node_ids(layer, peer, settings):
+def node_ids(layer, peer, settings, rnd=None):
+    """The child's items: every case of ``layer`` for ``peer``, in round
+    ``rnd`` (every round where None)."""
     module, function, layer_items, cases, _peers, _env = _LAYERS[layer]
     have = set(layer_items(settings))
+    rounds = range(ROUNDS(settings)) if rnd is None else (rnd,)
     return [f"{os.path.join(HERE, module)}::{function}[{case}-{peer}-r{r}]"
-            for case in cases(settings) if (case, peer) in have
-            for r in range(child_rounds(settings))]
+            for case in cases(settings) if (case, peer) in have for r in rounds]
 
 
-def run_child(layer, peer, settings):
+def run_child(layer, peer, rnd, settings):
     """The child's benchmarks (pytest-benchmark's JSON entries), layer renamed."""
-    benchmarks = harness.child_benchmarks(f"{layer} {peer}", node_ids(layer, peer, settings),
-                                          settings, child_rounds(settings), _LAYERS[layer][5])
+    # The child's items keep their round's index (``-r<rnd>``), by which the
+    # report pairs the peers; ``--rounds`` makes that index exist there.
+    benchmarks = harness.child_benchmarks(f"{layer} {peer} round {rnd}",
+                                          node_ids(layer, peer, settings, rnd), settings,
+                                          ROUNDS(settings), _LAYERS[layer][5])
     for b in benchmarks:
         b["extra_info"]["layer"] = f"{layer}/alone"
         b["name"] = f"alone:{b['name']}"
     return benchmarks
 
 
-def test_alone(case, peer):
-    benchmarks = run_child(case, peer, harness.Settings)
-    assert benchmarks, f"the child for {case} {peer} timed nothing"
+def test_alone(case, peer, rnd):
+    benchmarks = run_child(case, peer, rnd, harness.Settings)
+    assert benchmarks, f"the child for {case} {peer} round {rnd} timed nothing"
     harness.CHILD_BENCHMARKS.extend(benchmarks)

@@ -169,16 +169,10 @@ class Data(test_step.Data):
                     rule=self.optimizer, keras_line="legacy" if self.legacy else "current")
 
 
-def timed_here(config, case):
-    """The peers of ``case`` that this process times (``conftest.py`` keeps the run's items)."""
-    return {i.callspec.params["peer"] for i in config._lossscale_items
-            if getattr(i, "callspec", None) and i.callspec.params.get("case") == case}
-
-
 def test_tf_keras_step(request, benchmark, case, peer, rnd):
     data = harness.live(LAYER, case, lambda: Data(case))
     if (data.exactness is None and not harness.Settings.quick
-            and {"ours", "stock"} <= timed_here(request.config, case)):
+            and {"ours", "stock"} <= harness.timed_here(request.config, LAYER, case)):
         # Where both are timed side by side (not in test_alone's children),
         # before any peer of the case holds its variables: the lockstep's
         # are gone when it returns.
