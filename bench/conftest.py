@@ -36,6 +36,10 @@ def pytest_addoption(parser):
                     help="threads for every implementation (default: the cores available)")
     group.addoption("--rounds", type=int, default=0,
                     help="interleaved rounds per workload (default: 5; 2 with --quick)")
+    group.addoption("--warmup-s", type=float, default=0.0,
+                    help="seconds each method runs, after its first two calls, before its "
+                         "first sample (test_alone.py's children, a process per round, "
+                         "pass it)")
     group.addoption("--cases", default="",
                     help="comma-separated parts of case names: the step, recipe and tf_keras "
                          "step layers, and their own-process children, run only the cases "
@@ -45,7 +49,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     threads = config.getoption("--threads") or harness.machine_threads()
     harness.Settings.configure(config.getoption("--quick"), threads,
-                               config.getoption("--rounds"), config.getoption("--cases"))
+                               config.getoption("--rounds"), config.getoption("--cases"),
+                               config.getoption("--warmup-s"))
     # TensorFlow's pools are sized once, before its first op.
     harness.tensorflow()
     harness.pin_threads(threads)

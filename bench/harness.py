@@ -48,10 +48,12 @@ class Settings:
     samples = 3            # timed samples per method per round
     min_sample_s = 2e-3
     cases = ()             # parts of case names to keep (--cases); () keeps all
+    warmup_s = 0.0         # a method's first warm-up, in seconds (--warmup-s)
 
     @classmethod
-    def configure(cls, quick, threads, rounds=0, cases=""):
+    def configure(cls, quick, threads, rounds=0, cases="", warmup_s=0.0):
         cls.quick = quick
+        cls.warmup_s = warmup_s
         cls.cases = tuple(c for c in cases.split(",") if c)
         cls.threads = threads
         cls.core_threads = (threads,) if quick or threads == 1 else (1, threads)
@@ -283,11 +285,11 @@ CHILD_BENCHMARKS = []
 CHILD_TIMEOUT_S = 1800
 
 
-def child_benchmarks(what, nodes, settings, rounds, env=None):
+def child_benchmarks(what, nodes, settings, rounds, env=None, warmup_s=0.0):
     """The benchmarks (pytest-benchmark's JSON entries) of a child ``pytest``
     that runs the items ``nodes`` (node ids) of this suite at this run's
-    thread count and quick setting, ``rounds`` rounds, with ``env`` added to
-    its environment; each entry's ``child_wall_s`` is the child's wall time,
+    thread count and quick setting, ``rounds`` rounds, each method warmed
+    up ``warmup_s`` seconds first, with ``env`` added to its environment; each entry's ``child_wall_s`` is the child's wall time,
     and the child's lines on skipped peers join this run's.  A child that
     fails is an error naming ``what`` it ran, with the end of its output.
     The child builds its own workload (BERT-base's: gigabytes), so this
@@ -297,7 +299,8 @@ def child_benchmarks(what, nodes, settings, rounds, env=None):
         out = os.path.join(tmp, "child.json")
         cmd = [sys.executable, "-m", "pytest", *nodes, "-q",
                "-p", "no:cacheprovider", f"--threads={settings.threads}",
-               f"--rounds={rounds}", *(["--quick"] if settings.quick else []),
+               f"--rounds={rounds}", f"--warmup-s={warmup_s}",
+               *(["--quick"] if settings.quick else []),
                *([f"--cases={','.join(settings.cases)}"] if settings.cases else []),
                "--benchmark-disable-gc", f"--benchmark-json={out}"]
         t0 = time.perf_counter()
@@ -443,7 +446,7 @@ class Flip:
 _calls = {}
 
 
-def timed(benchmark, key, method, info, baseline=None):
+def timed(benchmark, key, method, info, baseline=None, cycle=1):
     """Time ``method`` (a zero-argument callable) for this item.
 
     ``key`` names the method on its workload and thread count; the number
@@ -456,6 +459,12 @@ def timed(benchmark, key, method, info, baseline=None):
     calls just before every sample, untimed by pytest-benchmark, and its
     seconds per call go to ``extra_info["baseline_s"]``, so that the report
     subtracts pairs that ran back to back under the same machine load.
+
+    ``cycle``: ``method`` does its whole work once every ``cycle`` calls
+    (an optimizer accumulating gradients updates on every ``cycle``-th):
+    a sample is then whole cycles, each one update and the calls between,
+    wherever in the cycle it starts.  With ``Settings.warmup_s`` (a fresh
+    process per round), the method and its baseline run that long first.
     """
     seen = key in _calls
     if not seen:
@@ -467,9 +476,15 @@ def timed(benchmark, key, method, info, baseline=None):
         t0 = time.perf_counter()
         method()
         once = max(time.perf_counter() - t0, 1e-9)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < Settings.warmup_s:
+            method()
+            if baseline is not None:
+                baseline()
         if baseline is not None:
             baseline()
-        _calls[key] = (max(1, min(100_000, math.ceil(Settings.min_sample_s / once))), once)
+        calls = max(1, min(100_000, math.ceil(Settings.min_sample_s / once)))
+        _calls[key] = (-(-calls // cycle) * cycle, once)
     calls, once = _calls[key]
     # Later rounds warm up again (the other peers have since evicted this
     # one's data from the caches) unless one call streams far more than any

@@ -676,8 +676,9 @@ class Report:
             alone = [c for c in cases if self.get("step/alone", c, "ours")]
             if alone:
                 self.w("**Each peer in its own process** (one Python process per peer and "
-                       "round, every workload of it, the peers' processes interleaved round by "
-                       "round; the figures the goals and the README use):", "")
+                       "round, every workload of it, each method warmed up for a second before "
+                       "its samples, the peers' processes interleaved round by round; the "
+                       "figures the goals and the README use):", "")
                 self.times_table(
                     "step", alone, [p for p in peers if self.get("step/alone", alone[0], p)]
                     + ["roofline"], ratios, self.step_get,
@@ -855,8 +856,9 @@ class Report:
         alone = self.has_alone("recipes")
         if alone:
             self.w("", "*Own processes*: the same items run again with one Python process per "
-                   "peer and round (every recipe of it), the peers' processes interleaved round "
-                   "by round; the side-by-side ratios follow.")
+                   "peer and round (every recipe of it, each warmed up for a second first), the "
+                   "peers' processes interleaved round by round; the side-by-side ratios "
+                   "follow.")
         if any(e.get("moved_bytes") for e in infos.values()):
             self.w("", "*Roofline*: the bytes an updating step must move at least (every "
                    "gradient value read twice, for the finite check or the norm and for the "
@@ -1311,7 +1313,8 @@ class Report:
                       else "")
                    + f"back-to-back calls after a {f.get('settle_s', 0) * 1e3:g} ms pause (torch's "
                    "OpenMP workers spin after a parallel region and would otherwise steal the "
-                   "next method's cores)",
+                   "next method's cores); an optimizer that accumulates gradients is timed over "
+                   "whole cycles of its calls, one update in each",
                    f"- load average {f.get('loadavg_start')} at the start, "
                    f"{f.get('loadavg_end')} at the end; the run took "
                    f"{f.get('wall_s', 0) / 60:.1f} min",

@@ -43,6 +43,11 @@ RECIPE_PEERS = ("ours", "stock", "torch")
 # peers are the step layer's.
 TF_KERAS_STEP_PEERS = ("ours", "stock")
 CHILD_ROUNDS = 3
+# A child is a fresh process for one round: before its first sample each
+# method runs this long, so that the round is timed warm (TensorFlow's and
+# the C library's allocators past their first growth, the caches and the
+# producer settled), as the side-by-side layers' later rounds are.
+WARMUP_S = 1.0
 
 
 def _step_cases(settings):
@@ -96,7 +101,7 @@ def run_child(layer, peer, rnd, settings):
     # report pairs the peers; ``--rounds`` makes that index exist there.
     benchmarks = harness.child_benchmarks(f"{layer} {peer} round {rnd}",
                                           node_ids(layer, peer, settings, rnd), settings,
-                                          ROUNDS(settings), _LAYERS[layer][5])
+                                          ROUNDS(settings), _LAYERS[layer][5], WARMUP_S)
     for b in benchmarks:
         b["extra_info"]["layer"] = f"{layer}/alone"
         b["name"] = f"alone:{b['name']}"

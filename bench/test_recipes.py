@@ -405,6 +405,8 @@ class Data:
         self.exactness = None
         inner = self.recipe.inner()
         self.accumulates = bool(inner.gradient_accumulation_steps)
+        # Calls per update, on every peer (torch's steps every as many).
+        self.cycle = inner.gradient_accumulation_steps or 1
         self.family = type(inner).__name__
         name, dense, table, rows = workload(self.recipe, harness.Settings.quick)
         self.workload = name if not harness.Settings.quick else f"{name} (quick cut)"
@@ -568,8 +570,10 @@ def test_recipe(request, benchmark, case, peer, rnd):
         # which time one peer each), before any peer of the case holds its
         # variables.
         data.check_exactness()
-    # An accumulating optimizer updates once every few calls: a short run may not reach one.
-    data, m = timed_method(benchmark, LAYER, case, peer, rnd, lambda: data, must_apply=False)
+    # An accumulating optimizer updates once every few calls: each sample
+    # holds whole cycles of them, and a short run may not reach one.
+    data, m = timed_method(benchmark, LAYER, case, peer, rnd, lambda: data, must_apply=False,
+                           cycle=data.cycle)
     if peer == "ours" and data.exactness is not None:
         benchmark.extra_info["exactness"] = data.exactness
         benchmark.extra_info["exact"] = data.exactness["exact"]

@@ -35,16 +35,17 @@ class Method:
         self.step, self.baseline, self.step_path, self.applied = step, baseline, step_path, applied
 
 
-def timed_method(benchmark, layer, case, peer, rnd, make, must_apply=True):
+def timed_method(benchmark, layer, case, peer, rnd, make, must_apply=True, cycle=1):
     """Time ``peer``'s ``Method`` on the layer's live data for ``case``
-    (``make()`` builds it on first use), its producer as the baseline, and
-    record the path it took; with ``must_apply``, the first round fails
-    where the peer applied none of its steps (they are all finite).
-    Returns ``(data, method)``."""
+    (``make()`` builds it on first use), its producer as the baseline, over
+    whole cycles of ``cycle`` calls (``harness.timed``), and record the path
+    it took; with ``must_apply``, the first round fails where the peer
+    applied none of its steps (they are all finite).  Returns
+    ``(data, method)``."""
     data = harness.live(layer, case, make)
     m = data.method(peer)
     harness.timed(benchmark, (layer, case, peer), m.step, data.info(peer, rnd),
-                  baseline=m.baseline)
+                  baseline=m.baseline, cycle=cycle)
     benchmark.extra_info["step_path"] = m.step_path()
     if must_apply and rnd == 0:
         assert m.applied() > 0, f"{peer} skipped its steps on finite gradients"
