@@ -289,8 +289,9 @@ def child_benchmarks(what, nodes, settings, rounds, env=None, warmup_s=0.0):
     """The benchmarks (pytest-benchmark's JSON entries) of a child ``pytest``
     that runs the items ``nodes`` (node ids) of this suite at this run's
     thread count and quick setting, ``rounds`` rounds, each method warmed
-    up ``warmup_s`` seconds first, with ``env`` added to its environment; each entry's ``child_wall_s`` is the child's wall time,
-    and the child's lines on skipped peers join this run's.  A child that
+    up ``warmup_s`` seconds first, with ``env`` added to its environment;
+    each entry's ``child_wall_s`` is the child's wall time, and the child's
+    lines on skipped peers join this run's.  A child that
     fails is an error naming ``what`` it ran, with the end of its output.
     The child builds its own workload (BERT-base's: gigabytes), so this
     process lets go of every layer's first."""
