@@ -508,6 +508,8 @@ def timed(benchmark, key, method, info, baseline=None, cycle=1):
 
     benchmark.extra_info.update(info)
     benchmark.extra_info["calls_per_sample"] = calls
+    if Settings.warmup_s:
+        benchmark.extra_info["warmup_s"] = Settings.warmup_s
     benchmark.pedantic(sample, setup=settle, rounds=Settings.samples,
                        warmup_rounds=warmup, iterations=1)
     if baseline is not None:

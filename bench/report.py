@@ -423,6 +423,15 @@ class Report:
         return ((alone and self.get(f"{layer}/alone", case, peer))
                 or self.get(layer, case, peer))
 
+    def alone_method(self, layer):
+        """How ``test_alone.py`` timed ``layer`` in this run, for a table's lead."""
+        warm = {e["warmup_s"] for k, e in self.info.items()
+                if k[0] == f"{layer}/alone" and e.get("warmup_s")}
+        return ("one Python process per peer and round, every workload of it"
+                + (f", each method warmed up for {fmt_s(min(warm))} before its samples"
+                   if warm else "")
+                + ", the peers' processes interleaved round by round")
+
     def step_get(self, case, peer, alone=True):
         """The step's ``Stat`` for ``peer`` (``own_or_side``); ``roofline``:
         the step's bytes at the roofline's bandwidth."""
@@ -675,9 +684,7 @@ class Report:
                       ("ours ÷ torch foreach", "ours", "torch_foreach")]
             alone = [c for c in cases if self.get("step/alone", c, "ours")]
             if alone:
-                self.w("**Each peer in its own process** (one Python process per peer and "
-                       "round, every workload of it, each method warmed up for a second before "
-                       "its samples, the peers' processes interleaved round by round; the "
+                self.w(f"**Each peer in its own process** ({self.alone_method('step')}; the "
                        "figures the goals and the README use):", "")
                 self.times_table(
                     "step", alone, [p for p in peers if self.get("step/alone", alone[0], p)]
@@ -855,10 +862,8 @@ class Report:
                       if rows else ""))
         alone = self.has_alone("recipes")
         if alone:
-            self.w("", "*Own processes*: the same items run again with one Python process per "
-                   "peer and round (every recipe of it, each warmed up for a second first), the "
-                   "peers' processes interleaved round by round; the side-by-side ratios "
-                   "follow.")
+            self.w("", "*Own processes*: the same items run again, "
+                   f"{self.alone_method('recipes')}; the side-by-side ratios follow.")
         if any(e.get("moved_bytes") for e in infos.values()):
             self.w("", "*Roofline*: the bytes an updating step must move at least (every "
                    "gradient value read twice, for the finite check or the norm and for the "
@@ -1029,8 +1034,8 @@ class Report:
                   for p in ("stock", "torch_fused", "torch_foreach") if p in peers]
         alone = [c for c in cases if self.get(f"{layer}/alone", c, "ours")]
         if alone:
-            self.w("**Each peer in its own process** (one Python process per peer and round, "
-                   "interleaved round by round; the figures the goals use):", "")
+            self.w(f"**Each peer in its own process** ({self.alone_method(layer)}; the "
+                   "figures the goals use):", "")
             self.times_table(layer, alone,
                              [p for p in peers if self.get(f"{layer}/alone", alone[0], p)],
                              ratios, self.tf_keras_get,

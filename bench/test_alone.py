@@ -78,21 +78,19 @@ def items(settings):
     pairs += [("recipes", p) for p in RECIPE_PEERS]
     pairs += [("tf_keras_step", p) for p in TF_KERAS_STEP_PEERS]
     # A layer whose cases --cases leaves out has no child to start.
-    return [(layer, p) for layer, p in pairs if node_ids(layer, p, settings)]
+    return [(layer, p) for layer, p in pairs if node_ids(layer, p, settings, 0)]
 
 
 def ROUNDS(settings):
     return min(CHILD_ROUNDS, settings.rounds)
 
 
-def node_ids(layer, peer, settings, rnd=None):
-    """The child's items: every case of ``layer`` for ``peer``, in round
-    ``rnd`` (every round where None)."""
+def node_ids(layer, peer, settings, rnd):
+    """The child's items: every case of ``layer`` for ``peer``, in round ``rnd``."""
     module, function, layer_items, cases, _peers, _env = _LAYERS[layer]
     have = set(layer_items(settings))
-    rounds = range(ROUNDS(settings)) if rnd is None else (rnd,)
-    return [f"{os.path.join(HERE, module)}::{function}[{case}-{peer}-r{r}]"
-            for case in cases(settings) if (case, peer) in have for r in rounds]
+    return [f"{os.path.join(HERE, module)}::{function}[{case}-{peer}-r{rnd}]"
+            for case in cases(settings) if (case, peer) in have]
 
 
 def run_child(layer, peer, rnd, settings):
